@@ -1,0 +1,34 @@
+# Two commands do everything on a fresh machine with Python 3.11+ and make:
+#   make demo   -- create .venv, install, run the main job on the embedded defaults
+#   make test   -- create .venv, install with test extras, run the whole suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet -e '.[test,parity]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tenantq formats
+	$(VENV)/bin/tenantq capacity --compare --model llama-3.1-8b --hardware tpu-v6e --chips 1 --context 8192
+
+# pytest exits 5 when it collected nothing: say so plainly instead of failing obscurely.
+test: $(STAMP)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; exit 0; fi; exit $$rc
+
+test-fast: $(STAMP)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow and not e2e"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check platform tests
+	$(VENV)/bin/ruff format --check platform tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

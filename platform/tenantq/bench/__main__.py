@@ -1,0 +1,20 @@
+"""Dispatch `python -m tenantq.bench NAME [options]` to `tenantq.bench.NAME.main(argv)`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = ["numerics", "engine"]
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHMARKS:
+        print(f"usage: python -m tenantq.bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"tenantq.bench.{argv[0]}")
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

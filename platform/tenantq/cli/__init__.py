@@ -1,0 +1,38 @@
+"""The `tenantq` command: one subcommand per room (formats, capacity, eval, search, ...).
+
+Each subcommand lives in its own module exposing `add_parser(subparsers)` and `run(args)`;
+modules are imported lazily so `tenantq formats` does not pay for Ray or MLflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand name -> module under tenantq.cli. Order is the order shown in --help.
+SUBCOMMANDS = ["formats", "capacity"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tenantq",
+        description="How many tenants fit on an accelerator host, and what quantization costs.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"tenantq.cli.{name}")
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    module = importlib.import_module(f"tenantq.cli.{args.command}")
+    try:
+        return int(module.run(args) or 0)
+    except ValueError as err:
+        # Bad input is reported as one clear line, not a traceback.
+        print(f"tenantq {args.command}: error: {err}", file=sys.stderr)
+        return 2

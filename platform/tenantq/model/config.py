@@ -1,0 +1,322 @@
+"""Model configuration read from a Hugging Face `config.json`, and the tensor inventory.
+
+`ModelConfig` is the one description of a decoder's shapes that the engine (to build and
+load), the quantization plan (to match tensor paths) and the capacity planner (to count
+bytes) all share, so the three can never disagree about what a model holds. Pure Python:
+no JAX here, the capacity planner imports it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Architectures the engine can run. Others (gemma3) are known to the capacity planner only.
+ENGINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+KNOWN_MODEL_TYPES = (*ENGINE_MODEL_TYPES, "gemma3", "gemma3_text")
+
+ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the model as the engine stores it.
+
+    Linear weights are stored `[in, out]` (x @ W) and quantized along axis 0, the input
+    dimension; the embedding is `[vocab, hidden]` and quantized along axis 1 so that a row
+    gather dequantizes one token. Norms and biases are never quantized.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    kind: str  # "linear" | "embedding" | "norm" | "bias"
+    quant_axis: int | None  # axis the scales reduce over; None for never-quantized tensors
+
+    @property
+    def quantizable(self) -> bool:
+        return self.kind in ("linear", "embedding")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and hyper-parameters of a Llama-family decoder."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling_items: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    # Per layer: "full" or "sliding"; a sliding layer keeps at most `sliding_window` tokens.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default=())
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model config: {key} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"model config: layer_types has {len(self.layer_types)} entries, "
+                f"expected num_hidden_layers={self.num_layers}"
+            )
+        bad = sorted(set(self.layer_types) - {"full", "sliding"})
+        if bad:
+            raise ValueError(f"model config: unknown layer types {bad}; valid: full, sliding")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise ValueError("model config: sliding layers need a positive sliding_window")
+
+    # ---------------------------------------------------------------- derived figures
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None:
+        return None if self.rope_scaling_items is None else dict(self.rope_scaling_items)
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def layer_kv_tokens(self, layer: int, context_tokens: int) -> int:
+        """Tokens of KV a sequence of `context_tokens` keeps in `layer` (windowed layers cap)."""
+        if self.layer_types[layer] == "sliding":
+            return min(context_tokens, int(self.sliding_window or context_tokens))
+        return context_tokens
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every tensor the engine holds, by path, in a stable order."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q_out = self.num_heads * self.head_dim
+        kv_out = self.num_kv_heads * self.head_dim
+        out: dict[str, TensorInfo] = {}
+
+        def add(path: str, shape: tuple[int, ...], kind: str, axis: int | None) -> None:
+            out[path] = TensorInfo(path, shape, kind, axis)
+
+        add("embed", (v, h), "embedding", 1)
+        for layer in range(self.num_layers):
+            p = f"layers/{layer}"
+            add(f"{p}/input_norm", (h,), "norm", None)
+            add(f"{p}/attn/q_proj", (h, q_out), "linear", 0)
+            add(f"{p}/attn/k_proj", (h, kv_out), "linear", 0)
+            add(f"{p}/attn/v_proj", (h, kv_out), "linear", 0)
+            add(f"{p}/attn/o_proj", (q_out, h), "linear", 0)
+            if self.attention_bias:
+                add(f"{p}/attn/q_bias", (q_out,), "bias", None)
+                add(f"{p}/attn/k_bias", (kv_out,), "bias", None)
+                add(f"{p}/attn/v_bias", (kv_out,), "bias", None)
+                if self.model_type != "qwen2":
+                    # Llama/Mistral/Qwen3 `attention_bias` also biases o_proj; Qwen2 does not.
+                    add(f"{p}/attn/o_bias", (h,), "bias", None)
+            if self.qk_norm:
+                add(f"{p}/attn/q_norm", (self.head_dim,), "norm", None)
+                add(f"{p}/attn/k_norm", (self.head_dim,), "norm", None)
+            add(f"{p}/post_attn_norm", (h,), "norm", None)
+            if self.model_type.startswith("gemma3"):
+                # Gemma 3 wraps both blocks in pre- and post-norms (4 norms per layer).
+                add(f"{p}/pre_mlp_norm", (h,), "norm", None)
+                add(f"{p}/post_mlp_norm", (h,), "norm", None)
+            add(f"{p}/mlp/gate_proj", (h, i), "linear", 0)
+            add(f"{p}/mlp/up_proj", (h, i), "linear", 0)
+            add(f"{p}/mlp/down_proj", (i, h), "linear", 0)
+        add("final_norm", (h,), "norm", None)
+        if not self.tie_word_embeddings:
+            add("lm_head", (h, v), "linear", 0)
+        return out
+
+    def param_count(self) -> int:
+        return sum(t.numel for t in self.tensors().values())
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A `config.json` body that `from_hf_dict` reads back to an equal config."""
+        d: dict[str, Any] = {
+            "model_type": self.model_type,
+            "architectures": [_ARCH_NAMES.get(self.model_type, "LlamaForCausalLM")],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": self.hidden_act,
+            "torch_dtype": "bfloat16",
+        }
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            d["eos_token_id"] = (
+                self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+            )
+        if self.sliding_window:
+            d["sliding_window"] = self.sliding_window
+            d["layer_types"] = [
+                "sliding_attention" if t == "sliding" else "full_attention"
+                for t in self.layer_types
+            ]
+        return d
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
+        """Read a Hugging Face config dict; a missing field is an error naming it."""
+        if "text_config" in raw and isinstance(raw["text_config"], dict):
+            # Multimodal wrappers (Gemma 3 12B/27B) keep the decoder under text_config.
+            inner = dict(raw["text_config"])
+            inner.setdefault("model_type", raw.get("model_type", ""))
+            raw = inner
+        model_type = raw.get("model_type")
+        if model_type not in KNOWN_MODEL_TYPES:
+            raise ValueError(
+                f"{source}: unsupported model_type {model_type!r}; "
+                f"supported: {', '.join(KNOWN_MODEL_TYPES)}"
+            )
+
+        def need(key: str) -> Any:
+            if key not in raw or raw[key] is None:
+                raise ValueError(f"{source}: missing required field {key!r} for {model_type}")
+            return raw[key]
+
+        num_heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        num_layers = int(need("num_hidden_layers"))
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        rope_scaling = raw.get("rope_scaling")
+        if rope_scaling is not None:
+            rtype = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if model_type in ENGINE_MODEL_TYPES and rtype not in ("llama3", "default", None):
+                raise ValueError(
+                    f"{source}: rope_scaling type {rtype!r} is not supported; "
+                    "supported: llama3 (or none)"
+                )
+        sliding_window = raw.get("sliding_window")
+        layer_types = _layer_types(raw, model_type, num_layers, sliding_window)
+        eos = raw.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        qk_norm = model_type in ("qwen3", "gemma3", "gemma3_text")
+        attention_bias = bool(raw.get("attention_bias", model_type == "qwen2"))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=int(need("max_position_embeddings")),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_scaling_items=None
+            if rope_scaling is None
+            else tuple(sorted((k, _freeze(v)) for k, v in rope_scaling.items())),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type.startswith("gemma"))),
+            attention_bias=attention_bias,
+            qk_norm=qk_norm,
+            layer_types=layer_types,
+            sliding_window=int(sliding_window) if "sliding" in layer_types else None,
+            hidden_act=str(raw.get("hidden_act", raw.get("hidden_activation", "silu"))),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=str(raw.get("_name_or_path", "")),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        """Read `config.json` (or the folder holding it)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise ValueError(f"no config.json at {p}: expected a Hugging Face checkpoint folder")
+        try:
+            raw = json.loads(p.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{p}: not valid JSON ({err})") from err
+        return cls.from_hf_dict(raw, source=str(p))
+
+
+_ARCH_NAMES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+}
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _layer_types(
+    raw: dict[str, Any], model_type: str, num_layers: int, sliding_window: Any
+) -> tuple[str, ...]:
+    explicit = raw.get("layer_types")
+    if explicit:
+        mapping = {"sliding_attention": "sliding", "full_attention": "full"}
+        try:
+            return tuple(mapping[t] for t in explicit)
+        except KeyError as err:
+            raise ValueError(
+                f"layer_types entry {err.args[0]!r} unknown; expected sliding_attention or "
+                "full_attention"
+            ) from None
+    if model_type.startswith("gemma3") and sliding_window:
+        # Gemma 3: five local (sliding) layers to one global; `sliding_window_pattern` = 6
+        # (Gemma 3 technical report, sec. 2; HF Gemma3TextConfig default).
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
+    if model_type == "mistral" and sliding_window:
+        return ("sliding",) * num_layers
+    if model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window") and sliding_window:
+        max_window_layers = int(raw.get("max_window_layers", num_layers))
+        return tuple("full" if i < max_window_layers else "sliding" for i in range(num_layers))
+    return ("full",) * num_layers
