@@ -59,7 +59,8 @@ def test_qwen2_has_qkv_bias_and_qwen3_has_qk_norm() -> None:
     t2 = qwen2.tensors()
     assert "layers/0/attn/q_bias" in t2 and "layers/0/attn/o_bias" not in t2
     qwen3 = ModelConfig.from_hf_dict({**LLAMA, "model_type": "qwen3", "rope_scaling": None})
-    assert "layers/0/attn/k_norm" in qwen3.tensors() and "layers/0/attn/q_bias" not in qwen3.tensors()
+    t3 = qwen3.tensors()
+    assert "layers/0/attn/k_norm" in t3 and "layers/0/attn/q_bias" not in t3
 
 
 def test_gemma3_pattern_and_window_cap() -> None:

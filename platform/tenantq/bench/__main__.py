@@ -10,7 +10,9 @@ BENCHMARKS = ["numerics", "engine"]
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHMARKS:
-        print(f"usage: python -m tenantq.bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)
+        print(
+            f"usage: python -m tenantq.bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr
+        )
         return 2
     module = importlib.import_module(f"tenantq.bench.{argv[0]}")
     return int(module.main(argv[1:]) or 0)

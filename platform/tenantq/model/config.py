@@ -225,7 +225,7 @@ class ModelConfig:
         hidden = int(need("hidden_size"))
         num_layers = int(need("num_hidden_layers"))
         head_dim = raw.get("head_dim") or hidden // num_heads
-        rope_scaling = raw.get("rope_scaling")
+        rope_theta, rope_scaling = _rope_fields(raw)
         if rope_scaling is not None:
             rtype = rope_scaling.get("rope_type", rope_scaling.get("type"))
             if model_type in ENGINE_MODEL_TYPES and rtype not in ("llama3", "default", None):
@@ -249,12 +249,12 @@ class ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             max_position_embeddings=int(need("max_position_embeddings")),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_theta=rope_theta,
             rope_scaling_items=None
             if rope_scaling is None
             else tuple(sorted((k, _freeze(v)) for k, v in rope_scaling.items())),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type.startswith("gemma"))),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type.startswith("gem"))),
             attention_bias=attention_bias,
             qk_norm=qk_norm,
             layer_types=layer_types,
@@ -288,6 +288,24 @@ _ARCH_NAMES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
 }
+
+
+def _rope_fields(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either config layout.
+
+    transformers < 5 writes top-level `rope_theta` and `rope_scaling`; transformers >= 5
+    folds both into `rope_parameters` ({"rope_type", "rope_theta", scaling keys...}).
+    A per-layer-type `rope_parameters` (Gemma 3: keyed by attention type) is left alone.
+    """
+    theta = raw.get("rope_theta")
+    scaling = raw.get("rope_scaling")
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and ("rope_type" in params or "rope_theta" in params):
+        if theta is None:
+            theta = params.get("rope_theta")
+        if scaling is None and params.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return float(theta if theta is not None else 10000.0), scaling
 
 
 def _freeze(value: Any) -> Any:

@@ -61,7 +61,8 @@ class Rule:
             raise ValueError(f"{where}: group_size must be a positive integer or absent")
         if self.algorithm not in ALGORITHM_NAMES:
             raise ValueError(
-                f"{where}: unknown algorithm {self.algorithm!r}; valid: {', '.join(ALGORITHM_NAMES)}"
+                f"{where}: unknown algorithm {self.algorithm!r}; "
+                f"valid: {', '.join(ALGORITHM_NAMES)}"
             )
         if self.activations is not None:
             if self.activations not in ACTIVATION_FORMATS:
@@ -139,11 +140,8 @@ class LayerKV:
         tokens); a per-token tensor is quantized at write time. 2 bytes per bf16 element.
         """
         per_tensor = page_tokens * kv_heads * head_dim * 2
-        return sum(
-            per_tensor
-            for fmt, axis in ((self.key_format, self.key_axis), (self.value_format, self.value_axis))
-            if fmt != "bf16" and axis == "channel"
-        )
+        tensors = ((self.key_format, self.key_axis), (self.value_format, self.value_axis))
+        return sum(per_tensor for fmt, axis in tensors if fmt != "bf16" and axis == "channel")
 
     def sink_bytes(self, sink_tokens: int, kv_heads: int, head_dim: int) -> int:
         """Per-sequence bf16 copy of the first `sink_tokens` tokens of each quantized tensor."""
