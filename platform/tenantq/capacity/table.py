@@ -1,0 +1,133 @@
+"""Plain-text renderings of a `Budget` (one deployment, line by line) and of a comparison.
+
+Every byte figure is printed exactly, with a binary-unit reading beside it, so a reader can
+add the column up by hand: HBM - weights - reserve = pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tenantq.capacity.budget import Budget
+from tenantq.capacity.units import exact_bytes, human_bytes
+
+_LABEL = 46
+
+
+def _cell(n: int | float | None) -> str:
+    if n is None:
+        return " " * 30
+    return f"{exact_bytes(n):>18} B {human_bytes(n):>10}"
+
+
+def _row(label: str, per_chip: int | float | None, total: int | float | None, chips: int) -> str:
+    line = f"{label:<{_LABEL}}{_cell(per_chip)}"
+    if chips > 1 and total is not None:
+        line += f"   {_cell(total)}"
+    return line.rstrip()
+
+
+def render_budget(b: Budget, *, per_tensor: bool = False, description: str = "") -> str:
+    chips = b.chips
+    where = f"{chips} x {b.hardware}" if chips > 1 else b.hardware
+    tp = f", tensor parallel {chips}" if chips > 1 else ""
+    out = [
+        f"{b.model} on {where}{tp}" + (f"  [{description}]" if description else ""),
+        f"weights: {b.weights_summary} | KV: {b.kv_summary} | context {b.context_tokens:,} tokens"
+        f" | pages of {b.page_tokens} tokens",
+        "",
+    ]
+    head = f"{'':<{_LABEL}}{'per chip':>30}"
+    if chips > 1:
+        head += f"   {f'all {chips} chips':>30}"
+    out.append(head)
+    memory = "memory" if b.hardware == "cpu" else "HBM"
+    out.append(_row(memory, b.hbm_bytes_per_chip, b.hbm_bytes_per_chip * chips, chips))
+    out.append(_row("- weights", b.weights_bytes_per_chip, b.weights_bytes, chips))
+    for w in b.weight_lines:
+        count = f"{w.tensors} tensor" + ("s" if w.tensors > 1 else "")
+        label = f"    {w.name:<10}{w.formats:<16}{count:>12}"
+        out.append(_row(label, w.bytes_per_chip, w.bytes_total, chips) + f"   {w.sharding}")
+        if per_tensor:
+            for t in (t for t in b.tensors if t.line == w.name):
+                shape = "x".join(map(str, t.shard_shape))
+                out.append(_row(f"      {t.path}  {shape}  {t.label}", t.bytes_per_chip, None, 1))
+    out.append(_row(f"- runtime reserve ({b.reserve})", b.reserve_bytes_per_chip, None, 1))
+    out.append(_row("= KV pool", b.pool_bytes_per_chip, b.pool_bytes, chips))
+    out.append("")
+    out.append(
+        _row(
+            "KV per token (scales amortised over a page)",
+            b.kv_bytes_per_token_per_chip,
+            b.kv_bytes_per_token,
+            chips,
+        )
+    )
+    for kv in b.kv_lines:
+        window = f", window {kv.window_tokens:,}" if kv.window_tokens else ""
+        n = len(kv.layers)
+        which = (
+            f"layers {kv.layer_ranges} ({n} {kv.kind}{window})"
+            if len(kv.layer_ranges) <= 12
+            else f"{n} {kv.kind} layers{window}"
+        )
+        out.append(
+            f"    {which}: K {kv.key}, V {kv.value};"
+            f" page {exact_bytes(kv.page_bytes)} B, slot {exact_bytes(kv.slot_bytes)} B per layer"
+            f" per chip; {kv.pages_per_tenant:,} pages per tenant"
+        )
+    out.append(
+        _row(f"one page in every layer ({b.page_tokens} tokens)", b.page_bytes_per_chip, None, 1)
+    )
+    pool_label = "pool pages -> pool tokens"
+    out.append(f"{pool_label:<{_LABEL}}{b.pool_pages:>20,} pages -> {b.pool_tokens:,} tokens")
+    out.append(
+        _row(f"per tenant at {b.context_tokens:,} tokens", b.tenant_bytes_per_chip, None, 1)
+        + f"   = {b.tenant_pages:,} layer-pages {exact_bytes(b.tenant_page_bytes_per_chip)} B"
+        f" + slot {exact_bytes(b.tenant_slot_bytes_per_chip)} B"
+    )
+    out.append("")
+    out.append(f"{f'tenants at {b.context_tokens:,} tokens':<{_LABEL}}{b.tenants:>20,}")
+    if b.reason:
+        out.append(f"    0 tenants: {b.reason}")
+    who = f"{b.target_tenants} tenant" + ("s each" if b.target_tenants > 1 else "")
+    limit = " (the model's max_position_embeddings)" if b.max_context_limit == "model" else ""
+    out.append(f"{f'longest context for {who}':<{_LABEL}}{b.max_context_tokens:>20,} tokens{limit}")
+    for note in b.notes:
+        out.append(f"note: {note}")
+    return "\n".join(out)
+
+
+def render_compare(rows: Sequence[tuple[str, str, Budget]], base: Budget) -> str:
+    """Weight x KV format pairs side by side; `ratio` = pool tokens over `base`'s (bf16/bf16)."""
+    first = rows[0][2]
+    where = f"{first.chips} x {first.hardware}" if first.chips > 1 else first.hardware
+    out = [
+        f"{first.model} on {where} | context {first.context_tokens:,} tokens | pages of "
+        f"{first.page_tokens} tokens | reserve {first.reserve}",
+        "per chip; ratio = pool tokens / pool tokens at bf16 weights + bf16 KV",
+        "",
+    ]
+    cols = (
+        f"{'weights':<10} {'KV':<10} {'weights':>10} {'KV pool':>10} {'KV B/token':>11} "
+        f"{'pool tokens':>12} {'ratio':>6} {'KV/tenant':>10} {'tenants':>8} {'max ctx @1':>11}"
+    )
+    out.append(cols)
+    out.append("-" * len(cols))
+    for weights, kv, b in rows:
+        ratio = f"{b.pool_tokens / base.pool_tokens:.2f}x" if base.pool_tokens else "n/a"
+        out.append(
+            f"{weights:<10} {kv:<10} {human_bytes(b.weights_bytes_per_chip):>10} "
+            f"{human_bytes(b.pool_bytes_per_chip):>10} {_per_token(b):>11} "
+            f"{b.pool_tokens:>12,} {ratio:>6} {human_bytes(b.tenant_bytes_per_chip):>10} "
+            f"{b.tenants:>8,} {b.max_context_tokens:>11,}"
+        )
+    for weights, kv, b in rows:
+        if b.reason:
+            out.append(f"{weights}/{kv}: 0 tenants: {b.reason}")
+    return "\n".join(out)
+
+
+def _per_token(b: Budget) -> str:
+    x = b.kv_bytes_per_token_per_chip
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:,.1f}"

@@ -1,0 +1,139 @@
+"""`tenantq capacity`: table, JSON, compare, and one clear line for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tenantq.capacity import Deployment, budget, get_model_config
+from tenantq.quant.plan import QuantPlan
+
+ISSUE_ARGS = [
+    "--model",
+    "llama-3.1-70b",
+    "--hardware",
+    "tpu-v6e",
+    "--chips",
+    "8",
+    "--weights",
+    "fp8_e4m3",
+    "--kv",
+    "fp8_e4m3",
+    "--context",
+    "32768",
+]
+
+
+def test_json_equals_the_python_api(cli):
+    rc, out, _ = cli([*ISSUE_ARGS, "--json"])
+    assert rc == 0
+    d = json.loads(out)
+    b = budget(
+        get_model_config("llama-3.1-70b"),
+        QuantPlan.uniform("fp8_e4m3", "fp8_e4m3"),
+        Deployment.of("tpu-v6e", 8),
+        32768,
+    )
+    for key in ("weights_bytes", "kv_bytes_per_token", "pool_bytes", "pool_tokens", "tenants"):
+        assert d[key] == getattr(b, key)
+    assert d["kv_bytes_per_token"] == 186_880  # 80 x 8 x 128 x 2 x 1 B + scales (test_kv_bytes)
+
+
+def test_table_shows_every_line(cli):
+    rc, out, _ = cli(ISSUE_ARGS)
+    assert rc == 0
+    for line in ("HBM", "- weights", "embed", "lm_head", "runtime reserve", "= KV pool"):
+        assert line in out
+    assert "KV per token" in out and "tenants at 32,768 tokens" in out
+    assert "186,880 B" in out  # the all-chips KV bytes per token
+
+
+def test_compare_default_pairs_with_ratio_to_bf16(cli):
+    rc, out, _ = cli(
+        ["--compare", "--model", "llama-3.1-8b", "--hardware", "tpu-v6e", "--context", "8192"]
+    )
+    assert rc == 0
+    rows = [line.split() for line in out.splitlines() if line.startswith(("bf16", "fp8", "int4"))]
+    assert [r[:2] for r in rows][:4] == [
+        ["bf16", "bf16"],
+        ["fp8_e4m3", "bf16"],
+        ["bf16", "fp8_e4m3"],
+        ["fp8_e4m3", "fp8_e4m3"],
+    ]
+    assert "1.00x" in rows[0]
+
+
+def test_compare_pairs_json(cli):
+    rc, out, _ = cli(
+        [
+            "--compare",
+            "--pairs",
+            "int4:int4,fp8_e4m3:fp8_e4m3",
+            "--model",
+            "qwen3-8b",
+            "--hardware",
+            "h100",
+            "--context",
+            "4096",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    d = json.loads(out)
+    assert [(r["weights"], r["kv"]) for r in d["rows"]] == [
+        ("int4", "int4"),
+        ("fp8_e4m3", "fp8_e4m3"),
+    ]
+    # The bf16/bf16 baseline is computed even when not listed; int4/int4 holds more tokens.
+    assert d["rows"][0]["pool_tokens_ratio"] > d["rows"][1]["pool_tokens_ratio"] > 1
+
+
+def test_plan_file(cli, tmp_path):
+    plan = QuantPlan.uniform("int8", "fp8_e4m3")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    args = ["--model", "mistral-7b", "--hardware", "h100", "--context", "4096", "--json"]
+    rc, out, _ = cli([*args, "--plan", str(path)])
+    assert rc == 0
+    assert json.loads(out)["plan_fingerprint"] == plan.fingerprint()
+
+
+def test_bad_input_is_one_clear_line_and_exit_2(cli):
+    base = ["--model", "llama-3.1-8b", "--context", "8192"]
+    cases = {
+        "unknown hardware": [*base, "--hardware", "tpu-v99"],
+        "valid chip counts": [*base, "--hardware", "tpu-v6e", "--chips", "3"],
+        "positive": ["--model", "llama-3.1-8b", "--hardware", "h200", "--context", "0"],
+        "unknown model": ["--model", "gpt-9", "--hardware", "h200", "--context", "8"],
+        "unknown format": [*base, "--hardware", "h200", "--weights", "fp3"],
+        "WEIGHTS:KV": [*base, "--hardware", "h200", "--compare", "--pairs", "int4"],
+    }
+    for expected, argv in cases.items():
+        rc, out, err = cli(argv)
+        assert rc == 2, expected
+        assert expected in err and err.count("\n") == 1 and not out, (expected, err)
+
+
+def test_capacity_imports_no_jax_ray_or_mlflow():
+    # The search driver imports capacity; importing it must not pull in JAX, Ray or MLflow
+    # (the byte counts load tenantq.numerics lazily, when a budget is first computed).
+    code = (
+        "import sys, tenantq.capacity, tenantq.cli.capacity; "
+        "print(sorted(m for m in ('jax', 'ray', 'mlflow', 'optuna') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_registered_in_the_tenantq_command(capsys):
+    # Through the lead's dispatcher, once every registered subcommand module exists.
+    import pytest
+
+    pytest.importorskip("tenantq.cli.formats")
+    from tenantq.cli import main
+
+    assert main(["capacity", *ISSUE_ARGS, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tenants"] > 0
+    assert main(["capacity", "--model", "x", "--hardware", "nope", "--context", "1"]) == 2
+    assert "unknown" in capsys.readouterr().err
