@@ -208,6 +208,8 @@ class ModelConfig:
             # Multimodal wrappers (Gemma 3 12B/27B) keep the decoder under text_config.
             inner = dict(raw["text_config"])
             inner.setdefault("model_type", raw.get("model_type", ""))
+            if "tie_word_embeddings" in raw:  # the wrapper's setting applies to the decoder
+                inner.setdefault("tie_word_embeddings", raw["tie_word_embeddings"])
             raw = inner
         model_type = raw.get("model_type")
         if model_type not in KNOWN_MODEL_TYPES:
