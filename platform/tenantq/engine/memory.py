@@ -1,0 +1,64 @@
+"""What the engine holds in memory, tensor by tensor, counted as true storage bytes.
+
+A quantized tensor counts `QArray.nbytes` (packed elements, scales, zero points); a plain
+array counts elements times its dtype's itemsize. The capacity planner's arithmetic must
+equal these figures byte for byte, so they are read from the arrays, not recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from tenantq.numerics import QArray
+
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per weight tensor (by path), each tensor's format, and the KV cache's bytes."""
+
+    weight_bytes: dict[str, int]
+    weight_formats: dict[str, str]
+    cache_bytes: int
+
+    @property
+    def total_weight_bytes(self) -> int:
+        return sum(self.weight_bytes.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total_weight_bytes + self.cache_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "weight_bytes": dict(self.weight_bytes),
+            "weight_formats": dict(self.weight_formats),
+            "total_weight_bytes": self.total_weight_bytes,
+            "cache_bytes": self.cache_bytes,
+        }
+
+
+def tensor_nbytes(value: Any) -> int:
+    if isinstance(value, QArray):
+        return value.nbytes
+    return int(np.prod(value.shape, dtype=np.int64)) * np.dtype(value.dtype).itemsize
+
+
+def tensor_format(value: Any) -> str:
+    if isinstance(value, QArray):
+        return value.fmt
+    name = np.dtype(value.dtype).name
+    return _DTYPE_NAMES.get(name, name)
+
+
+def memory_report(params: Mapping[str, Any], cache_bytes: int) -> MemoryReport:
+    return MemoryReport(
+        weight_bytes={p: tensor_nbytes(v) for p, v in params.items()},
+        weight_formats={p: tensor_format(v) for p, v in params.items()},
+        cache_bytes=int(cache_bytes),
+    )

@@ -1,0 +1,336 @@
+"""`Engine`: batched prefill, decode, greedy generation and scoring over one model + plan.
+
+The engine holds the params exactly as a server would (quantized leaves stay `QArray`),
+the NNX graph split from them, and a KV cache it reaches only through the `KVCache`
+interface. Public methods take and return token ids and numpy arrays; batches are padded
+on the right to power-of-two buckets (with per-sequence positions and a validity mask) so
+few shapes are compiled, and batches larger than the cache's sequence limit are chunked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tenantq.engine import steps
+from tenantq.engine.cache import ContiguousCache, KVCache
+from tenantq.engine.memory import MemoryReport, memory_report
+from tenantq.model.config import ModelConfig
+from tenantq.model.decoder import Decoder, check_supported
+from tenantq.numerics import QArray
+from tenantq.quant.apply import apply_plan
+from tenantq.quant.plan import QuantPlan
+
+_MIN_BUCKET = 16  # smallest padded sequence / KV window, in tokens
+
+
+@dataclasses.dataclass
+class Batch:
+    """Live sequences in the cache: their ids and how many tokens each holds."""
+
+    seq_ids: list[int]
+    lengths: np.ndarray  # tokens each sequence holds
+    capacity: np.ndarray  # tokens each sequence was allocated
+
+
+class Engine:
+    """Run a Llama-family model under a `QuantPlan`.
+
+    `Engine(config, params, plan)` takes in-memory params (path -> array or QArray) and
+    applies the plan with `apply_plan`; `from_checkpoint` loads and quantizes tensor by
+    tensor. `dtype` is the compute dtype and the dtype of every unquantized tensor
+    (bfloat16 for serving, float32 for parity). Other keyword options go to the cache
+    (`max_seqs`, `max_seq_tokens` for the contiguous cache).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: dict[str, Any],
+        plan: QuantPlan | None = None,
+        *,
+        dtype: Any = "bfloat16",
+        tokenizer: Any = None,
+        cache: KVCache | None = None,
+        **pool_options: Any,
+    ):
+        check_supported(config)
+        self.config = config
+        self.plan = plan or QuantPlan()
+        self.dtype = jnp.dtype(dtype)
+        _check_kv_plan(self.plan, config)
+        quantized = apply_plan(params, self.plan, config)
+        self.params = {
+            path: v if isinstance(v, QArray) else jnp.asarray(v, self.dtype)
+            for path, v in quantized.items()
+        }
+        activations = {
+            p: t.activations for p, t in self.plan.resolve(config).items() if t.activations
+        }
+        self.model = Decoder(config, self.params, dtype=self.dtype, activations=activations)
+        self._graphdef, self._state = nnx.split(self.model)
+        self._layout = steps.layout_id(self._graphdef, self._state)
+        if cache is not None and pool_options:
+            raise ValueError(
+                f"pass either a cache or cache options, not both: {sorted(pool_options)}"
+            )
+        self.cache: KVCache = cache or ContiguousCache(
+            config, dtype=self.dtype.name, **pool_options
+        )
+        self.tokenizer = tokenizer
+        self.stats = steps.StepStats()
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        plan: QuantPlan | None = None,
+        *,
+        dtype: Any = "bfloat16",
+        **pool_options,
+    ) -> Engine:
+        """Load a Hugging Face folder (safetensors; tokenizer.json optional) under `plan`."""
+        from tenantq.model.loader import load_params
+        from tenantq.model.tokenizer import load_tokenizer
+
+        config = ModelConfig.from_file(path)
+        check_supported(config)
+        _check_kv_plan(plan or QuantPlan(), config)
+        params = load_params(path, config, plan=plan, dtype=jnp.dtype(dtype))
+        return cls(
+            config, params, plan, dtype=dtype, tokenizer=load_tokenizer(path), **pool_options
+        )
+
+    # ------------------------------------------------------------------ public calls
+    def logits(self, token_ids) -> np.ndarray:
+        """Float32 logits [batch, seq, vocab] of a full prefill; ragged rows are zero-padded."""
+        rows = _as_rows(token_ids)
+        width = max(len(r) for r in rows)
+        out = np.zeros((len(rows), width, self.config.vocab_size), np.float32)
+        for start, chunk in self._chunks(rows):
+            values = np.asarray(self._prefill_chunk(chunk, "all", reserve=0)[0])
+            for i, r in enumerate(chunk):
+                out[start + i, : len(r)] = values[i, : len(r)]
+        return out
+
+    def score(
+        self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
+    ) -> list[np.ndarray]:
+        """Per-token log-probabilities (float32) of each continuation given its prompt."""
+        if len(prompts) != len(continuations):
+            raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
+        prompts, conts = _as_rows(prompts), [list(map(int, c)) for c in continuations]
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token to condition on")
+        rows = [p + c for p, c in zip(prompts, conts, strict=True)]
+        out: list[np.ndarray] = []
+        for start, chunk in self._chunks(rows):
+            targets = [r[1:] for r in chunk]
+            logp = np.asarray(self._prefill_chunk(chunk, "all", reserve=0, targets=targets)[1])
+            for i in range(len(chunk)):
+                p, c = len(prompts[start + i]), len(conts[start + i])
+                out.append(np.asarray(logp[i, p - 1 : p - 1 + c], np.float32))
+        return out
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        stop_tokens: Sequence[int] | None = None,
+    ) -> list[list[int]]:
+        """Greedy continuation of each prompt: up to `max_new_tokens` new ids per prompt,
+        ending before the first stop token (default: the config's eos ids)."""
+        stops = set(self.config.eos_token_ids if stop_tokens is None else stop_tokens)
+        results: list[list[int]] = []
+        for _, chunk in self._chunks(_as_rows(prompts)):
+            results.extend(self._generate_chunk(chunk, max_new_tokens, stops))
+        return results
+
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], *, reserve_tokens: int = 0
+    ) -> tuple[Batch, np.ndarray]:
+        """Start sequences: cache the prompts, return the batch and last-token logits [B, V].
+
+        `reserve_tokens` is room kept for each sequence's later decode steps.
+        """
+        rows = _as_rows(prompts)
+        batch = self._allocate(rows, reserve_tokens)
+        try:
+            logits = self._forward(
+                batch, rows, "last", lengths_before=np.zeros(len(rows), np.int64)
+            )
+        except BaseException:
+            self.release(batch)
+            raise
+        batch.lengths = np.array([len(r) for r in rows], np.int64)
+        return batch, np.asarray(logits[0])[: len(rows)]
+
+    def decode(self, batch: Batch, tokens: Sequence[int]) -> np.ndarray:
+        """Append one token to each sequence of `batch`; float32 next-token logits [B, V]."""
+        return np.asarray(self._decode(batch, tokens)[0])[: len(batch.seq_ids)]
+
+    def release(self, batch: Batch) -> None:
+        for seq_id in batch.seq_ids:
+            self.cache.free(seq_id)
+        batch.seq_ids = []
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes per weight tensor (true storage: QArray.nbytes) and the cache's bytes."""
+        return memory_report(self.params, self.cache.nbytes)
+
+    def encode(self, text: str) -> list[int]:
+        return self._require_tokenizer().encode(text)
+
+    def decode_text(self, ids: Sequence[int]) -> str:
+        return self._require_tokenizer().decode(list(ids))
+
+    # ------------------------------------------------------------------ internals
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(
+                "this checkpoint has no tokenizer.json; pass token ids instead of text"
+            )
+        return self.tokenizer
+
+    def _chunks(self, rows: list[list[int]]):
+        step = self.cache.max_seqs
+        for start in range(0, len(rows), step):
+            yield start, rows[start : start + step]
+
+    def _allocate(self, rows: list[list[int]], reserve: int) -> Batch:
+        if len(rows) > self.cache.max_seqs:
+            raise ValueError(
+                f"{len(rows)} sequences exceed the cache's max_seqs={self.cache.max_seqs}"
+            )
+        ids: list[int] = []
+        try:
+            for r in rows:
+                ids.append(self.cache.allocate(len(r) + reserve))
+        except BaseException:
+            for seq_id in ids:
+                self.cache.free(seq_id)
+            raise
+        lengths = np.zeros(len(rows), np.int64)
+        return Batch(ids, lengths, np.array([len(r) + reserve for r in rows], np.int64))
+
+    def _prefill_chunk(self, rows, output, *, reserve, targets=None):
+        batch = self._allocate(rows, reserve)
+        try:
+            zeros = np.zeros(len(rows), np.int64)
+            return self._forward(batch, rows, output, lengths_before=zeros, targets=targets)
+        finally:
+            self.release(batch)
+
+    def _forward(
+        self, batch: Batch, rows, output, *, lengths_before, targets=None, phase="prefill"
+    ):
+        """Write `rows` (new tokens per sequence) after `lengths_before` tokens and run."""
+        n = len(rows)
+        width = max(len(r) for r in rows)
+        b = min(steps.pow2_at_least(n), self.cache.max_seqs)
+        s = width if width == 1 else min(steps.pow2_at_least(width, _MIN_BUCKET), self._cap(width))
+        tokens = np.zeros((b, s), np.int32)
+        valid = np.zeros((b, s), bool)
+        tgt = np.zeros((b, s), np.int32)  # one shape for logits and scoring: one executable
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = r
+            valid[i, : len(r)] = True
+            if targets is not None:
+                tgt[i, : len(targets[i])] = targets[i]
+        start = np.zeros(b, np.int64)
+        start[:n] = lengths_before
+        positions = (start[:, None] + np.arange(s)[None, :]).astype(np.int32)
+        end = int((start[:n] + np.array([len(r) for r in rows])).max())
+        kv_tokens = self._cap(steps.pow2_at_least(end, _MIN_BUCKET))
+        table = self.cache.table(batch.seq_ids + [None] * (b - n))
+        compile_before = self.stats.compile_s
+        began = time.perf_counter()
+        out = steps.run_step(
+            layout=self._layout, graphdef=self._graphdef, state=self._state, cache=self.cache,
+            output=output, kv_tokens=kv_tokens, table=table,
+            tokens=tokens, positions=positions,
+            valid=valid, targets=tgt, stats=self.stats,
+        )  # fmt: skip
+        out = jax.block_until_ready(out)
+        # Run time only: a first call's compile is counted in stats.compile_s instead.
+        elapsed = time.perf_counter() - began - (self.stats.compile_s - compile_before)
+        if phase == "decode":
+            self.stats.decode_s += elapsed
+            self.stats.decode_tokens += n
+        else:
+            self.stats.prefill_s += elapsed
+            self.stats.prefill_tokens += sum(len(r) for r in rows)
+        return out
+
+    def _cap(self, tokens: int) -> int:
+        return max(min(tokens, self.cache.max_seq_tokens), 1)
+
+    def _decode(self, batch: Batch, tokens: Sequence[int]):
+        if len(tokens) != len(batch.seq_ids):
+            raise ValueError(f"{len(tokens)} tokens for {len(batch.seq_ids)} sequences")
+        if (batch.lengths >= batch.capacity).any():
+            raise ValueError(
+                f"sequences have used the {batch.capacity.min()} tokens allocated to them; "
+                "prefill with a larger reserve_tokens"
+            )
+        rows = [[int(t)] for t in tokens]
+        out = self._forward(batch, rows, "last", lengths_before=batch.lengths, phase="decode")
+        batch.lengths = batch.lengths + 1
+        return out
+
+    def _generate_chunk(self, rows, max_new_tokens: int, stops: set[int]) -> list[list[int]]:
+        if max_new_tokens <= 0:
+            return [[] for _ in rows]
+        batch = self._allocate(rows, max_new_tokens)
+        try:
+            zeros = np.zeros(len(rows), np.int64)
+            nxt = np.asarray(self._forward(batch, rows, "last", lengths_before=zeros)[1])[
+                : len(rows)
+            ]
+            batch.lengths = np.array([len(r) for r in rows], np.int64)
+            out: list[list[int]] = [[] for _ in rows]
+            done = np.zeros(len(rows), bool)
+            for step in range(max_new_tokens):
+                for i, t in enumerate(nxt.tolist()):
+                    if not done[i]:
+                        if t in stops:
+                            done[i] = True
+                        else:
+                            out[i].append(t)
+                if done.all() or step == max_new_tokens - 1:
+                    break
+                nxt = np.asarray(self._decode(batch, nxt)[1])[: len(rows)]
+            return out
+        finally:
+            self.release(batch)
+
+
+def _as_rows(token_ids) -> list[list[int]]:
+    if isinstance(token_ids, np.ndarray | jax.Array):
+        arr = np.asarray(token_ids)
+        if arr.ndim != 2:
+            raise ValueError(f"token ids must be [batch, seq], got shape {arr.shape}")
+        rows = arr.astype(np.int64).tolist()
+    else:
+        rows = [list(map(int, r)) for r in token_ids]
+    if not rows or any(not r for r in rows):
+        raise ValueError("need at least one sequence, each with at least one token")
+    return rows
+
+
+def _check_kv_plan(plan: QuantPlan, config: ModelConfig) -> None:
+    quantized = [i for i, kv in enumerate(plan.kv_layers(config)) if not kv.is_bf16]
+    if quantized:
+        raise NotImplementedError(
+            f"plan stores the KV cache of layers {quantized} in "
+            f"{plan.kv.key_format}/{plan.kv.value_format}; the contiguous cache holds only "
+            "the compute dtype (the paged KV pool implements KV formats)"
+        )

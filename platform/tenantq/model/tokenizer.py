@@ -1,0 +1,43 @@
+"""Text <-> token ids for a checkpoint folder, through the `tokenizers` library.
+
+Only `tokenizer.json` is read (the fast-tokenizer file every Llama-family checkpoint
+ships). It is optional: a folder without it still loads and runs on token ids, and
+whatever needs text asks for the tokenizer and gets a clear error there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    """`encode(text) -> ids` and `decode(ids) -> text` for one checkpoint."""
+
+    def __init__(self, inner: _HFTokenizer, *, source: str = ""):
+        self._inner = inner
+        self.source = source
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        return cls(_HFTokenizer.from_file(str(path)), source=str(path))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._inner.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._inner.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self._inner.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self._inner.token_to_id(token)
+
+
+def load_tokenizer(folder: str | Path) -> Tokenizer | None:
+    """The folder's `tokenizer.json`, or None when it has none."""
+    path = Path(folder) / "tokenizer.json"
+    return Tokenizer.from_file(path) if path.is_file() else None

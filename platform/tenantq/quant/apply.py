@@ -1,0 +1,123 @@
+"""`apply_plan`: the one function that turns full-precision params into quantized params.
+
+A plan resolves to one `TensorQuant` per quantized tensor; each is produced by the
+algorithm its rule names, looked up in a registry. Round-to-nearest ("rtn") is built in;
+GPTQ, AWQ and SmoothQuant register themselves with `register_algorithm` and receive
+whatever calibration inputs the caller passes through. The streaming loader quantizes
+tensor by tensor with the same `quantize_tensor`, so both paths store identical bytes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from tenantq.model.config import ModelConfig
+from tenantq.numerics import QArray, quantize
+from tenantq.quant.plan import ACTIVATION_FORMATS, QuantPlan, TensorQuant
+
+# fn(weight float32 [in, out] (embedding [vocab, hidden]), how, **inputs) -> QArray
+Algorithm = Callable[..., QArray]
+_ALGORITHMS: dict[str, Algorithm] = {}
+
+
+class UnusedRuleWarning(UserWarning):
+    """A plan rule was the first match for no tensor (a typo, or shadowed by an earlier rule)."""
+
+
+def register_algorithm(name: str) -> Callable[[Algorithm], Algorithm]:
+    """Decorator: make `fn(weight, how: TensorQuant, **inputs) -> QArray` the `name` algorithm."""
+
+    def decorate(fn: Algorithm) -> Algorithm:
+        _ALGORITHMS[name] = fn
+        return fn
+
+    return decorate
+
+
+def registered_algorithms() -> tuple[str, ...]:
+    return tuple(_ALGORITHMS)
+
+
+@register_algorithm("rtn")
+def _round_to_nearest(weight, how: TensorQuant, **_: Any) -> QArray:
+    return quantize(
+        weight, how.format, axis=how.axis, group_size=how.group_size, symmetric=how.symmetric
+    )
+
+
+def check_w8a8(how: TensorQuant) -> None:
+    """W8A8 runs the matmul on stored codes, so a weight needs one scale per output channel."""
+    if how.activations is None:
+        return
+    if how.group_size is not None or not how.symmetric:
+        raise ValueError(
+            f"{how.path}: W8A8 ({how.activations} activations) needs symmetric per-channel "
+            f"weight scales (no group_size), got group_size={how.group_size}, "
+            f"symmetric={how.symmetric}"
+        )
+    if how.format not in ACTIVATION_FORMATS[how.activations]:
+        raise ValueError(f"{how.path}: {how.format} weights cannot pair with {how.activations}")
+
+
+def quantize_tensor(weight, how: TensorQuant, **inputs: Any) -> QArray:
+    """Quantize one tensor as `how` says, with the algorithm its rule names."""
+    check_w8a8(how)
+    algorithm = _ALGORITHMS.get(how.algorithm)
+    if algorithm is None:
+        raise ValueError(
+            f"{how.path}: algorithm {how.algorithm!r} is not available; "
+            f"registered: {', '.join(_ALGORITHMS)}"
+        )
+    return algorithm(jnp.asarray(weight, dtype=jnp.float32), how, **inputs)
+
+
+def apply_plan(
+    params: Mapping[str, Any],
+    plan: QuantPlan | None,
+    config: ModelConfig,
+    *,
+    strict: bool = False,
+    inputs: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Params with every tensor the plan quantizes replaced by its `QArray`.
+
+    `params` maps tensor paths (`config.tensors()`) to arrays; tensors the plan leaves
+    alone are returned as they are (casting is the engine's business). A tensor that is
+    already a QArray of the planned format is kept, so applying a plan twice is harmless;
+    any other QArray leaf is an error, since re-quantizing quantized values compounds error.
+    Unused rules warn (`UnusedRuleWarning`), or raise with `strict=True`. `inputs[path]`
+    is passed to that tensor's algorithm as keyword arguments (calibration statistics).
+    """
+    plan = plan or QuantPlan()
+    expected = config.tensors()
+    unknown = sorted(set(params) - set(expected))
+    if unknown:
+        raise ValueError(f"params hold tensors the model does not have: {unknown[:5]}")
+    unused = plan.unused_rules(config)
+    if unused:
+        names = ", ".join(repr(r.pattern) for r in unused)
+        message = f"plan rules matched no tensor (first match wins): {names}"
+        if strict:
+            raise ValueError(message)
+        warnings.warn(message, UnusedRuleWarning, stacklevel=2)
+    resolved = plan.resolve(config)
+    out: dict[str, Any] = {}
+    for path, value in params.items():
+        how = resolved.get(path)
+        if isinstance(value, QArray):
+            if how is None or value.fmt != how.format:
+                planned = "full precision" if how is None else how.format
+                raise ValueError(
+                    f"{path} is already quantized to {value.fmt} but the plan wants {planned}; "
+                    "apply a plan to full-precision params"
+                )
+            out[path] = value
+        elif how is None:
+            out[path] = value
+        else:
+            out[path] = quantize_tensor(value, how, **dict((inputs or {}).get(path, {})))
+    return out
