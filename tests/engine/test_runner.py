@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tenantq.engine import CacheFull, Engine
+from tenantq.engine import CacheFull, ContiguousCache, Engine
 from tenantq.model.decoder import init_params
 from tenantq.numerics import storage_nbytes
 from tenantq.quant.plan import KVPlan, QuantPlan, Rule
@@ -113,9 +113,11 @@ def test_bf16_and_w8a8_engines_track_float32(engine, config, params):
             assert np.abs(got[i, : len(r)] - reference[i, : len(r)]).max() < tolerance * scale
 
 
-def test_quantized_kv_plans_wait_for_the_paged_pool(config, params):
+def test_quantized_kv_plans_need_the_paged_pool(config, params):
+    plan = QuantPlan(kv=KVPlan(key_format="fp8_e4m3"))
     with pytest.raises(NotImplementedError, match="paged KV pool"):
-        Engine(config, params, QuantPlan(kv=KVPlan(key_format="fp8_e4m3")))
+        Engine(config, params, plan, cache=ContiguousCache(config, dtype="bfloat16"))
+    assert Engine(config, params, plan).memory_report().kv_layers[0]["key_format"] == "fp8_e4m3"
 
 
 def test_too_long_and_too_many_sequences_fail_clearly(config, params):

@@ -11,11 +11,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tenantq.engine.cache import CacheFull
+
 DEFAULT_TENANT = "default"
 
 
-class PoolExhausted(RuntimeError):
-    """The pool cannot grant the pages a sequence needs; nothing was changed."""
+class PoolExhausted(CacheFull):
+    """The pool cannot grant the pages a sequence needs; nothing was changed.
+
+    `tenant`, `pages_needed`, `pages_free` and `guaranteed_pages` say why, for callers that
+    retry later or report the refusal.
+    """
+
+    def __init__(
+        self, message: str, *, tenant: str, pages_needed: int, pages_free: int,
+        guaranteed_pages: int,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.tenant, self.pages_needed = tenant, pages_needed
+        self.pages_free, self.guaranteed_pages = pages_free, guaranteed_pages
 
 
 @dataclass
@@ -122,7 +136,11 @@ class PageAllocator:
                     f"tenant {tenant.name!r} needs {need} more page(s) for sequence {seq_id} "
                     f"({total_tokens} tokens) but the pool has {len(self._free)} free of "
                     f"{self.num_pages}; the tenant holds {tenant.used_pages} page(s) against a "
-                    f"guarantee of {tenant.guaranteed_pages}: refused, nothing truncated"
+                    f"guarantee of {tenant.guaranteed_pages}: refused, nothing truncated",
+                    tenant=tenant.name,
+                    pages_needed=need,
+                    pages_free=len(self._free),
+                    guaranteed_pages=tenant.guaranteed_pages,
                 )
             preempted = self._reclaim(need - len(self._free), exclude=seq.tenant)
         new = [self._free.pop() for _ in range(need)]

@@ -47,7 +47,10 @@ class KVCache(Protocol):
     max_seqs: int  # sequences that can be live at once (the runner's batch limit)
     max_seq_tokens: int  # longest sequence one allocation may hold
 
-    def allocate(self, num_tokens: int) -> int: ...  # a sequence id; CacheFull if no room
+    def allocate(self, num_tokens: int, tenant: str = "default") -> int: ...  # CacheFull if no room
+
+    # Before a step: make room for each sequence to hold `end_tokens` (CacheFull if refused).
+    def prepare(self, seq_ids: Sequence[int], end_tokens: Sequence[int]) -> None: ...
 
     def free(self, seq_id: int) -> None: ...
 
@@ -148,7 +151,11 @@ class ContiguousCache:
         self._free = list(range(max_seqs - 1, -1, -1))
         self._live: set[int] = set()
 
-    def allocate(self, num_tokens: int) -> int:
+    def allocate(self, num_tokens: int, tenant: str = "default") -> int:
+        if tenant != "default":
+            raise ValueError(
+                f"the contiguous cache has no tenants (got {tenant!r}); use the paged pool"
+            )
         if num_tokens > self.max_seq_tokens:
             raise CacheFull(
                 f"a sequence of {num_tokens} tokens exceeds max_seq_tokens={self.max_seq_tokens}"
@@ -158,6 +165,11 @@ class ContiguousCache:
         slot = self._free.pop()
         self._live.add(slot)
         return slot
+
+    def prepare(self, seq_ids: Sequence[int], end_tokens: Sequence[int]) -> None:
+        # Slots are allocated whole; the runner never steps past a sequence's capacity.
+        if max(end_tokens, default=0) > self.max_seq_tokens:
+            raise CacheFull(f"a step would pass max_seq_tokens={self.max_seq_tokens}")
 
     def free(self, seq_id: int) -> None:
         if seq_id not in self._live:

@@ -20,11 +20,15 @@ _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-    """Bytes per weight tensor (by path), each tensor's format, and the KV cache's bytes."""
+    """Bytes per weight tensor (by path; `weight_parts` splits data/scale/zero point/tensor
+    scale), each tensor's format, the KV cache's bytes, and for the paged pool one row per
+    layer (formats, data, scale, residual and sink bytes: `PagedPool.kv_report`)."""
 
     weight_bytes: dict[str, int]
     weight_formats: dict[str, str]
     cache_bytes: int
+    weight_parts: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    kv_layers: tuple[dict[str, Any], ...] = ()
 
     @property
     def total_weight_bytes(self) -> int:
@@ -40,6 +44,8 @@ class MemoryReport:
             "weight_formats": dict(self.weight_formats),
             "total_weight_bytes": self.total_weight_bytes,
             "cache_bytes": self.cache_bytes,
+            "weight_parts": {p: dict(v) for p, v in self.weight_parts.items()},
+            "kv_layers": [dict(r) for r in self.kv_layers],
         }
 
 
@@ -56,9 +62,20 @@ def tensor_format(value: Any) -> str:
     return _DTYPE_NAMES.get(name, name)
 
 
-def memory_report(params: Mapping[str, Any], cache_bytes: int) -> MemoryReport:
+def tensor_parts(value: Any) -> dict[str, int]:
+    """True bytes of each stored part: data, scale, zero_point, tensor_scale (0 if absent)."""
+    if not isinstance(value, QArray):
+        return {"data": tensor_nbytes(value), "scale": 0, "zero_point": 0, "tensor_scale": 0}
+    parts = {"data": value.data, "scale": value.scale, "zero_point": value.zero_point}
+    parts["tensor_scale"] = value.tensor_scale
+    return {k: 0 if a is None else tensor_nbytes(a) for k, a in parts.items()}
+
+
+def memory_report(params: Mapping[str, Any], cache_bytes: int, kv_layers=()) -> MemoryReport:
     return MemoryReport(
         weight_bytes={p: tensor_nbytes(v) for p, v in params.items()},
         weight_formats={p: tensor_format(v) for p, v in params.items()},
         cache_bytes=int(cache_bytes),
+        weight_parts={p: tensor_parts(v) for p, v in params.items()},
+        kv_layers=tuple(kv_layers),
     )

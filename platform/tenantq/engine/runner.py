@@ -20,9 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tenantq.engine import steps
+from tenantq.engine import sharding, steps
+from tenantq.engine.allocator import DEFAULT_TENANT
 from tenantq.engine.cache import ContiguousCache, KVCache
 from tenantq.engine.memory import MemoryReport, memory_report
+from tenantq.engine.pool import PagedPool
 from tenantq.model.config import ModelConfig
 from tenantq.model.decoder import Decoder, check_supported
 from tenantq.numerics import QArray
@@ -47,8 +49,11 @@ class Engine:
     `Engine(config, params, plan)` takes in-memory params (path -> array or QArray) and
     applies the plan with `apply_plan`; `from_checkpoint` loads and quantizes tensor by
     tensor. `dtype` is the compute dtype and the dtype of every unquantized tensor
-    (bfloat16 for serving, float32 for parity). Other keyword options go to the cache
-    (`max_seqs`, `max_seq_tokens` for the contiguous cache).
+    (bfloat16 for serving, float32 for parity). `tp=N` shards params and cache over N
+    local devices (`tenantq.engine.sharding`), with whole-tensor (`scale_scope="global"`)
+    or per-shard (`"shard"`) scales. Other keyword options go to the default cache, the
+    paged pool (`page_tokens`, `num_pages` or `pool_bytes`, `max_seqs`, `max_seq_tokens`:
+    see `PagedPool`); `cache=` passes another `KVCache` (e.g. `ContiguousCache`).
     """
 
     def __init__(
@@ -60,13 +65,20 @@ class Engine:
         dtype: Any = "bfloat16",
         tokenizer: Any = None,
         cache: KVCache | None = None,
+        tp: int | None = None,
+        scale_scope: str = "global",
         **pool_options: Any,
     ):
         check_supported(config)
         self.config = config
         self.plan = plan or QuantPlan()
         self.dtype = jnp.dtype(dtype)
-        _check_kv_plan(self.plan, config)
+        # tp=N: quantize (scale_scope "global" or per "shard") and place on a tp-device mesh.
+        self.mesh = None if tp is None else sharding.make_mesh(tp, config)
+        if self.mesh is not None:
+            params = sharding.shard_params(
+                params, config, self.mesh, scales=scale_scope, plan=self.plan
+            )
         quantized = apply_plan(params, self.plan, config)
         self.params = {
             path: v if isinstance(v, QArray) else jnp.asarray(v, self.dtype)
@@ -82,9 +94,14 @@ class Engine:
             raise ValueError(
                 f"pass either a cache or cache options, not both: {sorted(pool_options)}"
             )
-        self.cache: KVCache = cache or ContiguousCache(
-            config, dtype=self.dtype.name, **pool_options
+        self.cache: KVCache = cache or PagedPool(
+            config, self.plan, dtype=self.dtype.name, **pool_options
         )
+        if isinstance(self.cache, ContiguousCache):
+            _check_kv_plan(self.plan, config)
+        if self.mesh is not None:
+            self.cache.state = sharding.shard_cache_state(self.cache.state, self.mesh)
+            self._layout = (self._layout, tp, scale_scope)  # executables are per sharding
         self.tokenizer = tokenizer
         self.stats = steps.StepStats()
 
@@ -95,6 +112,8 @@ class Engine:
         plan: QuantPlan | None = None,
         *,
         dtype: Any = "bfloat16",
+        tp: int | None = None,
+        scale_scope: str = "global",
         **pool_options,
     ) -> Engine:
         """Load a Hugging Face folder (safetensors; tokenizer.json optional) under `plan`."""
@@ -103,11 +122,15 @@ class Engine:
 
         config = ModelConfig.from_file(path)
         check_supported(config)
-        _check_kv_plan(plan or QuantPlan(), config)
-        params = load_params(path, config, plan=plan, dtype=jnp.dtype(dtype))
+        per_shard = tp is not None and scale_scope == "shard"  # quantized per shard later
+        params = load_params(
+            path, config, plan=None if per_shard else plan,
+            dtype=jnp.float32 if per_shard else jnp.dtype(dtype),
+        )  # fmt: skip
         return cls(
-            config, params, plan, dtype=dtype, tokenizer=load_tokenizer(path), **pool_options
-        )
+            config, params, plan, dtype=dtype, tokenizer=load_tokenizer(path), tp=tp,
+            scale_scope=scale_scope, **pool_options,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ public calls
     def logits(self, token_ids) -> np.ndarray:
@@ -145,24 +168,31 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int,
         stop_tokens: Sequence[int] | None = None,
+        *,
+        tenant: str = DEFAULT_TENANT,
     ) -> list[list[int]]:
         """Greedy continuation of each prompt: up to `max_new_tokens` new ids per prompt,
         ending before the first stop token (default: the config's eos ids)."""
         stops = set(self.config.eos_token_ids if stop_tokens is None else stop_tokens)
         results: list[list[int]] = []
         for _, chunk in self._chunks(_as_rows(prompts)):
-            results.extend(self._generate_chunk(chunk, max_new_tokens, stops))
+            results.extend(self._generate_chunk(chunk, max_new_tokens, stops, tenant))
         return results
 
     def prefill(
-        self, prompts: Sequence[Sequence[int]], *, reserve_tokens: int = 0
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        reserve_tokens: int = 0,
+        tenant: str = DEFAULT_TENANT,
     ) -> tuple[Batch, np.ndarray]:
         """Start sequences: cache the prompts, return the batch and last-token logits [B, V].
 
-        `reserve_tokens` is room kept for each sequence's later decode steps.
+        `reserve_tokens` is how far each sequence may later grow by decoding (checked
+        against the context now); the paged pool grants pages as tokens arrive, for `tenant`.
         """
         rows = _as_rows(prompts)
-        batch = self._allocate(rows, reserve_tokens)
+        batch = self._allocate(rows, reserve_tokens, tenant)
         try:
             logits = self._forward(
                 batch, rows, "last", lengths_before=np.zeros(len(rows), np.int64)
@@ -184,7 +214,15 @@ class Engine:
 
     def memory_report(self) -> MemoryReport:
         """Bytes per weight tensor (true storage: QArray.nbytes) and the cache's bytes."""
-        return memory_report(self.params, self.cache.nbytes)
+        kv_layers = self.cache.kv_report() if hasattr(self.cache, "kv_report") else ()
+        return memory_report(self.params, self.cache.nbytes, kv_layers)
+
+    def add_tenant(self, name: str, guaranteed_pages: int = 0) -> None:
+        """Give `name` a guaranteed share of the pool's pages; it may borrow free pages above
+        it and loses borrowed ones (its newest sequence preempted) to another's guarantee."""
+        if not hasattr(self.cache, "add_tenant"):
+            raise ValueError("this engine's cache has no tenants; use the paged pool")
+        self.cache.add_tenant(name, guaranteed_pages)
 
     def encode(self, text: str) -> list[int]:
         return self._require_tokenizer().encode(text)
@@ -205,7 +243,14 @@ class Engine:
         for start in range(0, len(rows), step):
             yield start, rows[start : start + step]
 
-    def _allocate(self, rows: list[list[int]], reserve: int) -> Batch:
+    def _allocate(self, rows: list[list[int]], reserve: int, tenant: str = DEFAULT_TENANT) -> Batch:
+        context = self.config.max_position_embeddings
+        too_long = [len(r) + reserve for r in rows if len(r) + reserve > context]
+        if too_long:
+            raise ValueError(
+                f"a sequence of {max(too_long)} tokens (prompt + reserved/new tokens) exceeds "
+                f"the model's context of {context} tokens"
+            )
         if len(rows) > self.cache.max_seqs:
             raise ValueError(
                 f"{len(rows)} sequences exceed the cache's max_seqs={self.cache.max_seqs}"
@@ -213,7 +258,7 @@ class Engine:
         ids: list[int] = []
         try:
             for r in rows:
-                ids.append(self.cache.allocate(len(r) + reserve))
+                ids.append(self.cache.allocate(len(r) + reserve, tenant))
         except BaseException:
             for seq_id in ids:
                 self.cache.free(seq_id)
@@ -250,6 +295,7 @@ class Engine:
         positions = (start[:, None] + np.arange(s)[None, :]).astype(np.int32)
         end = int((start[:n] + np.array([len(r) for r in rows])).max())
         kv_tokens = self._cap(steps.pow2_at_least(end, _MIN_BUCKET))
+        self.cache.prepare(batch.seq_ids, [int(e) for e in start[:n] + [len(r) for r in rows]])
         table = self.cache.table(batch.seq_ids + [None] * (b - n))
         compile_before = self.stats.compile_s
         began = time.perf_counter()
@@ -286,10 +332,12 @@ class Engine:
         batch.lengths = batch.lengths + 1
         return out
 
-    def _generate_chunk(self, rows, max_new_tokens: int, stops: set[int]) -> list[list[int]]:
+    def _generate_chunk(
+        self, rows, max_new_tokens: int, stops: set[int], tenant: str = DEFAULT_TENANT
+    ) -> list[list[int]]:
         if max_new_tokens <= 0:
             return [[] for _ in rows]
-        batch = self._allocate(rows, max_new_tokens)
+        batch = self._allocate(rows, max_new_tokens, tenant)
         try:
             zeros = np.zeros(len(rows), np.int64)
             nxt = np.asarray(self._forward(batch, rows, "last", lengths_before=zeros)[1])[

@@ -1,0 +1,298 @@
+"""Device half of the paged KV pool: per-layer page arrays in the plan's formats, inside jit.
+
+Each layer's keys and values live in pages of `page_tokens` tokens, in the format the plan's
+KV part gives that layer, with their scales beside them. Writes quantize; `read` always
+dequantizes from the pool (the fresh projections are never attended to directly). Tensors
+scaled per channel wait in a bf16 residual page until the page fills; per-token tensors are
+quantized at write time. The first `sink_tokens` tokens of quantized tensors keep a bf16 copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tenantq.numerics import QArray, dequantize, elements, quantize
+from tenantq.numerics.packing import pack_nibbles
+
+RESIDUAL_DTYPE = "bfloat16"  # residual windows, sinks and bf16-format pages
+# A token-scaled nvfp4 page fixes its float32 tensor scale when its first tokens are written
+# (later tokens cannot change it without requantizing the page): amax of those tokens times
+# this headroom, so a later token up to 16x larger still fits the E4M3 block scales. E4M3
+# keeps its 2^-3 relative step down to 2^-6, so the headroom costs no precision above that.
+NVFP4_TOKEN_HEADROOM = 16.0
+_NVFP4_BLOCK = 16
+
+
+def _bits_dtype(dtype):
+    """Storage dtype: 8/16-bit floats are held as their bit patterns (uint8/uint16), since
+    XLA:CPU scatters into small float arrays by converting the whole array (~100x slower)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return jnp.dtype(f"uint{8 * dtype.itemsize}")
+    return dtype
+
+
+def _to_bits(x):
+    bits = _bits_dtype(x.dtype)
+    return x if bits == x.dtype else jax.lax.bitcast_convert_type(x, bits)
+
+
+def _from_bits(a, dtype):
+    dtype = jnp.dtype(dtype)
+    return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """How one tensor (keys or values) of one layer is stored."""
+
+    fmt: str
+    axis: str  # "channel" (scales over a page's tokens) | "token" (scales over head_dim)
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt != "bf16"
+
+    @property
+    def needs_residual(self) -> bool:
+        return self.quantized and self.axis == "channel"
+
+    @property
+    def axis_index(self) -> int:
+        return 0 if self.axis == "channel" else -1
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayout:
+    """Static, hashable description of the pool; `CacheLayout` for the runner's step.
+
+    The `table` a step receives is int32 [B, 2 + max_pages]: column 0 the sequence's slot
+    (residual and sink buffers), column 1 its length after this step, then its block table.
+    Padding rows carry slot `max_seqs` and page `num_pages` (out of range: never written).
+    """
+
+    num_pages: int
+    page_tokens: int
+    max_seqs: int
+    max_pages: int  # block-table width: pages one sequence may hold
+    kv_heads: int
+    head_dim: int
+    sink_tokens: int
+    layers: tuple[tuple[TensorSpec, TensorSpec], ...]  # (keys, values) per layer
+    dtype: str  # compute dtype of what `read` returns
+
+    # ---------------------------------------------------------------- state
+    def page_struct(self, spec: TensorSpec) -> QArray:
+        """Shapes/dtypes of one quantized page (a QArray of ShapeDtypeStructs)."""
+        return _page_struct((self.page_tokens, self.kv_heads, self.head_dim), spec)
+
+    def tensor_state(self, spec: TensorSpec) -> dict[str, jax.Array]:
+        """Arrays of one tensor of one layer; every array has the KV-head axis at index 2."""
+        n, p, h, d = self.num_pages, self.page_tokens, self.kv_heads, self.head_dim
+        if not spec.quantized:
+            return {"pages": jnp.zeros((n, p, h, d), _bits_dtype(RESIDUAL_DTYPE))}
+        q = self.page_struct(spec)
+        out = {
+            "pages": jnp.zeros((n, *q.data.shape), _bits_dtype(q.data.dtype)),
+            "scales": jnp.zeros((n, *q.scale.shape), _bits_dtype(q.scale.dtype)),
+        }
+        if q.tensor_scale is not None:
+            out["tensor_scale"] = jnp.ones((n,), q.tensor_scale.dtype)
+        if spec.needs_residual:
+            out["residual"] = jnp.zeros((self.max_seqs, p, h, d), _bits_dtype(RESIDUAL_DTYPE))
+        if self.sink_tokens:
+            shape = (self.max_seqs, self.sink_tokens, h, d)
+            out["sinks"] = jnp.zeros(shape, _bits_dtype(RESIDUAL_DTYPE))
+        return out
+
+    def init_state(self) -> tuple[dict[str, dict[str, jax.Array]], ...]:
+        return tuple(
+            {"keys": self.tensor_state(k), "values": self.tensor_state(v)} for k, v in self.layers
+        )
+
+    # ---------------------------------------------------------------- jit side
+    def write(self, state, layer, table, positions, valid, keys, values):
+        k_spec, v_spec = self.layers[layer]
+        new = {
+            "keys": self._write_tensor(state[layer]["keys"], k_spec, table, positions, valid, keys),
+            "values": self._write_tensor(
+                state[layer]["values"], v_spec, table, positions, valid, values
+            ),
+        }
+        return state[:layer] + (new,) + state[layer + 1 :]
+
+    def read(self, state, layer, table, kv_tokens):
+        k_spec, v_spec = self.layers[layer]
+        n_read = -(-kv_tokens // self.page_tokens)
+        keys = self._read_tensor(state[layer]["keys"], k_spec, table, n_read)
+        values = self._read_tensor(state[layer]["values"], v_spec, table, n_read)
+        key_pos = jnp.broadcast_to(
+            jnp.arange(n_read * self.page_tokens, dtype=jnp.int32), keys.shape[:2]
+        )
+        return keys, values, key_pos
+
+    # ---------------------------------------------------------------- writes
+    def _write_tensor(self, arrays, spec, table, positions, valid, x):
+        p, n = self.page_tokens, self.num_pages
+        slots, blocks = table[:, 0], table[:, 2:]
+        x = x.astype(RESIDUAL_DTYPE)
+        page_idx = jnp.clip(positions // p, 0, self.max_pages - 1)
+        page = jnp.where(valid, jnp.take_along_axis(blocks, page_idx, axis=1), n)
+        offset = positions % p
+        arrays = dict(arrays)
+        if spec.quantized and self.sink_tokens:
+            at = jnp.where(valid & (positions < self.sink_tokens), positions, self.sink_tokens)
+            rows = jnp.broadcast_to(slots[:, None], at.shape)
+            arrays["sinks"] = arrays["sinks"].at[rows, at].set(_to_bits(x), mode="drop")
+        if not spec.quantized:
+            arrays["pages"] = arrays["pages"].at[page, offset].set(_to_bits(x), mode="drop")
+        elif spec.needs_residual:
+            arrays.update(self._write_channel(arrays, spec, table, positions, valid, x))
+        else:
+            arrays.update(self._write_token(arrays, spec, page, offset, valid, x))
+        return arrays
+
+    def _write_token(self, arrays, spec, page, offset, valid, x):
+        """Per-token scales: quantize the new tokens now, scatter them into their pages."""
+        x = x.astype(jnp.float32)
+        out = {}
+        if spec.fmt == "nvfp4":
+            data, scale, tensor_scale = self._nvfp4_tokens(arrays, page, offset, valid, x)
+            out["tensor_scale"] = tensor_scale
+        else:
+            q = quantize(x, spec.fmt, axis=-1)
+            data, scale = q.data, q.scale
+        out["pages"] = arrays["pages"].at[page, offset].set(_to_bits(data), mode="drop")
+        out["scales"] = arrays["scales"].at[page, offset].set(_to_bits(scale), mode="drop")
+        return out
+
+    def _nvfp4_tokens(self, arrays, page, offset, valid, x):
+        """nvfp4 per token with one tensor scale per page, fixed when the page is opened."""
+        n = self.num_pages
+        token_amax = jnp.where(valid, jnp.max(jnp.abs(x), axis=(2, 3)), 0.0)
+        page_amax = jnp.zeros((n,), jnp.float32).at[page].max(token_amax, mode="drop")
+        opens = (valid & (offset == 0)).astype(jnp.int32)
+        opened = jnp.zeros((n,), jnp.int32).at[page].max(opens, mode="drop")
+        fresh = page_amax * NVFP4_TOKEN_HEADROOM / (448.0 * 6.0)
+        fresh = jnp.where(jnp.isfinite(fresh) & (fresh >= np.finfo(np.float32).tiny), fresh, 1.0)
+        tensor_scale = jnp.where(opened > 0, fresh, arrays["tensor_scale"])
+        g = tensor_scale[jnp.clip(page, 0, n - 1)][..., None, None]  # [B, S, 1, 1]
+        d = x.shape[-1]
+        groups = -(-d // _NVFP4_BLOCK)
+        padded = jnp.pad(x, [(0, 0)] * 3 + [(0, groups * _NVFP4_BLOCK - d)])
+        blocks = padded.reshape(*x.shape[:-1], groups, _NVFP4_BLOCK)
+        target = jnp.max(jnp.abs(blocks), axis=-1) / 6.0 / g
+        block_scale = elements.saturating_cast(target, "float8_e4m3fn", 448.0)
+        step = block_scale.astype(jnp.float32) * g
+        y = jnp.where(step[..., None] > 0, blocks / jnp.where(step > 0, step, 1.0)[..., None], 0.0)
+        y = y.reshape(*x.shape[:-1], groups * _NVFP4_BLOCK)[..., :d]
+        data = pack_nibbles(elements.encode_e2m1(jnp.clip(y, -6.0, 6.0)))
+        return data, block_scale, tensor_scale
+
+    def _write_channel(self, arrays, spec, table, positions, valid, x):
+        """Per-channel scales: assemble the touched pages (residual + new tokens); quantize
+        those that are now full into the pool, keep the newest partial page as residual."""
+        p, n = self.page_tokens, self.num_pages
+        b, s = positions.shape
+        slots, end, blocks = table[:, 0], table[:, 1], table[:, 2:]
+        span = (s + p - 2) // p + 1  # pages a run of s tokens can touch
+        start = positions[:, 0]
+        base = (start // p) * p
+        residual = arrays["residual"][jnp.clip(slots, 0, self.max_seqs - 1)]
+        residual = _from_bits(residual, RESIDUAL_DTYPE).astype(jnp.float32)
+        x = x.astype(jnp.float32)  # bf16 values, exactly
+        window = jnp.zeros((b, span * p, *x.shape[2:]), jnp.float32)
+        window = window.at[:, :p].set(residual)
+        at = jnp.where(valid, positions - base[:, None], span * p)
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], at.shape)
+        window = window.at[rows, at].set(x, mode="drop")
+        pages = window.reshape(b * span, p, *x.shape[2:])
+        q = jax.vmap(lambda page: quantize(page, spec.fmt, axis=0))(pages)
+        j = jnp.arange(span)[None, :]
+        full = base[:, None] + (j + 1) * p <= end[:, None]
+        first = base[:, None] // p + j
+        block = jnp.take_along_axis(blocks, jnp.clip(first, 0, self.max_pages - 1), axis=1)
+        target = jnp.where(full, block, n).reshape(-1)
+        out = {
+            "pages": arrays["pages"].at[target].set(_to_bits(q.data), mode="drop"),
+            "scales": arrays["scales"].at[target].set(_to_bits(q.scale), mode="drop"),
+        }
+        if q.tensor_scale is not None:
+            out["tensor_scale"] = arrays["tensor_scale"].at[target].set(q.tensor_scale, mode="drop")
+        newest = jnp.clip((end - base) // p, 0, span - 1)
+        kept = window.reshape(b, span, p, *x.shape[2:])[jnp.arange(b), newest]
+        written = jnp.where(valid.any(axis=1), slots, self.max_seqs)
+        kept = _to_bits(kept.astype(RESIDUAL_DTYPE))
+        out["residual"] = arrays["residual"].at[written].set(kept, mode="drop")
+        return out
+
+    # ---------------------------------------------------------------- reads
+    def _read_tensor(self, arrays, spec, table, n_read):
+        p = self.page_tokens
+        slots = jnp.clip(table[:, 0], 0, self.max_seqs - 1)
+        end = table[:, 1]
+        pages = jnp.clip(table[:, 2 : 2 + n_read], 0, self.num_pages - 1)  # [B, n_read]
+        b = pages.shape[0]
+        if spec.quantized:
+            struct = self.page_struct(spec)
+            ts = arrays.get("tensor_scale")
+
+            def one_page(i):
+                q = QArray(
+                    _from_bits(arrays["pages"][i], struct.data.dtype),
+                    _from_bits(arrays["scales"][i], struct.scale.dtype), None,
+                    None if ts is None else ts[i], struct.shape, struct.fmt, struct.axis,
+                    struct.group_size,
+                )  # fmt: skip
+                return dequantize(q)
+
+            values = jax.vmap(one_page)(pages.reshape(-1))
+        else:
+            values = _from_bits(arrays["pages"][pages.reshape(-1)], RESIDUAL_DTYPE)
+        values = values.reshape(b, n_read * p, self.kv_heads, self.head_dim)
+        values = values.astype(self.dtype)
+        t = jnp.arange(n_read * p)
+        if spec.needs_residual:
+            residual = _from_bits(arrays["residual"][slots][:, t % p], RESIDUAL_DTYPE)
+            residual = residual.astype(self.dtype)
+            in_residual = t[None, :] >= ((end // p) * p)[:, None]
+            values = jnp.where(in_residual[..., None, None], residual, values)
+        if spec.quantized and self.sink_tokens:
+            sinks = arrays["sinks"][slots][:, jnp.minimum(t, self.sink_tokens - 1)]
+            sinks = _from_bits(sinks, RESIDUAL_DTYPE)
+            in_sink = (t < self.sink_tokens)[None, :, None, None]
+            values = jnp.where(in_sink, sinks.astype(self.dtype), values)
+        return values
+
+
+@functools.lru_cache(maxsize=256)
+def _page_struct(shape: tuple[int, ...], spec: TensorSpec) -> QArray:
+    page = jax.ShapeDtypeStruct(shape, "float32")
+    return jax.eval_shape(lambda x: quantize(x, spec.fmt, axis=spec.axis_index), page)
+
+
+def layout_nbytes(state) -> list[dict[str, int]]:
+    """Per layer: bytes of page data, page scales, residual windows and sinks (true sizes:
+    packed data is already uint8, so every array's size times itemsize is its storage)."""
+
+    def nbytes(a) -> int:
+        return int(math.prod(a.shape)) * np.dtype(a.dtype).itemsize
+
+    rows = []
+    for per_layer in state:
+        row = {"data_bytes": 0, "scale_bytes": 0, "residual_bytes": 0, "sink_bytes": 0}
+        for arrays in per_layer.values():
+            row["data_bytes"] += nbytes(arrays["pages"])
+            for name in ("scales", "tensor_scale"):
+                if name in arrays:
+                    row["scale_bytes"] += nbytes(arrays[name])
+            row["residual_bytes"] += nbytes(arrays["residual"]) if "residual" in arrays else 0
+            row["sink_bytes"] += nbytes(arrays["sinks"]) if "sinks" in arrays else 0
+        rows.append(row)
+    return rows

@@ -1,0 +1,271 @@
+"""Tensor parallelism: a 1-d device mesh, where every weight and KV-cache array goes on it.
+
+The layout is the one the capacity planner budgets (Megatron): q/k/v and gate/up split
+their output columns, o and down their input rows, embed and an untied lm_head the
+vocabulary, norms replicated, the KV cache by KV head. Arrays are placed with
+`NamedSharding` and jit propagates the rest. A quantized tensor's scales either come from
+the whole tensor ("global") or from each device's slice alone ("shard").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tenantq.model.config import ModelConfig
+from tenantq.numerics import QArray, get_format
+from tenantq.quant.apply import quantize_tensor
+from tenantq.quant.plan import QuantPlan, TensorQuant
+
+AXIS = "tp"  # the mesh's one axis name
+SCALE_SCOPES = ("global", "shard")
+HEAD_AXIS = 2  # every KV-cache array is [..., ..., kv_heads, ...]
+
+# Tensor name -> the axis split across devices (weights are stored [in, out]).
+_SPLIT_AXIS = {
+    "q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 0,
+    "q_bias": 0, "k_bias": 0, "v_bias": 0,
+    "gate_proj": 1, "up_proj": 1, "down_proj": 0,
+}  # fmt: skip
+
+
+def check_tp(config: ModelConfig, tp: int) -> None:
+    """Devices must split heads, KV heads and MLP units evenly (KV heads are never copied)."""
+    dims = {
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    bad = [f"{k}={v}" for k, v in dims.items() if v % tp]
+    if bad:
+        valid = [
+            n for n in range(1, config.num_kv_heads + 1) if all(v % n == 0 for v in dims.values())
+        ]
+        raise ValueError(
+            f"tp={tp} does not divide {', '.join(bad)}; tensor parallelism needs a device "
+            f"count dividing heads, KV heads and MLP units: valid tp values are "
+            f"{', '.join(map(str, valid))}"
+        )
+
+
+def make_mesh(tp: int, config: ModelConfig | None = None) -> Mesh:
+    """A 1-d mesh named "tp" over the first `tp` local devices (checked against `config`)."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    if config is not None:
+        check_tp(config, tp)
+    devices = jax.local_devices()
+    if tp > len(devices):
+        raise ValueError(
+            f"tp={tp} but this process sees {len(devices)} {devices[0].platform} device(s): "
+            f"valid tp values are 1..{len(devices)} (on CPU, set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax)"
+        )
+    return Mesh(np.array(devices[:tp]), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+def split_axis(path: str, config: ModelConfig, tp: int) -> int | None:
+    """The axis of tensor `path` split across `tp` devices, or None when it is replicated.
+
+    The vocabulary is split only when tp divides it (`NamedSharding` needs even shards);
+    otherwise embed/lm_head stay whole on every device.
+    """
+    if path in ("embed", "lm_head"):
+        return (0 if path == "embed" else 1) if config.vocab_size % tp == 0 else None
+    return _SPLIT_AXIS.get(path.rsplit("/", 1)[-1])
+
+
+def _spec(ndim: int, axis: int | None) -> P:
+    return P() if axis is None else P(*(AXIS if i == axis else None for i in range(ndim)))
+
+
+def param_spec(path: str, value: Any, config: ModelConfig, tp: int):
+    """The PartitionSpec of one params leaf; for a QArray, a QArray of specs (one per field).
+
+    Data is split like the logical tensor (packed int4/fp4 data along its packed last axis:
+    each shard must hold an even number of elements). A scale/zero point is split on the
+    same axis when it runs the tensor's full length there (per-channel along an unsharded
+    axis) or holds whole groups per shard; a scale of length 1 there is replicated.
+    """
+    axis = split_axis(path, config, tp)
+    if not isinstance(value, QArray):
+        return _spec(len(value.shape), axis)
+    if axis is None:
+        return QArray(*(None if a is None else P() for a in _fields(value)), *_aux(value))
+    length = value.shape[axis]
+    if length % tp:
+        raise ValueError(f"{path}: tp={tp} does not divide its axis {axis} of length {length}")
+    shard = length // tp
+    if get_format(value.fmt).packed and axis == value.ndim - 1 and shard % 2:
+        raise ValueError(
+            f"{path}: {value.fmt} packs two elements per byte along axis {axis}; a shard of "
+            f"{shard} elements would split a byte (use an even shard width)"
+        )
+    data = _spec(value.ndim, axis)
+    scale = None if value.scale is None else _scale_spec(path, value, axis, shard, tp)
+    zero = None if value.zero_point is None else scale
+    tensor = None if value.tensor_scale is None else P()
+    return QArray(data, scale, zero, tensor, *_aux(value))
+
+
+def _scale_spec(path: str, q: QArray, axis: int, shard: int, tp: int) -> P:
+    n = q.scale.shape[axis]
+    if n == 1:
+        return P()  # one scale along the split axis: every device needs it
+    if n == q.shape[axis]:
+        return _spec(q.ndim, axis)  # one scale per element of the split axis
+    group = q.group_size if q.axis == axis and q.group_size else -(-q.shape[axis] // n)
+    if n % tp or shard % group:
+        raise ValueError(
+            f"{path}: groups of {group} along axis {axis} do not align with the {tp} shards "
+            f"of {shard}; use a group size dividing {shard}, or scales='shard'"
+        )
+    return _spec(q.ndim, axis)
+
+
+def _fields(q: QArray):
+    return (q.data, q.scale, q.zero_point, q.tensor_scale)
+
+
+def _aux(q: QArray):
+    return (q.shape, q.fmt, q.axis, q.group_size)
+
+
+def quantize_per_shard(weight, how: TensorQuant, axis: int, tp: int) -> QArray:
+    """Quantize each of `tp` slices of `weight` along `axis` on its own; one QArray back.
+
+    Fields are concatenated along `axis`, so device i holds exactly what quantizing its
+    slice gives. Where the per-shard scales change the layout, the QArray says so:
+    a per-tensor scale (axis=None) becomes `axis=axis, group_size=shard` with a scale of
+    `tp` entries along `axis` and 1 elsewhere (dequantize broadcasts it), and one group
+    over a split axis becomes groups of one shard. nvfp4's per-tensor scale has no
+    per-shard form in `dequantize`, so it is refused.
+    """
+    spec = get_format(how.format)
+    if spec.has_tensor_scale:
+        raise ValueError(
+            f"{how.path}: scales='shard' cannot store {how.format}'s per-tensor scale per "
+            "shard (dequantize takes one tensor scale); use scales='global' for it"
+        )
+    shard = weight.shape[axis] // tp
+    if spec.packed and axis == len(weight.shape) - 1 and shard % 2:
+        raise ValueError(f"{how.path}: {how.format} shards of {shard} would split a packed byte")
+    parts = [quantize_tensor(s, how) for s in jnp.split(jnp.asarray(weight), tp, axis=axis)]
+    first = parts[0]
+    q_axis, group = first.axis, first.group_size
+    if q_axis is None:
+        q_axis, group = axis, shard
+    elif q_axis == axis:
+        n_groups = first.scale.shape[axis] if first.scale is not None else 1
+        if group is None or n_groups == 1:
+            group = shard
+        elif shard % group:
+            raise ValueError(
+                f"{how.path}: groups of {group} leave a partial group inside each shard of "
+                f"{shard} along axis {axis}; use a group size dividing {shard}"
+            )
+
+    def cat(field: int):
+        arrays = [_fields(q)[field] for q in parts]
+        return None if arrays[0] is None else jnp.concatenate(arrays, axis=axis)
+
+    return QArray(cat(0), cat(1), cat(2), None, tuple(weight.shape), first.fmt, q_axis, group)
+
+
+def _resolve(plan, config: ModelConfig) -> Mapping[str, TensorQuant]:
+    if plan is None:
+        return {}
+    if isinstance(plan, QuantPlan):
+        return plan.resolve(config)
+    return plan  # already resolved: path -> TensorQuant (e.g. per-tensor axis=None)
+
+
+def shard_params(
+    params: Mapping[str, Any],
+    config: ModelConfig,
+    mesh: Mesh,
+    *,
+    scales: str = "global",
+    plan: QuantPlan | Mapping[str, TensorQuant] | None = None,
+) -> dict[str, Any]:
+    """Params quantized as `plan` says and placed on `mesh` with their `param_spec`.
+
+    scales="global": each tensor is quantized whole (the scales of an unsharded run),
+    then split. scales="shard": each device's slice is quantized on its own
+    (`quantize_per_shard`), which needs full-precision params. Leaves already quantized
+    are placed as they are under "global". `plan` may be a QuantPlan or its resolved form
+    (path -> TensorQuant), which can ask for per-tensor scales (axis=None).
+    """
+    if scales not in SCALE_SCOPES:
+        raise ValueError(f"scales={scales!r}; valid: {', '.join(SCALE_SCOPES)}")
+    tp = mesh.shape[AXIS]
+    check_tp(config, tp)
+    resolved = _resolve(plan, config)
+    out: dict[str, Any] = {}
+    for path, value in params.items():
+        how, axis = resolved.get(path), split_axis(path, config, tp)
+        if isinstance(value, QArray):
+            if scales == "shard" and axis is not None:
+                raise ValueError(
+                    f"{path}: scales='shard' quantizes each shard from full precision, but "
+                    f"this tensor is already a {value.fmt} QArray"
+                )
+        elif how is not None:
+            if scales == "shard" and axis is not None:
+                if path == "embed" and how.axis is None:
+                    raise ValueError(
+                        "embed: the row gather reads one scale per row or per tensor; "
+                        "per-shard per-tensor scales would need per-shard gathers"
+                    )
+                if how.activations is not None and axis == how.axis:
+                    raise ValueError(
+                        f"{path}: W8A8 needs one scale per output channel; per-shard scales "
+                        f"over split rows break that (use scales='global')"
+                    )
+                value = quantize_per_shard(value, how, axis, tp)
+            else:
+                value = quantize_tensor(value, how)
+        specs = param_spec(path, value, config, tp)
+        out[path] = jax.device_put(value, _named(specs, mesh))
+    return out
+
+
+def _named(specs, mesh: Mesh):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def shard_cache_state(state: Any, mesh: Mesh) -> Any:
+    """Every KV-cache array split on its KV-head axis (index 2); smaller arrays replicated."""
+    tp = mesh.shape[AXIS]
+
+    def place(array):
+        if array.ndim <= HEAD_AXIS:
+            return jax.device_put(array, NamedSharding(mesh, P()))
+        if array.shape[HEAD_AXIS] % tp:
+            raise ValueError(
+                f"cache array {tuple(array.shape)}: tp={tp} does not divide its KV-head axis "
+                f"(index {HEAD_AXIS}) of {array.shape[HEAD_AXIS]}"
+            )
+        return jax.device_put(array, NamedSharding(mesh, _spec(array.ndim, HEAD_AXIS)))
+
+    return jax.tree.map(place, state)
+
+
+def device_bytes(tree: Any) -> dict[int, int]:
+    """Bytes each device holds for the arrays of `tree` (a replicated array counts on each)."""
+    out: dict[int, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            size = int(np.prod(shard.data.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+            out[shard.device.id] = out.get(shard.device.id, 0) + size
+    return out

@@ -1,0 +1,91 @@
+"""The planner predicts the engine's real allocation byte for byte (weights and KV pool).
+
+For the same model, plan and pool size, `capacity.tensor_bytes` must equal each weight
+tensor's true storage in `Engine.memory_report()`, and `capacity.kv_pool_bytes` each KV
+layer's page, residual and sink bytes, read from the pool's real arrays.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tenantq.capacity import kv as capacity_kv
+from tenantq.capacity.weights import tensor_bytes
+from tenantq.engine import Engine
+from tenantq.model.config import ModelConfig
+from tenantq.quant.plan import KVPlan, QuantPlan, Rule
+
+REFERENCE = Path(__file__).resolve().parents[2] / "platform/tenantq/reference/model"
+
+
+def _reference_shape() -> ModelConfig:
+    if (REFERENCE / "config.json").is_file():
+        return ModelConfig.from_file(REFERENCE)
+    return ModelConfig(
+        model_type="llama", vocab_size=2048, hidden_size=256, intermediate_size=768,
+        num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32, max_position_embeddings=2048,
+    )  # fmt: skip
+
+
+def _odd_shape() -> ModelConfig:
+    # Odd sizes: packing pads a nibble, groups and nvfp4/MX blocks run partial.
+    return ModelConfig(
+        model_type="llama", vocab_size=37, hidden_size=24, intermediate_size=40,
+        num_layers=3, num_heads=2, num_kv_heads=1, head_dim=12, max_position_embeddings=64,
+    )  # fmt: skip
+
+
+PLANS = {
+    "bf16": QuantPlan(),
+    "fp8 weights + fp8 kv": QuantPlan.uniform("fp8_e4m3", "fp8_e4m3"),
+    "int4 mlp + int8/int4 kv, sinks, bf16 layers": QuantPlan(
+        rules=(Rule("layers/.*/mlp/.*", "int4", group_size=128),),
+        kv=KVPlan("int8", "channel", "int4", "token", sink_tokens=4, bf16_layers=(0, -1)),
+    ),
+    "nvfp4 weights + mxfp4/nvfp4 kv, per-layer override": QuantPlan(
+        rules=(Rule("layers/.*", "nvfp4"), Rule(".*", "mxfp4")),
+        kv=KVPlan(
+            "nvfp4",
+            "channel",
+            "mxfp4",
+            "token",
+            sink_tokens=2,
+            layer_formats=((1, "fp8_e5m2", "nvfp4"),),
+        ),  # fmt: skip
+    ),
+    "kv axes swapped": QuantPlan(kv=KVPlan("int4", "token", "nvfp4", "channel", sink_tokens=3)),
+}
+POOLS = [
+    dict(num_pages=7, max_seqs=3, page_tokens=16),
+    dict(num_pages=40, max_seqs=5, page_tokens=8),
+]
+
+
+@pytest.fixture(scope="module", params=["reference", "odd"])
+def model(request):
+    from tenantq.model.decoder import init_params
+
+    config = _reference_shape() if request.param == "reference" else _odd_shape()
+    return config, init_params(config, seed=0)
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+def test_memory_report_equals_the_planner(model, plan_name: str) -> None:
+    config, params = model
+    plan = PLANS[plan_name]
+    for pool in POOLS:
+        report = Engine(config, params, plan, dtype="bfloat16", **pool).memory_report()
+        planned = {t.path: t.bytes_per_chip for t in tensor_bytes(config, plan, tp=1)}
+        assert report.weight_bytes == planned
+        for path, parts in report.weight_parts.items():
+            assert sum(parts.values()) == report.weight_bytes[path]
+        kv = capacity_kv.kv_pool_bytes(
+            config, plan, pool["num_pages"], pool["max_seqs"], pool["page_tokens"]
+        )
+        for got, want in zip(report.kv_layers, kv["layers"], strict=True):
+            assert got["pages_bytes"] == want["pages_bytes"], (plan_name, pool, got["layer"])
+            assert got["residual_bytes"] == want["residual_bytes"]
+            assert got["sink_bytes"] == want["sink_bytes"]
+        assert report.cache_bytes == kv["total_bytes"]
