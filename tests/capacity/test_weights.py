@@ -113,11 +113,14 @@ def test_row_sharded_fp8_keeps_a_full_scale_row_on_each_chip():
     assert o.bytes_per_chip == 1024 * 8192 + 8192 * 4
 
 
-def test_vocab_not_divisible_by_chips_is_padded(tiny):
-    # vocab 11 over 2 chips: each chip holds ceil(11/2) = 6 rows of 8 bf16 values.
+def test_vocab_not_divisible_by_chips_is_replicated(tiny):
+    # vocab 11 over 2 chips: NamedSharding needs even shards, so the engine keeps the whole
+    # 11 x 8 bf16 embedding on each chip; the planner counts what the engine holds.
     tensors = tensor_bytes(tiny(num_kv_heads=2, intermediate_size=14), QuantPlan(), 2)
     embed = next(t for t in tensors if t.path == "embed")
-    assert embed.shard_shape == (6, 8) and embed.bytes_per_chip == 6 * 8 * 2
+    assert embed.shard_shape == (11, 8) and embed.bytes_per_chip == 11 * 8 * 2
+    even = tensor_bytes(tiny(num_kv_heads=2, intermediate_size=14, vocab_size=12), QuantPlan(), 2)
+    assert next(t for t in even if t.path == "embed").shard_shape == (6, 8)
 
 
 def test_plan_rules_pick_formats_per_tensor():

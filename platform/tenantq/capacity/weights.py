@@ -2,8 +2,8 @@
 
 Sharding follows the Megatron layout the engine uses: q/k/v and gate/up split their output
 columns (by head, by MLP unit), o and down split their input rows; the embedding and an
-untied lm_head split the vocabulary (padded up to a multiple of the chip count, the padding
-counted as held); norms are replicated on every chip. A chip's shard is stored as its own
+untied lm_head split the vocabulary when the chip count divides it and are replicated whole
+otherwise (as the engine's sharding does); norms are replicated on every chip. A chip's shard is stored as its own
 quantized tensor, so its bytes are `storage_nbytes` of the shard's shape (scales, zero
 points, packing padding and nvfp4's tensor scale included, per chip).
 """
@@ -30,8 +30,8 @@ _SHARDING = {
     "down_proj": ("mlp", 0),
 }
 SHARDING_LABELS = {
-    "embed": "sharded over vocab",
-    "lm_head": "sharded over vocab",
+    "embed": "sharded over vocab (whole if chips do not divide it)",
+    "lm_head": "sharded over vocab (whole if chips do not divide it)",
     "attention": "sharded over heads",
     "mlp": "sharded over MLP units",
     "norms": "replicated",
@@ -58,29 +58,15 @@ class TensorBytes:
 
 def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
     """Chips must split attention heads, KV heads and MLP units evenly (no KV replication)."""
-    dims = {
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "intermediate_size": config.intermediate_size,
-    }
-    bad = [f"{k}={v}" for k, v in dims.items() if v % tp]
-    if bad:
-        valid = [
-            n for n in range(1, config.num_kv_heads + 1) if all(v % n == 0 for v in dims.values())
-        ]
-        raise ValueError(
-            f"{tp} chips do not divide {', '.join(bad)} of this model; tensor parallelism "
-            f"needs chips that divide the heads, KV heads and MLP units: "
-            f"valid chip counts are {', '.join(map(str, valid))}"
-        )
+    config.check_tensor_parallel(tp, valid_name="chip counts")
 
 
 def _shard(path: str, shape: tuple[int, ...], tp: int) -> tuple[str, tuple[int, ...]]:
     name = path.rsplit("/", 1)[-1]
     if path == "embed":
-        return "embed", (-(-shape[0] // tp), shape[1])
+        return "embed", (shape[0] // tp, shape[1]) if shape[0] % tp == 0 else shape
     if path == "lm_head":
-        return "lm_head", (shape[0], -(-shape[1] // tp))
+        return "lm_head", (shape[0], shape[1] // tp) if shape[1] % tp == 0 else shape
     if name in _SHARDING:
         line, axis = _SHARDING[name]
         return line, tuple(d // tp if i == axis else d for i, d in enumerate(shape))

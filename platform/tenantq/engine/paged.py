@@ -20,7 +20,9 @@ import numpy as np
 from tenantq.numerics import QArray, dequantize, elements, quantize
 from tenantq.numerics.packing import pack_nibbles
 
-RESIDUAL_DTYPE = "bfloat16"  # residual windows, sinks and bf16-format pages
+# Residual windows, sinks and bf16-format pages are bf16 in serving; a float32 engine (the
+# parity mode) keeps them in float32 so its cache adds no rounding of its own.
+RESIDUAL_DTYPE = "bfloat16"
 # A token-scaled nvfp4 page fixes its float32 tensor scale when its first tokens are written
 # (later tokens cannot change it without requantizing the page): amax of those tokens times
 # this headroom, so a later token up to 16x larger still fits the E4M3 block scales. E4M3
@@ -86,6 +88,7 @@ class PagedLayout:
     sink_tokens: int
     layers: tuple[tuple[TensorSpec, TensorSpec], ...]  # (keys, values) per layer
     dtype: str  # compute dtype of what `read` returns
+    store_dtype: str = RESIDUAL_DTYPE  # unquantized KV storage (bf16; float32 for parity)
 
     # ---------------------------------------------------------------- state
     def page_struct(self, spec: TensorSpec) -> QArray:
@@ -96,7 +99,7 @@ class PagedLayout:
         """Arrays of one tensor of one layer; every array has the KV-head axis at index 2."""
         n, p, h, d = self.num_pages, self.page_tokens, self.kv_heads, self.head_dim
         if not spec.quantized:
-            return {"pages": jnp.zeros((n, p, h, d), _bits_dtype(RESIDUAL_DTYPE))}
+            return {"pages": jnp.zeros((n, p, h, d), _bits_dtype(self.store_dtype))}
         q = self.page_struct(spec)
         out = {
             "pages": jnp.zeros((n, *q.data.shape), _bits_dtype(q.data.dtype)),
@@ -105,10 +108,10 @@ class PagedLayout:
         if q.tensor_scale is not None:
             out["tensor_scale"] = jnp.ones((n,), q.tensor_scale.dtype)
         if spec.needs_residual:
-            out["residual"] = jnp.zeros((self.max_seqs, p, h, d), _bits_dtype(RESIDUAL_DTYPE))
+            out["residual"] = jnp.zeros((self.max_seqs, p, h, d), _bits_dtype(self.store_dtype))
         if self.sink_tokens:
             shape = (self.max_seqs, self.sink_tokens, h, d)
-            out["sinks"] = jnp.zeros(shape, _bits_dtype(RESIDUAL_DTYPE))
+            out["sinks"] = jnp.zeros(shape, _bits_dtype(self.store_dtype))
         return out
 
     def init_state(self) -> tuple[dict[str, dict[str, jax.Array]], ...]:
@@ -141,7 +144,7 @@ class PagedLayout:
     def _write_tensor(self, arrays, spec, table, positions, valid, x):
         p, n = self.page_tokens, self.num_pages
         slots, blocks = table[:, 0], table[:, 2:]
-        x = x.astype(RESIDUAL_DTYPE)
+        x = x.astype(self.store_dtype)
         page_idx = jnp.clip(positions // p, 0, self.max_pages - 1)
         page = jnp.where(valid, jnp.take_along_axis(blocks, page_idx, axis=1), n)
         offset = positions % p
@@ -205,7 +208,7 @@ class PagedLayout:
         start = positions[:, 0]
         base = (start // p) * p
         residual = arrays["residual"][jnp.clip(slots, 0, self.max_seqs - 1)]
-        residual = _from_bits(residual, RESIDUAL_DTYPE).astype(jnp.float32)
+        residual = _from_bits(residual, self.store_dtype).astype(jnp.float32)
         x = x.astype(jnp.float32)  # bf16 values, exactly
         window = jnp.zeros((b, span * p, *x.shape[2:]), jnp.float32)
         window = window.at[:, :p].set(residual)
@@ -228,7 +231,7 @@ class PagedLayout:
         newest = jnp.clip((end - base) // p, 0, span - 1)
         kept = window.reshape(b, span, p, *x.shape[2:])[jnp.arange(b), newest]
         written = jnp.where(valid.any(axis=1), slots, self.max_seqs)
-        kept = _to_bits(kept.astype(RESIDUAL_DTYPE))
+        kept = _to_bits(kept.astype(self.store_dtype))
         out["residual"] = arrays["residual"].at[written].set(kept, mode="drop")
         return out
 
@@ -254,18 +257,18 @@ class PagedLayout:
 
             values = jax.vmap(one_page)(pages.reshape(-1))
         else:
-            values = _from_bits(arrays["pages"][pages.reshape(-1)], RESIDUAL_DTYPE)
+            values = _from_bits(arrays["pages"][pages.reshape(-1)], self.store_dtype)
         values = values.reshape(b, n_read * p, self.kv_heads, self.head_dim)
         values = values.astype(self.dtype)
         t = jnp.arange(n_read * p)
         if spec.needs_residual:
-            residual = _from_bits(arrays["residual"][slots][:, t % p], RESIDUAL_DTYPE)
+            residual = _from_bits(arrays["residual"][slots][:, t % p], self.store_dtype)
             residual = residual.astype(self.dtype)
             in_residual = t[None, :] >= ((end // p) * p)[:, None]
             values = jnp.where(in_residual[..., None, None], residual, values)
         if spec.quantized and self.sink_tokens:
             sinks = arrays["sinks"][slots][:, jnp.minimum(t, self.sink_tokens - 1)]
-            sinks = _from_bits(sinks, RESIDUAL_DTYPE)
+            sinks = _from_bits(sinks, self.store_dtype)
             in_sink = (t < self.sink_tokens)[None, :, None, None]
             values = jnp.where(in_sink, sinks.astype(self.dtype), values)
         return values

@@ -95,6 +95,7 @@ class PagedPool:
                 for k in kv
             ),
             dtype=str(jnp.dtype(dtype)),
+            store_dtype="float32" if jnp.dtype(dtype) == jnp.float32 else "bfloat16",
         )
         self.state = self.layout.init_state()
         self.max_seqs, self.max_seq_tokens, self.page_tokens = max_seqs, tokens, page_tokens

@@ -36,22 +36,8 @@ _SPLIT_AXIS = {
 
 
 def check_tp(config: ModelConfig, tp: int) -> None:
-    """Devices must split heads, KV heads and MLP units evenly (KV heads are never copied)."""
-    dims = {
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "intermediate_size": config.intermediate_size,
-    }
-    bad = [f"{k}={v}" for k, v in dims.items() if v % tp]
-    if bad:
-        valid = [
-            n for n in range(1, config.num_kv_heads + 1) if all(v % n == 0 for v in dims.values())
-        ]
-        raise ValueError(
-            f"tp={tp} does not divide {', '.join(bad)}; tensor parallelism needs a device "
-            f"count dividing heads, KV heads and MLP units: valid tp values are "
-            f"{', '.join(map(str, valid))}"
-        )
+    """Devices must split heads, KV heads and MLP units evenly (see ModelConfig)."""
+    config.check_tensor_parallel(tp, valid_name="tp values")
 
 
 def make_mesh(tp: int, config: ModelConfig | None = None) -> Mesh:

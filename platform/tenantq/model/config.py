@@ -115,6 +115,27 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def check_tensor_parallel(self, tp: int, *, valid_name: str = "tp values") -> None:
+        """Devices must split heads, KV heads and MLP units evenly (KV heads are never copied).
+
+        Shared by the engine's mesh and the capacity planner so both accept the same degrees.
+        """
+        dims = {
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+        }
+        bad = [f"{k}={v}" for k, v in dims.items() if v % tp]
+        if bad:
+            valid = [
+                n for n in range(1, self.num_kv_heads + 1) if all(v % n == 0 for v in dims.values())
+            ]
+            raise ValueError(
+                f"tensor-parallel degree {tp} does not divide {', '.join(bad)}; it must divide "
+                f"the heads, KV heads and MLP units: valid {valid_name} are "
+                f"{', '.join(map(str, valid))}"
+            )
+
     def layer_kv_tokens(self, layer: int, context_tokens: int) -> int:
         """Tokens of KV a sequence of `context_tokens` keeps in `layer` (windowed layers cap)."""
         if self.layer_types[layer] == "sliding":
