@@ -38,6 +38,27 @@ class MemoryReport:
     def total_bytes(self) -> int:
         return self.total_weight_bytes + self.cache_bytes
 
+    def __str__(self) -> str:
+        """A short table: weight bytes by format, then one line per KV layer."""
+        by_format: dict[str, list[int]] = {}
+        for path, nbytes in self.weight_bytes.items():
+            entry = by_format.setdefault(self.weight_formats[path], [0, 0])
+            entry[0] += 1
+            entry[1] += nbytes
+        lines = [f"weights {self.total_weight_bytes:,} B"]
+        for fmt, (count, nbytes) in sorted(by_format.items(), key=lambda kv: -kv[1][1]):
+            lines.append(f"  {fmt:<9} {count:>5} tensors {nbytes:>16,} B")
+        lines.append(f"KV cache {self.cache_bytes:,} B")
+        for row in self.kv_layers:
+            formats = f"K {row.get('key_format', '?')} V {row.get('value_format', '?')}"
+            lines.append(
+                f"  layer {row.get('layer', '?'):>3} {formats:<24}"
+                f" pages {row['pages_bytes']:>12,} B"
+                f"  residual {row['residual_bytes']:>10,} B  sinks {row['sink_bytes']:>10,} B"
+            )
+        lines.append(f"total {self.total_bytes:,} B")
+        return "\n".join(lines)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "weight_bytes": dict(self.weight_bytes),
