@@ -82,3 +82,26 @@ def test_w8a8_needs_per_channel_weight_scales():
 def test_params_with_unknown_paths_are_rejected(config, params):
     with pytest.raises(ValueError, match="does not have"):
         apply_plan({**params, "layers/7/attn/q_proj": params["embed"]}, QuantPlan(), config)
+
+
+def test_apply_plan_without_config_reads_the_inventory_off_the_params(config, params) -> None:
+    # apply_plan(params, plan) -- the pinned two-argument form -- must store the same bytes as
+    # the form given the model config: both resolve the same formats, axes and groups.
+    from tenantq.quant.apply import apply_plan
+    from tenantq.quant.plan import QuantPlan, Rule
+
+    plan = QuantPlan(rules=(Rule("embed", "int8"), Rule("layers/.*/mlp/.*", "int4", 16)))
+    with_config = apply_plan(params, plan, config)
+    without = apply_plan(params, plan)
+    assert with_config.keys() == without.keys()
+    for path, value in with_config.items():
+        other = without[path]
+        assert type(value) is type(other), path
+        if hasattr(value, "fmt"):
+            assert (value.fmt, value.axis, value.group_size) == (
+                other.fmt,
+                other.axis,
+                other.group_size,
+            )
+            assert value.nbytes == other.nbytes
+    assert without["embed"].axis == 1 and without["layers/0/mlp/up_proj"].axis == 0

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from tenantq.model.config import ModelConfig
+from tenantq.model.config import ModelConfig, TensorInfo
 from tenantq.numerics import QArray, quantize
 from tenantq.quant.plan import ACTIVATION_FORMATS, QuantPlan, TensorQuant
 
@@ -75,10 +75,32 @@ def quantize_tensor(weight, how: TensorQuant, **inputs: Any) -> QArray:
     return algorithm(jnp.asarray(weight, dtype=jnp.float32), how, **inputs)
 
 
+def infer_tensors(params: Mapping[str, Any]) -> dict[str, TensorInfo]:
+    """The tensor inventory read off params keyed by tensor path, for callers without a config.
+
+    Same conventions as `ModelConfig.tensors()`: `embed` [vocab, hidden] is quantized along
+    axis 1, 2-D `*_proj` and `lm_head` [in, out] along axis 0, everything else never.
+    """
+    out = {}
+    for path, value in params.items():
+        shape = tuple(int(d) for d in getattr(value, "shape", ()))
+        if isinstance(value, QArray):
+            shape = value.shape
+        name = path.rsplit("/", 1)[-1]
+        if path == "embed" and len(shape) == 2:
+            out[path] = TensorInfo(path, shape, "embedding", 1)
+        elif (name.endswith("_proj") or path == "lm_head") and len(shape) == 2:
+            out[path] = TensorInfo(path, shape, "linear", 0)
+        else:
+            kind = "bias" if name.endswith("_bias") else "norm"
+            out[path] = TensorInfo(path, shape, kind, None)
+    return out
+
+
 def apply_plan(
     params: Mapping[str, Any],
     plan: QuantPlan | None,
-    config: ModelConfig,
+    config: ModelConfig | None = None,
     *,
     strict: bool = False,
     inputs: Mapping[str, Mapping[str, Any]] | None = None,
@@ -86,25 +108,26 @@ def apply_plan(
     """Params with every tensor the plan quantizes replaced by its `QArray`.
 
     `params` maps tensor paths (`config.tensors()`) to arrays; tensors the plan leaves
-    alone are returned as they are (casting is the engine's business). A tensor that is
+    alone are returned as they are (casting is the engine's business). Without `config`
+    the inventory is read off the params themselves (`infer_tensors`). A tensor that is
     already a QArray of the planned format is kept, so applying a plan twice is harmless;
     any other QArray leaf is an error, since re-quantizing quantized values compounds error.
     Unused rules warn (`UnusedRuleWarning`), or raise with `strict=True`. `inputs[path]`
     is passed to that tensor's algorithm as keyword arguments (calibration statistics).
     """
     plan = plan or QuantPlan()
-    expected = config.tensors()
+    expected = config.tensors() if config is not None else infer_tensors(params)
     unknown = sorted(set(params) - set(expected))
     if unknown:
         raise ValueError(f"params hold tensors the model does not have: {unknown[:5]}")
-    unused = plan.unused_rules(config)
+    unused = plan.unused_rules(expected)
     if unused:
         names = ", ".join(repr(r.pattern) for r in unused)
         message = f"plan rules matched no tensor (first match wins): {names}"
         if strict:
             raise ValueError(message)
         warnings.warn(message, UnusedRuleWarning, stacklevel=2)
-    resolved = plan.resolve(config)
+    resolved = plan.resolve(expected)
     out: dict[str, Any] = {}
     for path, value in params.items():
         how = resolved.get(path)

@@ -14,11 +14,12 @@ import hashlib
 import json
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tenantq.model.config import ModelConfig
+from tenantq.model.config import ModelConfig, TensorInfo
 
 FORMAT_NAMES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "mxfp8", "mxfp4", "nvfp4")
 # Algorithms a rule may name. Only "rtn" is built in; GPTQ/AWQ/SmoothQuant register
@@ -243,12 +244,14 @@ class QuantPlan:
                 return rule
         return None
 
-    def resolve(self, config: ModelConfig) -> dict[str, TensorQuant]:
-        """Quantized tensors of `config` and how each is stored; absent paths stay bf16."""
+    def resolve(self, config: ModelConfig | Mapping[str, TensorInfo]) -> dict[str, TensorQuant]:
+        """Quantized tensors of `config` and how each is stored; absent paths stay bf16.
+
+        `config` may also be the tensor inventory itself (path -> TensorInfo)."""
         from tenantq.numerics import get_format
 
         out: dict[str, TensorQuant] = {}
-        for path, info in config.tensors().items():
+        for path, info in _inventory(config).items():
             if not info.quantizable:
                 continue
             rule = self.match(path)
@@ -267,10 +270,10 @@ class QuantPlan:
             )
         return out
 
-    def unused_rules(self, config: ModelConfig) -> list[Rule]:
+    def unused_rules(self, config: ModelConfig | Mapping[str, TensorInfo]) -> list[Rule]:
         """Rules that are the first match for no tensor of `config` (typos, shadowed rules)."""
         used: set[int] = set()
-        for path, info in config.tensors().items():
+        for path, info in _inventory(config).items():
             if not info.quantizable:
                 continue
             for idx, rule in enumerate(self.rules):
@@ -366,6 +369,10 @@ class QuantPlan:
         """Stable short hash of the canonical JSON (same plan -> same hash, any process)."""
         canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def _inventory(config: ModelConfig | Mapping[str, TensorInfo]) -> Mapping[str, TensorInfo]:
+    return config.tensors() if isinstance(config, ModelConfig) else config
 
 
 def _toml_value(v: Any) -> str:
