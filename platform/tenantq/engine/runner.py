@@ -101,7 +101,6 @@ class Engine:
             _check_kv_plan(self.plan, config)
         if self.mesh is not None:
             self.cache.state = sharding.shard_cache_state(self.cache.state, self.mesh)
-            self._layout = (self._layout, tp, scale_scope)  # executables are per sharding
         self.tokenizer = tokenizer
         self.stats = steps.StepStats()
 

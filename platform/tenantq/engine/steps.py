@@ -71,9 +71,16 @@ _LAYOUT_IDS: dict[tuple, int] = {}
 
 
 def layout_id(graphdef, state) -> int:
-    """A small int naming the model layout (hashing the graph once, not every step)."""
+    """A small int naming the model layout (hashing the graph once, not every step).
+
+    The layout includes each leaf's sharding: the same plan placed over a different mesh
+    (or over none) compiles to different executables."""
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    key = (graphdef, treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+    key = (
+        graphdef,
+        treedef,
+        tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves),
+    )
     return _LAYOUT_IDS.setdefault(key, len(_LAYOUT_IDS))
 
 
