@@ -7,20 +7,7 @@ import sys
 
 import pytest
 
-from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import FORMAT_NAMES, KVPlan, QuantPlan, Rule
-
-CONFIG = ModelConfig(
-    model_type="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    max_position_embeddings=128,
-)
 
 PLAN = QuantPlan(
     rules=(
@@ -67,8 +54,8 @@ def test_fingerprint_is_stable_across_processes_and_sensitive_to_content():
     assert changed.fingerprint() != PLAN.fingerprint()
 
 
-def test_first_matching_rule_wins():
-    resolved = PLAN.resolve(CONFIG)
+def test_first_matching_rule_wins(config):
+    resolved = PLAN.resolve(config)
     assert resolved["layers/0/mlp/up_proj"].format == "int4"  # rule 0 before rule 2
     assert resolved["layers/0/attn/q_proj"].format == "int8"
     assert resolved["layers/0/attn/q_proj"].activations == "int8"
@@ -76,10 +63,10 @@ def test_first_matching_rule_wins():
     assert resolved["embed"].axis == 1 and resolved["lm_head"].axis == 0
     assert "layers/0/input_norm" not in resolved  # norms never quantize
     reordered = QuantPlan(rules=(PLAN.rules[2], *PLAN.rules[:2]))
-    assert {t.format for t in reordered.resolve(CONFIG).values()} == {"fp8_e4m3"}
+    assert {t.format for t in reordered.resolve(config).values()} == {"fp8_e4m3"}
 
 
-def test_unused_rules_are_reported_in_order():
+def test_unused_rules_are_reported_in_order(config):
     plan = QuantPlan(
         rules=(
             Rule(".*", "int8"),
@@ -87,7 +74,7 @@ def test_unused_rules_are_reported_in_order():
             Rule("layers/9/.*", "fp8_e4m3"),  # no such layer
         )
     )
-    assert [r.pattern for r in plan.unused_rules(CONFIG)] == ["layers/.*/mlp/.*", "layers/9/.*"]
+    assert [r.pattern for r in plan.unused_rules(config)] == ["layers/.*/mlp/.*", "layers/9/.*"]
 
 
 @pytest.mark.parametrize(
