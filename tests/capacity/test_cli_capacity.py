@@ -116,10 +116,15 @@ def test_bad_input_is_one_clear_line_and_exit_2(cli):
 
 
 def test_capacity_imports_no_jax_ray_or_mlflow():
-    # The search driver imports capacity; importing it must not pull in JAX, Ray or MLflow
-    # (the byte counts load tenantq.numerics lazily, when a budget is first computed).
+    # The search driver imports capacity and computes budgets; neither may pull in JAX, Ray or
+    # MLflow (storage byte counts are pure arithmetic in tenantq.numerics.layout).
     code = (
-        "import sys, tenantq.capacity, tenantq.cli.capacity; "
+        "import sys, tenantq.capacity, tenantq.cli.capacity\n"
+        "from tenantq.capacity import Deployment, budget, get_model_config\n"
+        "from tenantq.quant.plan import QuantPlan\n"
+        "plan = QuantPlan.uniform('int4', 'nvfp4')\n"
+        "model = get_model_config('llama-3.1-8b')\n"
+        "assert budget(model, plan, Deployment.of('h200'), 4096).tenants > 0\n"
         "print(sorted(m for m in ('jax', 'ray', 'mlflow', 'optuna') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -3,9 +3,10 @@
 Sharding follows the Megatron layout the engine uses: q/k/v and gate/up split their output
 columns (by head, by MLP unit), o and down split their input rows; the embedding and an
 untied lm_head split the vocabulary when the chip count divides it and are replicated whole
-otherwise (as the engine's sharding does); norms are replicated on every chip. A chip's shard is stored as its own
-quantized tensor, so its bytes are `storage_nbytes` of the shard's shape (scales, zero
-points, packing padding and nvfp4's tensor scale included, per chip).
+otherwise (as the engine's sharding does); norms are replicated on every chip. A chip's
+shard is stored as its own quantized tensor, so its bytes are `storage_nbytes` of the
+shard's shape (scales, zero points, packing padding and nvfp4's tensor scale included, per
+chip).
 """
 
 from __future__ import annotations

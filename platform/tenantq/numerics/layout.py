@@ -12,7 +12,11 @@ import math
 import operator
 
 from tenantq.numerics.formats import FormatSpec, get_format
-from tenantq.numerics.packing import packed_length
+
+
+def packed_length(n: int) -> int:
+    """Bytes along the last axis that hold `n` packed 4-bit values."""
+    return (n + 1) // 2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,10 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def packed_length(n: int) -> int:
-    """Bytes along the last axis that hold `n` packed 4-bit values."""
-    return (n + 1) // 2
+from tenantq.numerics.layout import packed_length
 
 
 def pack_nibbles(nibbles) -> jax.Array:
