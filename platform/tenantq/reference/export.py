@@ -1,0 +1,73 @@
+"""Hugging Face layout for the reference model: write it (bf16) and read it back.
+
+Our linear weights are `[in, out]`; HF stores `[out, in]`, so every projection and the
+LM head are transposed on the way out and back in. Reading back here is what evaluation
+uses, so the figures in the model card are those of the shipped bf16 tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import load_file, save_file
+from tokenizers import Tokenizer
+
+from tenantq.model.config import ModelConfig
+
+
+def hf_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """Our path -> (HF tensor name, transposed)."""
+    names = {
+        "embed": ("model.embed_tokens.weight", False),
+        "final_norm": ("model.norm.weight", False),
+    }
+    for i in range(config.num_layers):
+        p, h = f"layers/{i}", f"model.layers.{i}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names[f"{p}/attn/{proj}"] = (f"{h}.self_attn.{proj}.weight", True)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names[f"{p}/mlp/{proj}"] = (f"{h}.mlp.{proj}.weight", True)
+        names[f"{p}/input_norm"] = (f"{h}.input_layernorm.weight", False)
+        names[f"{p}/post_attn_norm"] = (f"{h}.post_attention_layernorm.weight", False)
+    if not config.tie_word_embeddings:
+        names["lm_head"] = ("lm_head.weight", True)
+    return names
+
+
+def write_hf_checkpoint(out_dir, params, config: ModelConfig, tokenizer: Tokenizer) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path, (name, transpose) in hf_names(config).items():
+        value = np.asarray(params[path], np.float32)
+        value = value.T if transpose else value
+        tensors[name] = np.ascontiguousarray(value).astype(ml_dtypes.bfloat16)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    generation = {
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_ids[0],
+        "pad_token_id": tokenizer.token_to_id("<|pad|>"),
+        "do_sample": False,
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    tokenizer.save(str(out / "tokenizer.json"))
+    for f in out.iterdir():  # safetensors writes 0600; package data must be readable
+        f.chmod(0o644)
+    return out
+
+
+def read_hf_checkpoint(model_dir) -> tuple[dict, ModelConfig, Tokenizer]:
+    """Params (float32, our layout; values exactly the stored bf16), config, tokenizer."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_file(model_dir)
+    raw = load_file(str(model_dir / "model.safetensors"))
+    params = {}
+    for path, (name, transpose) in hf_names(config).items():
+        value = np.asarray(raw[name]).astype(np.float32)
+        params[path] = jnp.asarray(value.T if transpose else value)
+    return params, config, Tokenizer.from_file(str(model_dir / "tokenizer.json"))
