@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/tenantq formats
 	$(VENV)/bin/tenantq capacity --compare --model llama-3.1-8b --hardware tpu-v6e --chips 1 --context 8192
+	$(VENV)/bin/tenantq capacity --compare --model tenantq-ref --hardware cpu --memory 1GiB --context 1024
 
 # pytest exits 5 when it collected nothing: say so plainly instead of failing obscurely.
 test: $(STAMP)
