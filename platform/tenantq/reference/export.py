@@ -17,25 +17,7 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
 
 from tenantq.model.config import ModelConfig
-
-
-def hf_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
-    """Our path -> (HF tensor name, transposed)."""
-    names = {
-        "embed": ("model.embed_tokens.weight", False),
-        "final_norm": ("model.norm.weight", False),
-    }
-    for i in range(config.num_layers):
-        p, h = f"layers/{i}", f"model.layers.{i}"
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            names[f"{p}/attn/{proj}"] = (f"{h}.self_attn.{proj}.weight", True)
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            names[f"{p}/mlp/{proj}"] = (f"{h}.mlp.{proj}.weight", True)
-        names[f"{p}/input_norm"] = (f"{h}.input_layernorm.weight", False)
-        names[f"{p}/post_attn_norm"] = (f"{h}.post_attention_layernorm.weight", False)
-    if not config.tie_word_embeddings:
-        names["lm_head"] = ("lm_head.weight", True)
-    return names
+from tenantq.model.loader import hf_names  # the one HF name mapping, shared with loading
 
 
 def write_hf_checkpoint(out_dir, params, config: ModelConfig, tokenizer: Tokenizer) -> Path:
