@@ -9,9 +9,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
-# Subcommand name -> module under tenantq.cli. Order is the order shown in --help.
-SUBCOMMANDS = ["formats", "capacity"]
+# Every module under tenantq.cli with `add_parser`/`run` is a subcommand; this is the order shown
+# in --help (modules not named here follow, alphabetically). A new room adds a module, nothing else.
+_HELP_ORDER = ["formats", "capacity", "eval", "sensitivity", "search", "report"]
+
+
+def _subcommands() -> list[str]:
+    here = Path(__file__).parent
+    found = {p.stem for p in here.glob("*.py") if not p.stem.startswith("_")}
+    return [n for n in _HELP_ORDER if n in found] + sorted(found - set(_HELP_ORDER))
+
+
+SUBCOMMANDS = _subcommands()
 
 
 def build_parser() -> argparse.ArgumentParser:
