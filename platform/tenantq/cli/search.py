@@ -1,0 +1,103 @@
+"""`tenantq search SPEC`: run (or resume) the Optuna study an experiment spec describes.
+
+Ray starts in-process unless `--address` names a cluster (under `ray job submit` the job's
+cluster is found by Ray itself). A bad spec is one line on stderr and exit 2, with nothing
+written to Optuna or MLflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "search",
+        help="search quantization plans: Optuna study on Ray workers, tracked in MLflow",
+        description="Run the study an experiment spec (experiments/*.toml) describes: tenants "
+        "(exact) against quality (measured), Pareto front at the end, plans exported as JSON.",
+    )
+    p.add_argument("spec", help="experiment spec TOML, e.g. experiments/quickstart.toml")
+    p.add_argument("--resume", action="store_true", help="continue the study of the same name")
+    p.add_argument("--workers", type=int, help="override workers.count")
+    p.add_argument("--address", help="Ray cluster address (default: start Ray in-process)")
+    p.add_argument("--trials", type=int, help="override study.trials")
+    p.add_argument("--out", help="folder for the front's plans (default runs/STUDY)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--check", action="store_true", help="validate the spec and exit")
+    p.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    # The driver never opens an accelerator; only workers do (DESIGN.md).
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from pathlib import Path
+
+    from tenantq.search.driver import SearchDriver, prepare
+    from tenantq.search.spec import load_spec
+
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be a positive integer, got {args.workers}")
+    if args.trials is not None and args.trials < 1:
+        raise ValueError(f"--trials must be a positive integer, got {args.trials}")
+    spec = load_spec(args.spec)
+    if args.trials is not None:
+        spec = spec.model_copy(
+            update={"study": spec.study.model_copy(update={"trials": args.trials})}
+        )
+    text = Path(args.spec).read_text()
+    if args.check:
+        prepare(spec, text)
+        print(f"{args.spec}: valid ({spec.space.kind} space, {spec.study.trials} trials)")
+        return 0
+    driver = SearchDriver(
+        spec,
+        text,
+        resume=args.resume,
+        workers=args.workers,
+        address=args.address,
+        progress=not args.no_progress,
+        out_dir=args.out,
+    )
+    outcome = driver.run()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "study": outcome.study_name,
+                    "counts": outcome.counts,
+                    "front": [
+                        {
+                            "trial": r.trial,
+                            "tenants": r.tenants,
+                            "quality": r.quality,
+                            "confirmed": r.confirmed,
+                            "shippable": r.feasible,
+                            "fingerprint": r.fingerprint,
+                        }
+                        for r in outcome.front
+                    ],
+                    "exported": [str(p) for p in outcome.exported],
+                    "mlflow_parent_run_id": outcome.mlflow_parent_run_id,
+                },
+                indent=2,
+            )
+        )
+        return 0
+    c = outcome.counts
+    print(
+        f"\nstudy {outcome.study_name}: {c['complete']} complete, {c['failed']} failed "
+        f"({c['retries']} retried) in {outcome.storage}\n"
+    )
+    print(outcome.table)
+    if outcome.exported:
+        print(f"\nfront plans: {outcome.exported[0].parent}/ ({len(outcome.exported)} files)")
+    uri = spec.tracking.uri
+    print(
+        f"MLflow: experiment {spec.experiment_name!r}, parent run {outcome.mlflow_parent_run_id}"
+        f"\n  open the UI with: mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+    )
+    return 0

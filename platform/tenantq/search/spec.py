@@ -1,0 +1,287 @@
+"""The experiment spec (`experiments/*.toml`): everything one study needs, validated up front.
+
+A spec names the model, the deployment the capacity objective is computed for, the search
+space, objectives and constraints, the eval suite, the sampler, trials, workers, and where
+Optuna and MLflow store the study. pydantic checks it before anything is written anywhere;
+`load_spec` turns every mistake into one line naming the key and the valid choices.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tenantq.quant.plan import ALGORITHM_NAMES, FORMAT_NAMES, KV_AXES
+
+REFERENCE_MODEL = "reference"  # the shipped checkpoint (tenantq.reference.reference_model_path)
+SAMPLERS = ("nsga2", "tpe", "gp", "random")
+SPACE_KINDS = ("structured", "per_tensor", "sensitivity")
+KV_BF16_LAYER_CHOICES = ("none", "first", "last", "first_last")
+# The capacity objective the driver computes itself (exact, no accelerator).
+CAPACITY_METRIC = "tenants"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Format = Literal[FORMAT_NAMES]  # type: ignore[valid-type]
+
+
+class DeploymentSpec(_Strict):
+    """The deployment whose tenant count is the capacity objective (tenantq.capacity)."""
+
+    hardware: str = Field(description="hardware profile: tpu-v6e, h100-sxm, ..., or cpu")
+    memory: str | None = Field(None, description="memory per chip, cpu only (e.g. '9.6MiB')")
+    chips: int = Field(1, ge=1, description="chips = tensor-parallel degree")
+    context_tokens: int = Field(ge=1, description="tokens each tenant holds")
+    reserve: str | float | None = Field(None, description="runtime reserve: 0.1, '10%', '4GiB'")
+    page_tokens: int = Field(16, ge=1, description="tokens per KV page")
+    model: str | None = Field(None, description="capacity model if not the study's model")
+
+    def build(self):
+        """The `tenantq.capacity.Deployment` (raises ValueError naming a bad hardware/size)."""
+        from tenantq.capacity import Deployment
+
+        return Deployment.of(
+            self.hardware,
+            self.chips,
+            memory_bytes=self.memory,
+            page_tokens=self.page_tokens,
+            reserve=self.reserve,
+        )
+
+
+class SpaceSpec(_Strict):
+    """What is searched. Choice lists default to the formats the engine runs on CPU and TPU."""
+
+    kind: Literal[SPACE_KINDS] = Field(
+        "structured", description="structured|per_tensor|sensitivity"
+    )  # type: ignore[valid-type]
+    weight_formats: list[Format] = Field(
+        default_factory=lambda: ["bf16", "fp8_e4m3", "int8", "int4"],
+        description="formats a weight tensor (class) may take",
+    )
+    embed_formats: list[Format] | None = Field(
+        None, description="formats for embed and lm_head (default: weight_formats)"
+    )
+    group_size: int | None = Field(128, ge=1, description="group size for int4/int8 weights")
+    bf16_first_layers: list[int] = Field(default_factory=lambda: [0, 1], description="choices")
+    bf16_last_layers: list[int] = Field(default_factory=lambda: [0, 1], description="choices")
+    key_formats: list[Format] = Field(default_factory=lambda: ["bf16", "fp8_e4m3", "int8", "int4"])
+    key_axes: list[Literal[KV_AXES]] = Field(default_factory=lambda: ["channel", "token"])  # type: ignore[valid-type]
+    value_formats: list[Format] = Field(
+        default_factory=lambda: ["bf16", "fp8_e4m3", "int8", "int4"]
+    )
+    sink_tokens: list[int] = Field(default_factory=lambda: [0, 4])
+    kv_bf16_layers: list[Literal[KV_BF16_LAYER_CHOICES]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: ["none", "first_last"]
+    )
+    profile: str | None = Field(None, description="sensitivity profile (Arrow/Parquet table)")
+    max_keep_bf16: int | None = Field(None, ge=0, description="sensitivity: largest k searched")
+
+    @field_validator(
+        "weight_formats",
+        "key_formats",
+        "value_formats",
+        "key_axes",
+        "sink_tokens",
+        "kv_bf16_layers",
+        "bf16_first_layers",
+        "bf16_last_layers",
+    )
+    @classmethod
+    def _non_empty(cls, v: list) -> list:
+        if not v:
+            raise ValueError("needs at least one choice")
+        if len(set(v)) != len(v):
+            raise ValueError(f"has repeated choices {v}")
+        return v
+
+    @field_validator("sink_tokens", "bf16_first_layers", "bf16_last_layers")
+    @classmethod
+    def _non_negative(cls, v: list[int]) -> list[int]:
+        if any(x < 0 for x in v):
+            raise ValueError(f"choices must be >= 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _profile_for_sensitivity(self) -> SpaceSpec:
+        if self.kind == "sensitivity" and not self.profile:
+            raise ValueError(
+                "space.kind = 'sensitivity' needs space.profile: the table written by "
+                "`tenantq sensitivity` (columns tensor, format, kl_mean)"
+            )
+        return self
+
+
+class ObjectiveSpec(_Strict):
+    metric: str = Field(description="'tenants' or an EvalResult.summary key")
+    direction: Literal["maximize", "minimize"]
+
+
+class ConstraintSpec(_Strict):
+    """`metric`'s CI bound must stay within `tolerance` (constraint = bound - tolerance <= 0)."""
+
+    metric: str
+    tolerance: float
+    bound: Literal["ci_high", "ci_low", "value"] = "ci_high"
+
+
+class EvalSpec(_Strict):
+    suite: str = Field("quick", description="suite name or TOML path (tenantq.evals.load_suite)")
+    confirm_suite: str | None = Field(
+        None, description="larger suite with held-out examples the front is re-evaluated on"
+    )
+    cache_dir: str = Field(".tenantq-cache", description="where bf16 baselines are cached")
+
+
+class CalibrationSpec(_Strict):
+    algorithm: Literal[ALGORITHM_NAMES] = "rtn"  # type: ignore[valid-type]
+
+
+class SamplerSpec(_Strict):
+    kind: Literal[SAMPLERS] = "nsga2"  # type: ignore[valid-type]
+    seed: int = 0
+    population_size: int | None = Field(None, ge=2, description="NSGA-II population")
+
+
+class WorkersSpec(_Strict):
+    count: int = Field(2, ge=1, description="HostWorker actors (one per host)")
+    kind: Literal["cpu", "gpu", "tpu"] = "cpu"
+    cpus_per_worker: int = Field(1, ge=1, description="CPU cores a CPU worker owns")
+    gpus_per_worker: int = Field(1, ge=1)
+    tpu_topology: str | None = Field(None, description="e.g. '2x4' (tpu workers)")
+    tpu_accelerator_type: str | None = Field(None, description="e.g. 'v6e-8' (tpu workers)")
+    max_restarts: int = Field(2, ge=0, description="Ray actor restarts per worker")
+    max_task_retries: int = Field(2, ge=0, description="Ray retries of a trial on a restart")
+
+    @model_validator(mode="after")
+    def _tpu_fields(self) -> WorkersSpec:
+        if self.kind == "tpu" and not (self.tpu_topology and self.tpu_accelerator_type):
+            raise ValueError(
+                "workers.kind = 'tpu' needs tpu_topology (e.g. '2x4') and "
+                "tpu_accelerator_type (e.g. 'v6e-8')"
+            )
+        return self
+
+
+class StudySpec(_Strict):
+    name: str = Field(description="Optuna study name")
+    trials: int = Field(ge=1, description="trials to complete (baselines included)")
+    storage: str = Field("sqlite:///optuna.db", description="Optuna RDB URL")
+    baselines: bool = Field(True, description="enqueue bf16, fp8+fp8 KV, int4 g128 first")
+    max_trial_retries: int = Field(1, ge=0, description="retries of a trial left stale")
+
+
+class TrackingSpec(_Strict):
+    uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI")
+    experiment: str | None = Field(None, description="MLflow experiment (default: study name)")
+
+
+class Spec(_Strict):
+    """One experiment. Paths are relative to the working directory the study runs in."""
+
+    model: str = Field(description="checkpoint folder (HF layout) or 'reference'")
+    requires: list[str] = Field(
+        default_factory=list, description="what the spec needs to run (hardware, checkpoint)"
+    )
+    deployment: DeploymentSpec
+    space: SpaceSpec = Field(default_factory=SpaceSpec)
+    objectives: Annotated[list[ObjectiveSpec], Field(min_length=1)] = Field(
+        default_factory=lambda: [
+            ObjectiveSpec(metric=CAPACITY_METRIC, direction="maximize"),
+            ObjectiveSpec(metric="fidelity.kl_mean", direction="minimize"),
+        ]
+    )
+    constraints: list[ConstraintSpec] | None = Field(
+        None, description="absent: the suite's own gates; [] : none"
+    )
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    calibration: CalibrationSpec = Field(default_factory=CalibrationSpec)
+    sampler: SamplerSpec = Field(default_factory=SamplerSpec)
+    study: StudySpec
+    workers: WorkersSpec = Field(default_factory=WorkersSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+
+    @model_validator(mode="after")
+    def _objectives(self) -> Spec:
+        names = [o.metric for o in self.objectives]
+        if len(set(names)) != len(names):
+            raise ValueError(f"objectives: metric listed twice in {names}")
+        return self
+
+    @property
+    def experiment_name(self) -> str:
+        return self.tracking.experiment or self.study.name
+
+    def model_path(self) -> Path:
+        if self.model == REFERENCE_MODEL:
+            from tenantq.reference import reference_model_path
+
+            return reference_model_path()
+        return Path(self.model).expanduser()
+
+    def quality_objectives(self) -> list[ObjectiveSpec]:
+        return [o for o in self.objectives if o.metric != CAPACITY_METRIC]
+
+
+def _one_line(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "spec"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        parent = _model_at(first["loc"][:-1])
+        valid = ", ".join(parent.model_fields) if parent else ""
+        msg = f"unknown key; valid keys here: {valid}"
+    elif first["type"] == "missing":
+        msg = "required key is missing"
+    elif first["type"] == "literal_error":
+        msg = f"{first['input']!r} is not valid; {msg[0].lower()}{msg[1:]}"
+    extra = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{source}: {loc}: {msg}{extra}"
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: Any = Spec
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        for cand in (ann, *getattr(ann, "__args__", ())):
+            for inner in (cand, *getattr(cand, "__args__", ())):
+                if isinstance(inner, type) and issubclass(inner, BaseModel):
+                    model = inner
+                    break
+    return model
+
+
+def parse_spec(raw: dict[str, Any], source: str = "spec") -> Spec:
+    """Validate a spec dict; a mistake is a ValueError of one line naming the key."""
+    try:
+        spec = Spec.model_validate(raw)
+    except ValidationError as err:
+        raise ValueError(_one_line(err, source)) from None
+    try:
+        spec.deployment.build()
+    except ValueError as err:
+        raise ValueError(f"{source}: deployment: {err}") from None
+    return spec
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate a spec TOML file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"spec file {p} does not exist")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{p}: not valid TOML ({err})") from None
+    return parse_spec(raw, str(p))

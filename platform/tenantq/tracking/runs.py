@@ -1,0 +1,193 @@
+"""MLflow runs for a study: the parent run, one nested run per trial, and their artifacts.
+
+Written with `MlflowClient` and explicit run ids (no fluent active-run state), so the driver can
+log a trial whenever its result arrives and a resumed driver can reopen the same parent run.
+Metric names are passed through as the evaluator gives them (already MLflow-valid); strings
+(verdicts) become tags, since MLflow metrics are numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+PARENT_TAG = "mlflow.parentRunId"
+RUN_NAME_TAG = "mlflow.runName"
+MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+
+
+def code_version(root: str | Path | None = None) -> str:
+    """`git describe`-style commit of the tenantq source tree, '+dirty' if it has edits."""
+    import tenantq
+
+    where = Path(root) if root else Path(tenantq.__file__).resolve().parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "."], cwd=where, capture_output=True, text=True
+        ).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return f"tenantq-{getattr(tenantq, '__version__', 'unknown')}"
+
+
+def model_identity(model_path: str | Path) -> str:
+    """sha256 over config.json and every *.safetensors file's bytes (DESIGN.md identity)."""
+    folder = Path(model_path)
+    files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing or len(files) < 2:
+        raise ValueError(f"model {folder}: needs config.json and *.safetensors, missing {missing}")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+class StudyTracker:
+    """The MLflow side of one study: experiment, parent run, nested trial runs."""
+
+    def __init__(self, tracking_uri: str, experiment: str) -> None:
+        import mlflow
+        from mlflow import MlflowClient
+
+        self.tracking_uri = tracking_uri
+        mlflow.set_tracking_uri(tracking_uri)
+        self.client = MlflowClient(tracking_uri)
+        found = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = (
+            found.experiment_id if found else self.client.create_experiment(experiment)
+        )
+        self.parent_run_id: str | None = None
+
+    # ---------------------------------------------------------------- parent run
+    def start_study(
+        self, study_name: str, params: Mapping[str, Any], tags: Mapping[str, str], spec_text: str
+    ) -> str:
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=f"study-{study_name}",
+            tags={**tags, "tenantq.kind": "study"},
+        )
+        self.parent_run_id = run.info.run_id
+        self._log_params(self.parent_run_id, params)
+        self._log_text(self.parent_run_id, spec_text, "spec.toml")
+        return self.parent_run_id
+
+    def resume_study(self, run_id: str) -> None:
+        run = self.client.get_run(run_id)
+        if run.info.status != "RUNNING":
+            self.client.update_run(run_id, status="RUNNING")
+        self.parent_run_id = run_id
+
+    def end_study(self, status: str = "FINISHED", metrics: Mapping[str, float] | None = None):
+        assert self.parent_run_id
+        if metrics:
+            self._log_metrics(self.parent_run_id, metrics)
+        self.client.set_terminated(self.parent_run_id, status)
+
+    # ---------------------------------------------------------------- trial runs
+    def log_trial(
+        self,
+        trial_number: int,
+        *,
+        params: Mapping[str, Any],
+        metrics: Mapping[str, float],
+        tags: Mapping[str, str] = (),  # type: ignore[assignment]
+        artifacts: Mapping[str, Any] | None = None,
+        error: str | None = None,
+    ) -> str:
+        """One nested run; `artifacts` maps file names to str/bytes/JSON-able/pyarrow Table."""
+        assert self.parent_run_id, "start_study or resume_study first"
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=f"trial-{trial_number}",
+            tags={
+                PARENT_TAG: self.parent_run_id,
+                "tenantq.kind": "trial",
+                "tenantq.trial": str(trial_number),
+                **dict(tags or {}),
+            },
+        )
+        run_id = run.info.run_id
+        self._log_params(run_id, params)
+        self._log_metrics(run_id, metrics)
+        for name, value in (artifacts or {}).items():
+            self._log_artifact(run_id, name, value)
+        if error is not None:
+            self.client.set_tag(run_id, "tenantq.error", error[:5000])
+            self._log_text(run_id, error, "error.txt")
+        self.client.set_terminated(run_id, "FAILED" if error is not None else "FINISHED")
+        return run_id
+
+    def trial_runs(self) -> dict[int, str]:
+        """Trial number -> run id of this study's nested runs (for tagging and resume)."""
+        assert self.parent_run_id
+        runs = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.`{PARENT_TAG}` = '{self.parent_run_id}'",
+            max_results=50000,
+        )
+        return {int(r.data.tags["tenantq.trial"]): r.info.run_id for r in runs}
+
+    def tag(self, run_id: str, key: str, value: str) -> None:
+        self.client.set_tag(run_id, key, value)
+
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float]) -> None:
+        self._log_metrics(run_id, metrics)
+
+    def log_artifact(self, run_id: str, name: str, value: Any) -> None:
+        self._log_artifact(run_id, name, value)
+
+    # ---------------------------------------------------------------- helpers
+    def _log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow's batch limit is 100 params
+            self.client.log_batch(run_id, params=items[i : i + 100])
+
+    def _log_metrics(self, run_id: str, metrics: Mapping[str, float]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [
+            Metric(k, float(v), now, 0)
+            for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        ]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(run_id, metrics=items[i : i + 1000])
+
+    def _log_text(self, run_id: str, text: str, name: str) -> None:
+        self.client.log_text(run_id, text, name)
+
+    def _log_artifact(self, run_id: str, name: str, value: Any) -> None:
+        if isinstance(value, str):
+            self.client.log_text(run_id, value, name)
+            return
+        if isinstance(value, dict | list):
+            self.client.log_text(run_id, json.dumps(value, indent=2, default=str), name)
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / name
+            if isinstance(value, bytes):
+                path.write_bytes(value)
+            else:  # a pyarrow Table
+                import pyarrow.parquet as pq
+
+                pq.write_table(value, path)
+            self.client.log_artifact(run_id, str(path))

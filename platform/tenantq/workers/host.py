@@ -1,0 +1,141 @@
+"""`HostWorker`: one Ray actor per accelerator host, holding one `Evaluator` per suite.
+
+Resources follow the host: `{"TPU": chips_per_host}` from `ray.util.tpu` on a TPU host,
+`num_gpus` on a GPU, otherwise CPU cores, with XLA's and BLAS's threads limited to the
+worker's share and the process pinned to its own cores, so two CPU workers on two cores run
+side by side instead of fighting. Only workers open accelerators; the driver stays on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class TrialResult:
+    """What a worker returns for one plan: plain data and one Arrow table."""
+
+    summary: dict[str, Any]
+    gates: dict[str, dict[str, Any]]
+    timings_s: dict[str, float]
+    memory_report: dict[str, Any]
+    examples: Any = None  # pyarrow.Table, one row per example
+    worker: str = ""
+    pid: int = 0
+    evaluator_load_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def cpu_worker_env(cpus: int) -> dict[str, str]:
+    """Environment that keeps a CPU worker's XLA and BLAS to `cpus` threads."""
+    return {
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={cpus}",
+        "OMP_NUM_THREADS": str(cpus),
+        "OPENBLAS_NUM_THREADS": str(cpus),
+        "MKL_NUM_THREADS": str(cpus),
+    }
+
+
+def worker_options(spec: Any) -> dict[str, Any]:
+    """`ActorClass.options(...)` for one host worker; `spec` has the fields of the study
+    spec's `[workers]` table (tenantq.search.spec.WorkersSpec)."""
+    opts: dict[str, Any] = {
+        "max_restarts": spec.max_restarts,
+        "max_task_retries": spec.max_task_retries,
+        "max_concurrency": 2,  # a health probe may run beside a trial
+    }
+    if spec.kind == "tpu":
+        from ray.util.tpu import get_tpu_worker_resources
+
+        _, resources = get_tpu_worker_resources(spec.tpu_topology, spec.tpu_accelerator_type)
+        opts["resources"] = {k: v for k, v in resources.items() if k != "CPU"}
+        opts["num_cpus"] = resources.get("CPU", 1)
+    elif spec.kind == "gpu":
+        opts["num_gpus"] = spec.gpus_per_worker
+        opts["num_cpus"] = 1
+    else:
+        opts["num_cpus"] = spec.cpus_per_worker
+        opts["runtime_env"] = {"env_vars": cpu_worker_env(spec.cpus_per_worker)}
+    return opts
+
+
+class HostWorker:
+    """Ray actor body (wrapped with `ray.remote` by the pool). Holds the host's evaluators."""
+
+    def __init__(
+        self,
+        name: str,
+        model_path: str,
+        suite: str,
+        *,
+        cache_dir: str,
+        kind: str = "cpu",
+        cores: list[int] | None = None,
+    ) -> None:
+        if kind == "cpu" and cores and hasattr(os, "sched_setaffinity"):
+            usable = os.sched_getaffinity(0)
+            pinned = {c for c in cores if c in usable}
+            if pinned:
+                os.sched_setaffinity(0, pinned)
+        self.name = name
+        self.model_path = model_path
+        self.cache_dir = Path(cache_dir)
+        self.default_suite = suite
+        self._evaluators: dict[str, Any] = {}
+        self._load_s: dict[str, float] = {}
+        self._evaluator(suite)  # load the model, data and baseline once, at start
+
+    def _evaluator(self, suite: str):
+        if suite not in self._evaluators:
+            from tenantq.evals import Evaluator, load_suite
+
+            start = time.perf_counter()
+            self._evaluators[suite] = Evaluator(
+                self.model_path, load_suite(suite), cache_dir=self.cache_dir
+            )
+            self._load_s[suite] = time.perf_counter() - start
+        return self._evaluators[suite]
+
+    def ping(self) -> dict[str, Any]:
+        return {"name": self.name, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0))}
+
+    def evaluate(self, plan_json: str, suite: str | None = None) -> TrialResult:
+        """Run the suite on `plan_json` (a QuantPlan's JSON); exceptions propagate to Ray."""
+        from tenantq.quant.plan import QuantPlan
+
+        plan = QuantPlan.from_json(plan_json)
+        name = suite or self.default_suite
+        result = self._evaluator(name).evaluate(plan)
+        gates = {
+            key: {
+                f: getattr(gate, f)
+                for f in ("metric", "value", "ci_low", "ci_high", "tolerance", "verdict")
+            }
+            | {"constraint": float(gate.constraint)}
+            for key, gate in result.gates.items()
+        }
+        return TrialResult(
+            summary=dict(result.summary),
+            gates=gates,
+            timings_s={k: float(v) for k, v in result.timings_s.items()},
+            memory_report=_plain(result.memory_report),
+            examples=result.examples,
+            worker=self.name,
+            pid=os.getpid(),
+            evaluator_load_s=self._load_s.get(name, 0.0),
+        )
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if hasattr(value, "to_dict"):
+        return _plain(value.to_dict())
+    return value
