@@ -101,7 +101,23 @@ def make_sampler(spec: Spec):
         return optuna.samplers.TPESampler(seed=s.seed, multivariate=True)
     if s.kind == "gp":
         return optuna.samplers.GPSampler(seed=s.seed)
+    if s.kind == "grid":
+        choices = parameter_choices(spec.space, *_space_inputs(spec))
+        grid = {k: list(v) for k, v in choices.items()}
+        return optuna.samplers.GridSampler(grid, seed=s.seed)
     return optuna.samplers.RandomSampler(seed=s.seed)
+
+
+def _space_inputs(spec: Spec):
+    from tenantq.model.config import ModelConfig
+
+    config = ModelConfig.from_file(spec.model_path() / "config.json")
+    profile = (
+        SensitivityProfile.load(spec.space.profile, config)
+        if spec.space.kind == "sensitivity"
+        else None
+    )
+    return config, profile
 
 
 def make_storage(url: str, max_retry: int):

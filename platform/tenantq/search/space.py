@@ -51,7 +51,11 @@ def parameter_choices(
     out: dict[str, list | range] = {}
     embed_formats = space.embed_formats or space.weight_formats
     if space.kind == "structured":
+        if space.uniform_weights:
+            out["w.linear"] = space.weight_formats
         for name in TENSOR_CLASSES:
+            if space.uniform_weights and name not in EMBED_CLASSES:
+                continue
             if name == "w.lm_head" and "lm_head" not in config.tensors():
                 continue  # tied embeddings: one tensor
             out[name] = embed_formats if name in EMBED_CLASSES else space.weight_formats
@@ -113,7 +117,10 @@ def plan_from_params(
         edge = _edge_layers(params["bf16_first_layers"], params["bf16_last_layers"], config)
         if edge:
             rules.append(Rule(rf"layers/({'|'.join(map(str, edge))})/.*", "bf16"))
-        rules += [rule(pat, params[name]) for name, pat in TENSOR_CLASSES.items() if name in params]
+        for name, pat in TENSOR_CLASSES.items():
+            fmt = params.get(name, params.get("w.linear") if name not in EMBED_CLASSES else None)
+            if fmt is not None:
+                rules.append(rule(pat, fmt))
     elif space.kind == "per_tensor":
         for name, fmt in params.items():
             if name.startswith("w."):

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tenantq.quant.plan import ALGORITHM_NAMES, FORMAT_NAMES, KV_AXES
 
 REFERENCE_MODEL = "reference"  # the shipped checkpoint (tenantq.reference.reference_model_path)
-SAMPLERS = ("nsga2", "tpe", "gp", "random")
+SAMPLERS = ("nsga2", "tpe", "gp", "random", "grid")
 SPACE_KINDS = ("structured", "per_tensor", "sensitivity")
 KV_BF16_LAYER_CHOICES = ("none", "first", "last", "first_last")
 # The capacity objective the driver computes itself (exact, no accelerator).
@@ -67,6 +67,9 @@ class SpaceSpec(_Strict):
     )
     embed_formats: list[Format] | None = Field(
         None, description="formats for embed and lm_head (default: weight_formats)"
+    )
+    uniform_weights: bool = Field(
+        False, description="structured: one format for all attention and MLP weights"
     )
     group_size: int | None = Field(128, ge=1, description="group size for int4/int8 weights")
     bf16_first_layers: list[int] = Field(default_factory=lambda: [0, 1], description="choices")
@@ -241,6 +244,8 @@ def _one_line(err: ValidationError, source: str) -> str:
         msg = "required key is missing"
     elif first["type"] == "literal_error":
         msg = f"{first['input']!r} is not valid; {msg[0].lower()}{msg[1:]}"
+    elif not isinstance(first.get("input"), dict | list):
+        msg = f"{msg} (got {first.get('input')!r})"
     extra = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     return f"{source}: {loc}: {msg}{extra}"
 
