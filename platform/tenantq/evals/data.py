@@ -1,0 +1,99 @@
+"""Held-out text for the suite: documents, their disjoint search/confirm halves, token ids.
+
+The default source is the shipped reference model's test split (stdlib files the model never
+trained on); a user may point a suite at a `.txt`, `.jsonl` or Parquet text column. Every task
+draws from one half of the documents (even-indexed for "search", odd for "confirm"; a single
+document is cut at the line nearest its middle), so a confirmation run sees fresh text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+REFERENCE_TEST = "reference-test"
+
+
+def load_documents(source: str, text_field: str = "text") -> list[str]:
+    """The documents of `source`; an unreadable dataset is a one-line ValueError."""
+    if source == REFERENCE_TEST:
+        from tenantq.reference.corpus import load_corpus
+
+        return load_corpus().texts("test")
+    path = Path(source)
+    expected = f"expected '{REFERENCE_TEST}' or a .txt, .jsonl or .parquet file"
+    if not path.is_file():
+        raise ValueError(f"dataset {source!r} does not exist; {expected}")
+    try:
+        if path.suffix == ".txt":
+            docs = [path.read_text(encoding="utf-8")]
+        elif path.suffix == ".jsonl":
+            lines = path.read_text(encoding="utf-8").splitlines()
+            docs = [json.loads(line)[text_field] for line in lines if line.strip()]
+        elif path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            docs = pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
+        else:
+            raise ValueError(f"dataset {source!r}: unknown suffix {path.suffix!r}; {expected}")
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, OSError) as err:
+        kind = type(err).__name__
+        raise ValueError(
+            f"dataset {source!r} is unreadable ({kind}: {err}); {expected} with a "
+            f"'{text_field}' text field"
+        ) from None
+    except Exception as err:  # pyarrow's own errors (ArrowInvalid, ...) for a bad Parquet file
+        raise ValueError(f"dataset {source!r} is unreadable ({err}); {expected}") from None
+    docs = [d for d in docs if isinstance(d, str) and d.strip()]
+    if not docs:
+        raise ValueError(f"dataset {source!r} holds no text; {expected}")
+    return docs
+
+
+def split_documents(docs: list[str], split: str) -> list[str]:
+    """One of two disjoint halves: even-indexed documents for "search", odd for "confirm"."""
+    if split not in ("search", "confirm"):
+        raise ValueError(f"split must be 'search' or 'confirm', got {split!r}")
+    if len(docs) == 1:
+        text = docs[0]
+        cut = text.find("\n", len(text) // 2)
+        cut = len(text) // 2 if cut < 0 else cut + 1
+        return [text[:cut]] if split == "search" else [text[cut:]]
+    return docs[0::2] if split == "search" else docs[1::2]
+
+
+def token_stream(tokenizer, docs: list[str]) -> np.ndarray:
+    """Documents tokenized and concatenated with EOS after each, as the trainer saw text."""
+    eos = tokenizer.token_id("<|eos|>")
+    parts = []
+    for doc in docs:
+        ids = tokenizer.encode(doc)
+        parts.append(np.asarray(ids + ([eos] if eos is not None else []), np.int32))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def token_windows(
+    stream: np.ndarray, rows: int, window_tokens: int, rng: np.random.Generator
+) -> np.ndarray:
+    """`rows` disjoint windows of `window_tokens` ids, slots chosen at random, in order."""
+    slots = len(stream) // window_tokens
+    if slots < rows:
+        raise ValueError(
+            f"the dataset half has {len(stream):,} tokens: {slots} windows of {window_tokens}, "
+            f"the suite asks for {rows}; use fewer rows or shorter ones"
+        )
+    chosen = np.sort(rng.choice(slots, rows, replace=False))
+    return np.stack([stream[s * window_tokens : (s + 1) * window_tokens] for s in chosen])
+
+
+def array_hash(*arrays: np.ndarray) -> str:
+    """sha256 of arrays' dtypes, shapes and bytes: the identity of a drawn dataset."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()

@@ -1,0 +1,485 @@
+"""`Evaluator`: one model, one suite, many plans; `EvalResult`: what one plan scored.
+
+The evaluator loads the checkpoint once (float32 host params; each plan quantizes its own
+copy through `Engine`), draws the suite's examples once, and computes the bf16 baseline once
+per (model identity, dataset hash, engine settings), cached on disk as Parquet so a second
+evaluator - another worker, another day - reads it. `evaluate(plan)` builds the engine for
+the plan (same layout, same compiled executables) and runs every task through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tenantq.evals import data, fidelity, retrieval, stats, structured
+from tenantq.evals.generation import Generated
+from tenantq.evals.identity import cache_key, model_identity
+from tenantq.evals.suite import Suite, load_suite
+
+CACHE_VERSION = 1
+PHASES = ("load", "quantize", "compile", "baseline", "fidelity", "needles", "structured", "total")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """One gated metric: its delta, the CI, the tolerance, the verdict, Optuna's constraint."""
+
+    metric: str
+    value: float
+    ci_low: float
+    ci_high: float
+    tolerance: float
+    higher_is_better: bool
+    verdict: str
+    constraint: float  # <= 0: within tolerance (trial.set_constraint)
+
+
+@dataclasses.dataclass
+class EvalResult:
+    summary: dict[str, float | int | str]
+    gates: dict[str, Gate]
+    examples: pa.Table
+    timings_s: dict[str, float]
+    memory_report: dict[str, Any]
+
+    @property
+    def passed(self) -> bool:
+        return all(g.constraint <= 0 for g in self.gates.values())
+
+    def to_parquet(self, path: str | Path) -> Path:
+        """The per-example table, with summary, gates and timings as JSON schema metadata."""
+        path = Path(path)
+        meta = {
+            b"tenantq.summary": json.dumps(self.summary).encode(),
+            b"tenantq.gates": json.dumps(
+                {k: dataclasses.asdict(g) for k, g in self.gates.items()}
+            ).encode(),
+            b"tenantq.timings_s": json.dumps(self.timings_s).encode(),
+        }  # fmt: skip
+        table = self.examples.replace_schema_metadata(
+            {**(self.examples.schema.metadata or {}), **meta}
+        )
+        tmp = path.with_name(path.name + ".tmp")
+        pq.write_table(table, tmp)
+        tmp.replace(path)
+        return path
+
+
+class Evaluator:
+    """Evaluate plans on one checkpoint with one suite (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        suite: Suite | str,
+        *,
+        cache_dir: str | Path = Path(".tenantq-cache"),
+        engine_options: dict[str, Any] | None = None,
+        progress: bool = False,
+    ):
+        from tenantq.model.config import ModelConfig
+        from tenantq.model.loader import load_params
+        from tenantq.model.tokenizer import load_tokenizer
+
+        began = time.perf_counter()
+        self.model_path = Path(model_path)
+        self.suite = load_suite(suite) if isinstance(suite, str | Path) else suite
+        self.cache_dir = Path(cache_dir)
+        options = dict(engine_options or {})
+        self.dtype = str(options.pop("dtype", "bfloat16"))
+        self.engine_options = options
+        self.progress = progress
+        self.identity = model_identity(self.model_path)
+        self.config = ModelConfig.from_file(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{self.model_path} has no tokenizer.json; the quality suite needs text"
+            )
+        self.params = load_params(self.model_path, self.config, plan=None, dtype=jnp.float32)
+        self._draw_examples()
+        _check_gates(self.suite, self.expected_metrics())
+        self.load_s = time.perf_counter() - began
+        self._baseline: dict[str, Any] | None = None
+        self._evaluations = 0
+
+    # ------------------------------------------------------------------ examples
+    def _draw_examples(self) -> None:
+        suite, seed = self.suite, self.suite.seed
+        spec = suite.fidelity
+        source = spec.source if spec else data.REFERENCE_TEST
+        docs = data.split_documents(
+            data.load_documents(source, spec.text_field if spec else "text"), suite.split
+        )
+        self.docs = docs
+        stream = data.token_stream(self.tokenizer, docs)
+        hashed = [stream[:0]]
+        self.fidelity_rows = None
+        if spec is not None:
+            bos = self.config.bos_token_id if self.config.bos_token_id is not None else 1
+            windows = data.token_windows(
+                stream, spec.rows, spec.row_tokens - 1, np.random.default_rng([seed, 0])
+            )
+            self.fidelity_rows = np.concatenate(
+                [np.full((spec.rows, 1), bos, np.int32), windows], axis=1
+            )
+            hashed.append(self.fidelity_rows)
+        self.needle_items = []
+        for nspec in suite.needles:
+            self.needle_items += retrieval.build_needles(self.tokenizer, stream, nspec, seed)
+        self.structured_items = []
+        if suite.structured is not None:
+            self.structured_items = structured.build_items(
+                self.tokenizer, docs, suite.structured, seed
+            )
+        for item in self.needle_items + self.structured_items:
+            hashed.append(np.asarray(item.prompt, np.int32))
+        self.dataset_hash = data.array_hash(*hashed)
+
+    def expected_metrics(self) -> list[str]:
+        names = []
+        if self.fidelity_rows is not None:
+            names += ["fidelity.kl_mean", "fidelity.top1_agree_delta", "fidelity.ppl_ratio"]
+        for item in self.needle_items:
+            names.append(f"{item.task}.acc_delta.len{item.length}")
+        for item in self.structured_items:
+            names += ["structured.acc_delta", f"structured.acc_delta.{item.task_name}"]
+        return sorted(set(names))
+
+    # ------------------------------------------------------------------ engine + baseline
+    def engine_settings(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            **{k: self.engine_options[k] for k in sorted(self.engine_options)},
+        }
+
+    def build_engine(self, plan):
+        from tenantq.engine import Engine
+
+        try:
+            return Engine(
+                self.config, self.params, plan, dtype=self.dtype, tokenizer=self.tokenizer,
+                **self.engine_options,
+            )  # fmt: skip
+        except (TypeError, NotImplementedError) as err:
+            raise ValueError(f"cannot build the engine for this plan: {err}") from None
+
+    def baseline_key(self) -> str:
+        return cache_key(
+            version=CACHE_VERSION, model=self.identity, dataset=self.dataset_hash,
+            engine=self.engine_settings(), suite=self.suite.model_dump(mode="json",
+            exclude={"name", "resamples", "gates"}),
+        )  # fmt: skip
+
+    def baseline(self) -> dict[str, Any]:
+        """The bf16 outputs on every example: from memory, the disk cache, or computed once."""
+        if self._baseline is not None:
+            return self._baseline
+        from tenantq.quant.plan import QuantPlan
+
+        key = self.baseline_key()
+        fid_path = self.cache_dir / f"baseline-{key}-fidelity.parquet"
+        gen_path = self.cache_dir / f"baseline-{key}-generations.parquet"
+        spec = self.suite.fidelity
+        exact = spec is not None and self.config.vocab_size <= spec.exact_vocab_limit
+        items = self.needle_items + self.structured_items
+        fid = gens = None
+        try:
+            if self.fidelity_rows is not None and fid_path.is_file():
+                fid = fidelity.load_baseline(fid_path, self.fidelity_rows)
+            if items and gen_path.is_file():
+                gens = _load_generations(gen_path, items)
+        except (ValueError, OSError, pa.ArrowException):
+            fid = gens = None  # a stale or damaged cache is recomputed, never trusted
+        need_fid = self.fidelity_rows is not None and fid is None
+        if need_fid or (items and gens is None):
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            engine = self.build_engine(QuantPlan())
+            if need_fid:
+                fid = fidelity.compute_baseline(
+                    engine, self.fidelity_rows, exact=exact, top_k=spec.top_k
+                )
+                fidelity.save_baseline(fid, fid_path)
+            if items and gens is None:
+                gens = self._generate(engine, items)
+                _save_generations(gens, items, gen_path)
+        self._baseline = {"fidelity": fid, "generations": gens or []}
+        return self._baseline
+
+    def _generate(self, engine, items) -> list[Generated]:
+        needle_items = [i for i in items if isinstance(i, retrieval.NeedleItem)]
+        other = [i for i in items if not isinstance(i, retrieval.NeedleItem)]
+        out = retrieval.run_needles(engine, needle_items) if needle_items else []
+        if other:
+            out += structured.run_items(engine, other, self.suite.structured.max_new_tokens)
+        return out
+
+    # ------------------------------------------------------------------ evaluate
+    def evaluate(self, plan) -> EvalResult:
+        from tenantq.engine import PoolExhausted
+
+        began = time.perf_counter()
+        timings = dict.fromkeys(PHASES, 0.0)
+        timings["load"] = self.load_s if self._evaluations == 0 else 0.0
+        self._evaluations += 1
+        with _phase(timings, "baseline"):
+            base = self.baseline()
+        with _phase(timings, "quantize"):
+            engine = self.build_engine(plan)
+        rows: list[dict[str, Any]] = []
+        summary: dict[str, float | int | str] = {}
+        bar = _progress(self.progress, len(self.suite.needles) + 2)
+        try:
+            if self.fidelity_rows is not None:
+                bar.set_description("fidelity")
+                with _phase(timings, "fidelity", engine):
+                    cand = fidelity.compare(engine, self.fidelity_rows, base["fidelity"])
+                summary.update(self._fidelity_summary(base["fidelity"], cand, rows))
+            bar.update(1)
+            gens_base = base["generations"]
+            n_needles = len(self.needle_items)
+            if n_needles:
+                bar.set_description("needles")
+                with _phase(timings, "needles", engine):
+                    gens = retrieval.run_needles(engine, self.needle_items)
+                passes = [
+                    retrieval.score(i, g) for i, g in zip(self.needle_items, gens, strict=True)
+                ]
+                base_pass = [
+                    retrieval.score(i, g)
+                    for i, g in zip(self.needle_items, gens_base[:n_needles], strict=True)
+                ]
+                summary.update(
+                    self._pass_fail(
+                        self.needle_items,
+                        base_pass,
+                        passes,
+                        gens_base[:n_needles],
+                        gens,
+                        rows,
+                        "len",
+                    )  # fmt: skip
+                )
+            bar.update(len(self.suite.needles))
+            if self.structured_items:
+                bar.set_description("structured")
+                with _phase(timings, "structured", engine):
+                    gens = structured.run_items(
+                        engine, self.structured_items, self.suite.structured.max_new_tokens
+                    )
+                items = self.structured_items
+                passes = [
+                    structured.score(i, g, self.tokenizer) for i, g in zip(items, gens, strict=True)
+                ]
+                base_gens = gens_base[n_needles:]
+                base_pass = [
+                    structured.score(i, g, self.tokenizer)
+                    for i, g in zip(items, base_gens, strict=True)
+                ]
+                summary.update(
+                    self._pass_fail(items, base_pass, passes, base_gens, gens, rows, "task")
+                )
+            bar.update(1)
+        except PoolExhausted as err:
+            raise ValueError(f"the plan does not fit the engine's KV pool: {err}") from None
+        finally:
+            bar.close()
+        timings["compile"] = engine.stats.compile_s
+        timings["total"] = time.perf_counter() - began + timings["load"]
+        gates = self._gates(summary)
+        summary.update({f"verdict.{k}": g.verdict for k, g in gates.items()})
+        summary.update({
+            "suite.name": self.suite.name, "suite.split": self.suite.split,
+            "identity.model": self.identity[:16], "identity.dataset": self.dataset_hash[:16],
+            "identity.plan": plan.fingerprint(), "examples.n": len(rows),
+            "passed": int(all(g.constraint <= 0 for g in gates.values())),
+        })  # fmt: skip
+        return EvalResult(
+            summary=summary, gates=gates, examples=_examples_table(rows),
+            timings_s={k: round(v, 4) for k, v in timings.items()},
+            memory_report=engine.memory_report().as_dict(),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ summaries
+    def _ci(self, base, cand, **kw) -> stats.PairedCI:
+        return stats.paired_bootstrap(
+            base, cand, resamples=self.suite.resamples, seed=self.suite.seed, **kw
+        )
+
+    def _fidelity_summary(self, base, cand, rows) -> dict[str, float]:
+        kl_seq = cand["kl"].mean(axis=1)
+        agree_seq = cand["top1_agree"].mean(axis=1)
+        nll_base, nll_cand = -base.target_logp.mean(axis=1), -cand["target_logp"].mean(axis=1)
+        kl = self._ci(np.zeros_like(kl_seq), kl_seq)
+        agree = self._ci(np.ones_like(agree_seq), agree_seq)
+        ppl = self._ci(nll_base, nll_cand, contrast=lambda c, b: np.exp(c - b))
+        ppl_floor = stats.noise_floor(nll_base, seed=self.suite.seed)  # in mean NLL (nats)
+        out = {
+            "fidelity.kl_mean": kl.delta, "fidelity.kl_mean.ci_low": kl.ci_low,
+            "fidelity.kl_mean.ci_high": kl.ci_high,
+            "fidelity.kl_p99": float(np.quantile(cand["kl"], 0.99)),
+            "fidelity.kl_max": float(cand["kl"].max()),
+            "fidelity.top1_agree": agree.candidate,
+            "fidelity.top1_agree_delta": agree.delta,
+            "fidelity.top1_agree_delta.ci_low": agree.ci_low,
+            "fidelity.top1_agree_delta.ci_high": agree.ci_high,
+            "fidelity.ppl_base": float(np.exp(nll_base.mean())),
+            "fidelity.ppl_cand": float(np.exp(nll_cand.mean())),
+            "fidelity.ppl_ratio": ppl.delta, "fidelity.ppl_ratio.ci_low": ppl.ci_low,
+            "fidelity.ppl_ratio.ci_high": ppl.ci_high,
+            "fidelity.ppl_ratio.noise_floor": float(np.exp(ppl_floor) - 1.0),
+            "fidelity.tokens": int(cand["kl"].size),
+            "fidelity.exact": int(base.exact),
+        }  # fmt: skip
+        for i in range(len(kl_seq)):
+            rows.append({
+                "task": "fidelity", "example_id": f"fidelity/{i}",
+                "length": int(self.fidelity_rows.shape[1]), "depth": float("nan"),
+                "baseline_score": float(nll_base[i]), "candidate_score": float(nll_cand[i]),
+                "kl": float(kl_seq[i]), "top1_agree": float(agree_seq[i]),
+                "margin": float(base.margin[i].mean()), "candidate_margin": float("nan"),
+                "flip": "", "baseline_tokens": [], "candidate_tokens": [],
+            })  # fmt: skip
+        return out
+
+    def _pass_fail(self, items, base_pass, cand_pass, base_gens, cand_gens, rows, group):
+        out: dict[str, float | int] = {}
+        base_pass, cand_pass = np.asarray(base_pass, bool), np.asarray(cand_pass, bool)
+        # (name prefix, name suffix, examples): needle.acc_delta.len1019, structured.acc_delta,
+        # structured.acc_delta.close_line
+        groups: list[tuple[str, str, np.ndarray]] = []
+        task_of = np.array([i.task for i in items])
+        key_of = np.array([f"len{i.length}" if group == "len" else i.task_name for i in items])
+        for task in dict.fromkeys(task_of):
+            in_task = task_of == task
+            if group == "task":
+                groups.append((task, "", in_task))
+            for key in dict.fromkeys(key_of[in_task]):
+                groups.append((task, f".{key}", in_task & (key_of == key)))
+        for prefix, suffix, mask in groups:
+            b, c = base_pass[mask], cand_pass[mask]
+            ci = self._ci(b.astype(float), c.astype(float))
+            c2w, w2c = stats.discordant_counts(b, c)
+            floor = stats.noise_floor(b.astype(float), seed=self.suite.seed) if b.size >= 2 else 0.0
+            figures = {
+                "acc_base": ci.baseline, "acc_cand": ci.candidate, "acc_delta": ci.delta,
+                "acc_delta.ci_low": ci.ci_low, "acc_delta.ci_high": ci.ci_high,
+                "acc_delta.noise_floor": floor, "flips.correct_to_wrong": c2w,
+                "flips.wrong_to_correct": w2c, "mcnemar_p": stats.mcnemar_exact(c2w, w2c),
+                "n": int(mask.sum()),
+            }  # fmt: skip
+            for m, v in figures.items():
+                head, _, tail = m.partition(".")
+                name = f"{prefix}.{head}{suffix}" + (f".{tail}" if tail else "")
+                out[name] = v
+        for item, b, c, gb, gc in zip(
+            items, base_pass, cand_pass, base_gens, cand_gens, strict=True
+        ):
+            rows.append({
+                "task": item.task, "example_id": item.example_id,
+                "length": int(getattr(item, "length", len(item.prompt))),
+                "depth": float(getattr(item, "depth", float("nan"))),
+                "baseline_score": float(b), "candidate_score": float(c), "kl": float("nan"),
+                "top1_agree": float("nan"),
+                "margin": float(min(gb.margins)) if gb.margins else float("nan"),
+                "candidate_margin": float(min(gc.margins)) if gc.margins else float("nan"),
+                "flip": _flip(b, c),
+                "baseline_tokens": gb.tokens, "candidate_tokens": gc.tokens,
+            })  # fmt: skip
+        return out
+
+    def _gates(self, summary) -> dict[str, Gate]:
+        gates = {}
+        for g in self.suite.gates:
+            value = float(summary[g.metric])
+            low = float(summary.get(f"{g.metric}.ci_low", value))
+            high = float(summary.get(f"{g.metric}.ci_high", value))
+            ref = 1.0 if g.metric.endswith("ppl_ratio") else 0.0  # a ratio's "no change" is 1
+            lo, hi = low - ref, high - ref
+            gates[g.metric] = Gate(
+                g.metric, value, low, high, g.tolerance, g.higher_is_better,
+                stats.verdict(lo, hi, g.tolerance, higher_is_better=g.higher_is_better),
+                stats.constraint(lo, hi, g.tolerance, higher_is_better=g.higher_is_better),
+            )  # fmt: skip
+        return gates
+
+
+# ---------------------------------------------------------------------- helpers
+def _flip(baseline_pass: bool, candidate_pass: bool) -> str:
+    if baseline_pass == candidate_pass:
+        return ""
+    return "correct_to_wrong" if baseline_pass else "wrong_to_correct"
+
+
+@contextmanager
+def _phase(timings: dict[str, float], name: str, engine=None):
+    """Wall seconds of a phase, less the compile seconds the engine counted inside it."""
+    began = time.perf_counter()
+    compiled = engine.stats.compile_s if engine is not None else 0.0
+    yield
+    spent = time.perf_counter() - began
+    if engine is not None:
+        spent -= engine.stats.compile_s - compiled
+    timings[name] += spent
+
+
+def _progress(enabled: bool, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, file=sys.stderr, unit="task", leave=False)
+
+
+def _check_gates(suite: Suite, metrics: list[str]) -> None:
+    for g in suite.gates:
+        if g.metric not in metrics:
+            raise ValueError(
+                f"suite {suite.name!r} gates {g.metric!r}, which it does not measure; "
+                f"measured deltas: {', '.join(metrics)}"
+            )
+
+
+_EXAMPLE_SCHEMA = pa.schema([
+    ("task", pa.string()), ("example_id", pa.string()), ("length", pa.int32()),
+    ("depth", pa.float32()), ("baseline_score", pa.float64()), ("candidate_score", pa.float64()),
+    ("kl", pa.float64()), ("top1_agree", pa.float64()), ("margin", pa.float64()),
+    ("candidate_margin", pa.float64()), ("flip", pa.string()),
+    ("baseline_tokens", pa.list_(pa.int32())), ("candidate_tokens", pa.list_(pa.int32())),
+])  # fmt: skip
+
+
+def _examples_table(rows: list[dict[str, Any]]) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=_EXAMPLE_SCHEMA)
+
+
+def _save_generations(gens: list[Generated], items, path: Path) -> None:
+    table = pa.table({
+        "example_id": [i.example_id for i in items],
+        "tokens": pa.array([g.tokens for g in gens], pa.list_(pa.int32())),
+        "margins": pa.array([g.margins for g in gens], pa.list_(pa.float64())),
+    })  # fmt: skip
+    tmp = path.with_name(f"{path.name}.{id(table)}.tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+
+
+def _load_generations(path: Path, items) -> list[Generated]:
+    table = pq.read_table(path)
+    if table.column("example_id").to_pylist() != [i.example_id for i in items]:
+        raise ValueError(f"baseline cache {path} holds other examples")
+    return [
+        Generated(list(t), list(m))
+        for t, m in zip(
+            table.column("tokens").to_pylist(), table.column("margins").to_pylist(), strict=True
+        )
+    ]

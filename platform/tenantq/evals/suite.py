@@ -1,0 +1,107 @@
+"""A suite is data: which tasks, how many examples, which split, which gates and tolerances.
+
+Suites live as TOML under `evals/suites/` (`quick` for search trials, `standard`, `long`) or
+anywhere on disk; pydantic validates them, so a misspelt key is a one-line error naming the
+valid ones. `split` picks one of two disjoint halves of the held-out data: the search draws
+from "search", a confirmation run (`suite.with_split("confirm")`) from examples it never saw.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SUITES_DIR = Path(__file__).resolve().parent / "suites"
+SPLITS = ("search", "confirm")
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FidelitySpec(_Spec):
+    source: str = Field(
+        "reference-test",
+        description="'reference-test' (the shipped model's held-out split) or a .txt, "
+        ".jsonl or .parquet file of text",
+    )
+    text_field: str = Field("text", description="field/column holding text in .jsonl/.parquet")
+    rows: int = Field(16, gt=0, description="token windows scored")
+    row_tokens: int = Field(512, ge=8, description="tokens per window, BOS included")
+    exact_vocab_limit: int = Field(
+        32768, gt=0, description="vocabularies up to this size get exact KL; above, top-k + tail"
+    )
+    top_k: int = Field(64, gt=0, description="baseline tokens kept per position above the limit")
+
+
+class NeedleSpec(_Spec):
+    variant: Literal["single", "multikey", "multivalue", "vartrack"] = "single"
+    lengths: tuple[int, ...] = Field(description="prompt tokens per cell row")
+    per_length: int = Field(gt=0, description="needles per length, depths evenly over 0-100%")
+    count: int = Field(4, ge=2, description="needles per prompt for multikey/multivalue")
+
+
+class StructuredSpec(_Spec):
+    tasks: tuple[Literal["close_line", "repeat_identifier"], ...] = (
+        "close_line",
+        "repeat_identifier",
+    )
+    per_task: int = Field(16, gt=0, description="examples per task")
+    context_tokens: int = Field(192, ge=16, description="prompt tokens of real code before the cut")
+    max_new_tokens: int = Field(12, gt=0, description="greedy tokens generated at most")
+
+
+class GateSpec(_Spec):
+    metric: str = Field(description="a summary delta, e.g. 'fidelity.kl_mean'")
+    tolerance: float = Field(ge=0, description="largest acceptable change in the bad direction")
+    higher_is_better: bool = Field(description="accuracy: true; KL, perplexity: false")
+
+
+class Suite(_Spec):
+    name: str
+    seed: int = Field(0, description="seeds every example draw and the bootstrap")
+    split: Literal["search", "confirm"] = "search"
+    resamples: int = Field(10_000, ge=100, description="bootstrap resamples per CI")
+    fidelity: FidelitySpec | None = None
+    needles: tuple[NeedleSpec, ...] = ()
+    structured: StructuredSpec | None = None
+    gates: tuple[GateSpec, ...] = ()
+
+    def with_split(self, split: str) -> Suite:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        return self.model_copy(update={"split": split})
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+
+
+def builtin_suites() -> list[str]:
+    return sorted(p.stem for p in SUITES_DIR.glob("*.toml"))
+
+
+def load_suite(name_or_path: str | Path) -> Suite:
+    """A built-in suite by name (`quick`, `standard`, `long`) or a suite TOML file."""
+    path = Path(name_or_path)
+    if not path.suffix and (SUITES_DIR / f"{name_or_path}.toml").is_file():
+        path = SUITES_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ValueError(
+            f"suite {str(name_or_path)!r} not found: use one of {', '.join(builtin_suites())} "
+            "or the path of a suite .toml file"
+        )
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"suite file {path}: cannot parse ({err})") from None
+    raw.setdefault("name", path.stem)
+    try:
+        return Suite.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"suite file {path}: {where}: {first['msg']}") from None
