@@ -57,10 +57,17 @@ def test_every_query_names_a_documented_or_ray_builtin_metric() -> None:
     study_series = {s for m in documented_study_metrics().values() for s in m.prometheus_series}
     ray_builtin = _ray_builtin_metrics()
     # Guard the reference itself: Ray's dashboard must still chart node and actor metrics.
-    assert {"ray_node_cpu_utilization", "ray_actors", "ray_tpu_tensorcore_utilization"} <= ray_builtin
+    assert {
+        "ray_node_cpu_utilization",
+        "ray_actors",
+        "ray_tpu_tensorcore_utilization",
+    } <= ray_builtin
 
     queries = [
-        (p["title"], t["expr"]) for p in _panels(dashboard) if p["type"] != "row" for t in p["targets"]
+        (p["title"], t["expr"])
+        for p in _panels(dashboard)
+        if p["type"] != "row"
+        for t in p["targets"]
     ]
     queries += [
         (f"variable {v['name']}", v["definition"])

@@ -1,0 +1,140 @@
+"""`ray job submit` for real against `cluster/local.sh`: token auth, loopback, study metrics.
+
+One cluster per module (`local_cluster` in conftest.py): `cluster/local.sh start` with token
+authentication, free ports and its own state dir, and `cluster/local.sh stop` at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+from _study_metrics import documented_study_metrics
+
+from conftest import client_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+
+RAY = str(Path(sys.executable).parent / "ray")
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
+
+# The job exports the study's metrics the way the driver will (ray.util.metrics, from the
+# driver process), then waits until the test has scraped them.
+PROBE = """
+import json, sys, time
+from pathlib import Path
+import ray
+from ray.util.metrics import Counter, Gauge, Histogram
+
+contract = json.loads(sys.argv[1])
+sentinel = Path(sys.argv[2])
+ray.init()
+print("PROBE node", ray.util.get_node_ip_address(), "cpus", ray.cluster_resources()["CPU"])
+kinds = {"Counter": Counter, "Gauge": Gauge, "Histogram": Histogram}
+tag_values = {"study": "probe", "state": "complete", "reason": "error"}
+for name, (kind, tag_keys) in contract.items():
+    extra = {"boundaries": [1, 10, 100]} if kind == "Histogram" else {}
+    metric = kinds[kind](name, description=name, tag_keys=tuple(tag_keys), **extra)
+    tags = {k: tag_values[k] for k in tag_keys}
+    if kind == "Counter":
+        metric.inc(1.0, tags=tags)
+    elif kind == "Gauge":
+        metric.set(2.0, tags=tags)
+    else:
+        metric.observe(3.0, tags=tags)
+deadline = time.monotonic() + 180
+while not sentinel.exists() and time.monotonic() < deadline:
+    time.sleep(0.5)
+print("PROBE done", sentinel.exists())
+"""
+
+
+def _submit(cluster, working_dir: Path, *entrypoint: str, env_overrides=None) -> str:
+    submission_id = f"tq-test-{uuid.uuid4().hex[:8]}"
+    env = client_env(cluster.env)
+    env.update(env_overrides or {})
+    cmd = [RAY, "job", "submit", "--no-wait", "--submission-id", submission_id]
+    cmd += ["--working-dir", str(working_dir), "--", *entrypoint]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return submission_id
+
+
+def test_job_api_demands_the_token(local_cluster) -> None:
+    # Ray's HTTP token middleware: no credentials -> 401, a wrong token -> 403
+    # (ray/_private/authentication/http_token_authentication.py); the right one -> 200.
+    assert local_cluster.get_json("/api/jobs/", token=None)[0] == 401
+    assert local_cluster.get_json("/api/jobs/", token="0" * 64)[0] == 403
+    assert local_cluster.get_json("/api/jobs/")[0] == 200
+
+
+def test_cli_without_auth_mode_is_refused(local_cluster) -> None:
+    # DESIGN.md "Traps": the CLI sends the token only when RAY_AUTH_MODE=token is set.
+    env = client_env(local_cluster.env)
+    env.pop("RAY_AUTH_MODE")
+    done = subprocess.run(
+        [RAY, "job", "list"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert "Unauthorized" in done.stdout + done.stderr
+
+
+def test_every_cluster_socket_listens_on_loopback_only(local_cluster) -> None:
+    head_pid = int((local_cluster.state_dir / "head.pid").read_text())
+    members = [p for p in psutil.process_iter() if _sid(p) == head_pid]
+    assert len(members) >= 3  # at least the `ray start` process, gcs_server and raylet
+    listening = []
+    for process in members:
+        try:
+            sockets = process.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        listening += [(process.name(), c.laddr) for c in sockets if c.status == psutil.CONN_LISTEN]
+    assert len(listening) >= 5  # GCS, dashboard, client server, agent, metrics at least
+    assert [(n, a) for n, a in listening if a.ip not in LOOPBACK] == []
+
+
+def test_submitted_job_runs_and_exports_the_study_metrics(local_cluster, tmp_path) -> None:
+    import json
+
+    contract = {n: (m.kind, m.tag_keys) for n, m in documented_study_metrics().items()}
+    working_dir = tmp_path / "job"
+    working_dir.mkdir()
+    (working_dir / "probe.py").write_text(PROBE)
+    sentinel = tmp_path / "scraped"
+    submission_id = _submit(
+        local_cluster, working_dir, "python", "probe.py", json.dumps(contract), str(sentinel)
+    )
+    expected = {s for m in documented_study_metrics().values() for s in m.prometheus_series}
+    found: set[str] = set()
+    deadline = time.monotonic() + 150
+    try:
+        while time.monotonic() < deadline and not expected <= found:
+            with urllib.request.urlopen(local_cluster.metrics_url, timeout=10) as response:
+                text = response.read().decode()
+            found = {line.split("{", 1)[0] for line in text.splitlines() if "tenantq" in line}
+            found = {name for name in found if not name.startswith("#")}
+            time.sleep(2)
+    finally:
+        sentinel.touch()
+    record = local_cluster.wait_for_job(submission_id, timeout_s=180)
+    logs = local_cluster.job_logs(submission_id)
+    assert record["status"] == "SUCCEEDED", logs
+    assert "PROBE node 127.0.0.1 cpus 2.0" in logs
+    assert "PROBE done True" in logs
+    # The Prometheus names the Grafana dashboard queries are the ones Ray really exports.
+    assert expected <= found, f"missing {sorted(expected - found)}; saw {sorted(found)}"
+
+
+def _sid(process: psutil.Process) -> int | None:
+    try:
+        return os.getsid(process.pid)
+    except (ProcessLookupError, PermissionError):
+        return None
