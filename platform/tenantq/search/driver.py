@@ -243,6 +243,7 @@ class SearchDriver:
         tracker = self._open_tracking(study)
         self.tracker = tracker
         self._requeue_dead_driver_trials()
+        self._reconcile_runs()
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
             self._fingerprints.setdefault(t.user_attrs.get("plan_fingerprint", ""), t.number)
         # A capacity-only study needs no worker: every figure is arithmetic in the driver.
@@ -307,6 +308,40 @@ class SearchDriver:
                     "fresh heartbeats: another driver is running it"
                 )
             time.sleep(1.0)
+
+    def _reconcile_runs(self) -> None:
+        """Finished trials without a nested MLflow run (the driver died between telling Optuna
+        and logging) get their run now, from what the study recorded."""
+        import optuna
+
+        from tenantq.quant.plan import QuantPlan
+        from tenantq.tracking import flatten_plan
+
+        S = optuna.trial.TrialState
+        runs = self.tracker.trial_runs()
+        for t in self.study.get_trials(deepcopy=False, states=(S.COMPLETE, S.FAIL)):
+            if t.number in runs:
+                continue
+            attrs = t.user_attrs
+            ctx: dict[str, Any] = {"params": {f"space.{k}": v for k, v in t.params.items()}}
+            if "plan" in attrs:
+                ctx["plan"] = QuantPlan.from_json(attrs["plan"])
+                ctx["params"] |= flatten_plan(ctx["plan"], self.prep.config)
+            summary = attrs.get("summary", {})
+            metrics = {k: v for k, v in summary.items() if isinstance(v, int | float)}
+            error = None
+            if t.state == S.FAIL:
+                error = attrs.get(
+                    "error", "the driver running this trial stopped (stale heartbeat)"
+                )
+            self._log_trial(
+                t.number,
+                ctx,
+                metrics=metrics | attrs.get("capacity", {}),
+                tags={"tenantq.logged_on_resume": "true"},
+                artifacts={},
+                error=error,
+            )
 
     def _counts(self) -> dict[str, int]:
         import optuna
