@@ -14,6 +14,7 @@ reference model's held-out split has one single-line dict display of literals in
 from __future__ import annotations
 
 import ast
+import dataclasses
 import keyword
 import re
 import weakref
@@ -24,9 +25,8 @@ import numpy as np
 from tenantq.evals.generation import Generated, generate_with_margins
 
 _CLOSERS = ")]}"
-_RETURN = re.compile(r"^(\s*)return ([A-Za-z_][A-Za-z0-9_]{3,})\s*$")
-_ASSIGN = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=[^=]")
-_LOOKBACK_LINES = 12
+_IDENT = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]{5,}\b")
+_LOOKBACK_LINES = 30
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class StructuredItem:
     task_name: str
     example_id: str
     prompt: list[int]
-    line_prefix: str  # the cut line's text before the completion
+    line_prefix: str  # the cut line's text in the prompt (cut at a token boundary)
     expect: str  # repeat_identifier: the identifier to repeat
     task: str = "structured"
 
@@ -66,16 +66,15 @@ def _candidates(task: str, lines: list[str]):
             if prefix is not None:
                 yield i, prefix, ""
         else:
-            m = _RETURN.match(line)
-            if (
-                m is None
-                or keyword.iskeyword(m.group(2))
-                or m.group(2) in ("None", "True", "False", "self")
-            ):
-                continue
-            recent = lines[max(0, i - _LOOKBACK_LINES) : i]
-            if any((a := _ASSIGN.match(r)) and a.group(1) == m.group(2) for r in recent):
-                yield i, f"{m.group(1)}return ", m.group(2)
+            for m in _IDENT.finditer(line):
+                name = m.group(0)
+                if keyword.iskeyword(name) or m.start() == 0 or line[m.start() - 1] == ".":
+                    continue
+                recent = "\n".join(lines[max(0, i - _LOOKBACK_LINES) : i])
+                if re.search(rf"\b{name}\b", recent):
+                    # cut before the last character; build_items moves it to a token boundary
+                    yield i, line[: m.end() - 1], f"{m.start()}:{name}"
+                    break
 
 
 def build_items(tokenizer, docs: list[str], spec, seed: int) -> list[StructuredItem]:
@@ -88,21 +87,39 @@ def build_items(tokenizer, docs: list[str], spec, seed: int) -> list[StructuredI
             lines = doc.split("\n")
             for i, prefix, expect in _candidates(task, lines):
                 found.append((d, i, prefix, expect))
-        if len(found) < spec.per_task:
-            raise ValueError(
-                f"structured task {task!r}: the dataset half has {len(found)} usable lines, "
-                f"the suite asks for {spec.per_task}"
-            )
         rng = np.random.default_rng([seed, 100 + t])
-        for n, k in enumerate(np.sort(rng.choice(len(found), spec.per_task, replace=False))):
+        chosen: list[StructuredItem] = []
+        for k in rng.permutation(len(found)):  # seeded order; keep the first usable per_task
             d, i, prefix, expect = found[k]
             lines = docs[d].split("\n")
-            context = "\n".join(lines[max(0, i - 200) : i]) + "\n" + prefix
-            ids = tokenizer.encode(context)[-(spec.context_tokens - 1) :]
-            items.append(
-                StructuredItem(task, f"structured/{task}/{n}", [bos, *ids], prefix, expect)
+            context = "\n".join(lines[max(0, i - 200) : i]) + "\n"
+            ids, line_prefix = _cut_at_token(tokenizer, context, lines[i], len(prefix))
+            if task == "repeat_identifier" and len(line_prefix) <= int(expect.split(":")[0]):
+                continue  # the identifier is one token: nothing of it is left to repeat
+            ids = ids[-(spec.context_tokens - 1) :]
+            chosen.append(StructuredItem(task, "", [bos, *ids], line_prefix, expect))
+            if len(chosen) == spec.per_task:
+                break
+        if len(chosen) < spec.per_task:
+            raise ValueError(
+                f"structured task {task!r}: the dataset half has {len(chosen)} usable lines, "
+                f"the suite asks for {spec.per_task}"
             )
+        items += [
+            dataclasses.replace(item, example_id=f"structured/{task}/{n}")
+            for n, item in enumerate(chosen)
+        ]
     return items
+
+
+def _cut_at_token(tokenizer, context: str, line: str, cut: int) -> tuple[list[int], str]:
+    """Token ids of `context + line` up to the last token boundary at or before `cut` chars
+    into the line, and the line's text they cover. Cutting inside a BPE token (e.g. after a
+    trailing space that belongs to the next word) would show the model a split it never saw."""
+    ids = tokenizer.encode(context + line)
+    ends = np.cumsum([len(tokenizer.decode([t])) for t in ids])
+    keep = int(np.searchsorted(ends, len(context) + cut, side="right"))
+    return ids[:keep], line[: max(0, int(ends[keep - 1]) - len(context))] if keep else ""
 
 
 _NEWLINE_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -138,4 +155,6 @@ def score(item: StructuredItem, generated: Generated, tokenizer) -> bool:
         except SyntaxError:
             return False
         return True
-    return re.match(rf"{re.escape(item.expect)}\b", completion) is not None
+    start, name = item.expect.split(":", 1)
+    text = (item.line_prefix + completion)[int(start) :]
+    return re.match(rf"{re.escape(name)}\b", text) is not None
