@@ -1,0 +1,71 @@
+"""`tenantq eval`: one plan through the quality suite, summary with CIs and verdicts.
+
+Loads the checkpoint and the suite, reads or computes the bf16 baseline (cached under
+`--cache-dir`), evaluates the plan, prints the gates and the summary (`--json`: the flat
+summary dict) and with `--out DIR` writes examples.parquet and summary.json. A progress bar
+goes to stderr. Bad input (plan, dataset, a plan that does not fit) is a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "eval",
+        help="quality of a plan against the bf16 baseline, with CIs and verdicts",
+        description="Run a quantization plan through the quality suite (fidelity, needle "
+        "grid, structured output) paired against the bf16 baseline of the same model.",
+    )
+    p.add_argument("--model", help="checkpoint folder (default: the shipped reference model)")
+    p.add_argument("--plan", help="QuantPlan .json/.toml (default: bf16, i.e. no change)")
+    p.add_argument("--suite", default="quick", help="quick, standard, long or a suite .toml")
+    p.add_argument("--split", choices=("search", "confirm"), help="override the suite's split")
+    p.add_argument("--cache-dir", default=".tenantq-cache", help="baseline cache folder")
+    p.add_argument("--out", help="folder for examples.parquet and summary.json")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from tenantq.evals import Evaluator, load_suite
+    from tenantq.quant.plan import QuantPlan
+    from tenantq.reference import reference_model_path
+
+    plan = QuantPlan.load(args.plan) if args.plan else QuantPlan()
+    suite = load_suite(args.suite)
+    if args.split:
+        suite = suite.with_split(args.split)
+    model = Path(args.model) if args.model else reference_model_path()
+    if not model.is_dir():
+        raise ValueError(f"--model {model} is not a checkpoint folder")
+    evaluator = Evaluator(model, suite, cache_dir=args.cache_dir, progress=not args.no_progress)
+    result = evaluator.evaluate(plan)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result.to_parquet(out / "examples.parquet")
+        record = {"summary": result.summary, "timings_s": result.timings_s}
+        (out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(result.summary, indent=1))
+        return 0
+    print(f"suite {suite.name} ({suite.split}), plan {plan.fingerprint()}, model {model}")
+    for name, gate in result.gates.items():
+        print(
+            f"  {name:<34} {gate.value:+.4f} [{gate.ci_low:+.4f}, {gate.ci_high:+.4f}] "
+            f"tolerance {gate.tolerance:g}: {gate.verdict}"
+        )
+    for key, value in result.summary.items():
+        if key.endswith((".ci_low", ".ci_high")) or key.startswith("verdict."):
+            continue
+        low = result.summary.get(f"{key}.ci_low")
+        ci = f"  [{low:.4g}, {result.summary[f'{key}.ci_high']:.4g}]" if low is not None else ""
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        print(f"  {key:<44} {shown}{ci}")
+    print("  timings_s " + ", ".join(f"{k} {v:.2f}" for k, v in result.timings_s.items()))
+    return 0
