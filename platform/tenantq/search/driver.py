@@ -197,7 +197,8 @@ class SearchDriver:
         return storage, study
 
     def _open_tracking(self, study):
-        from tenantq.tracking import StudyTracker, code_version, model_identity
+        from tenantq.evals.identity import model_identity
+        from tenantq.tracking import StudyTracker, code_version
 
         spec = self.spec
         tracker = StudyTracker(spec.tracking.uri, spec.experiment_name)
@@ -611,7 +612,9 @@ class SearchDriver:
         while todo or pool.in_flight:
             while todo and pool.idle:
                 r = todo.pop(0)
-                pool.submit(("confirm", r.trial), r.plan_json, self.spec.eval.confirm_suite)
+                pool.submit(
+                    ("confirm", r.trial), r.plan_json, self.spec.eval.confirm_suite, "confirm"
+                )
             for finished in pool.wait(POLL_S):
                 self._record(finished)
             for number, finished in list(self._confirmations.items()):

@@ -7,6 +7,6 @@ artifacts). Uses `MlflowClient` with explicit run ids, so nothing depends on an 
 """
 
 from tenantq.tracking.flatten import flatten_plan
-from tenantq.tracking.runs import StudyTracker, code_version, model_identity
+from tenantq.tracking.runs import StudyTracker, code_version
 
-__all__ = ["StudyTracker", "code_version", "flatten_plan", "model_identity"]
+__all__ = ["StudyTracker", "code_version", "flatten_plan"]

@@ -8,7 +8,6 @@ Metric names are passed through as the evaluator gives them (already MLflow-vali
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import subprocess
@@ -37,22 +36,6 @@ def code_version(root: str | Path | None = None) -> str:
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return f"tenantq-{getattr(tenantq, '__version__', 'unknown')}"
-
-
-def model_identity(model_path: str | Path) -> str:
-    """sha256 over config.json and every *.safetensors file's bytes (DESIGN.md identity)."""
-    folder = Path(model_path)
-    files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing or len(files) < 2:
-        raise ValueError(f"model {folder}: needs config.json and *.safetensors, missing {missing}")
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode())
-        with f.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 class StudyTracker:

@@ -86,31 +86,36 @@ class HostWorker:
         self.model_path = model_path
         self.cache_dir = Path(cache_dir)
         self.default_suite = suite
-        self._evaluators: dict[str, Any] = {}
-        self._load_s: dict[str, float] = {}
-        self._evaluator(suite)  # load the model, data and baseline once, at start
+        self._evaluators: dict[tuple[str, str], Any] = {}
+        self._load_s: dict[tuple[str, str], float] = {}
+        _persistent_compilation_cache(self.cache_dir / "xla")
+        self._evaluator(suite, "search")  # load the model, data and baseline once, at start
 
-    def _evaluator(self, suite: str):
-        if suite not in self._evaluators:
+    def _evaluator(self, suite: str, split: str):
+        key = (suite, split)
+        if key not in self._evaluators:
             from tenantq.evals import Evaluator, load_suite
 
             start = time.perf_counter()
-            self._evaluators[suite] = Evaluator(
-                self.model_path, load_suite(suite), cache_dir=self.cache_dir
+            self._evaluators[key] = Evaluator(
+                self.model_path, load_suite(suite).with_split(split), cache_dir=self.cache_dir
             )
-            self._load_s[suite] = time.perf_counter() - start
-        return self._evaluators[suite]
+            self._load_s[key] = time.perf_counter() - start
+        return self._evaluators[key]
 
     def ping(self) -> dict[str, Any]:
         return {"name": self.name, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0))}
 
-    def evaluate(self, plan_json: str, suite: str | None = None) -> TrialResult:
-        """Run the suite on `plan_json` (a QuantPlan's JSON); exceptions propagate to Ray."""
+    def evaluate(
+        self, plan_json: str, suite: str | None = None, split: str = "search"
+    ) -> TrialResult:
+        """Run the suite on `plan_json` (a QuantPlan's JSON); exceptions propagate to Ray.
+        `split="confirm"` draws the suite's held-out examples the search never saw."""
         from tenantq.quant.plan import QuantPlan
 
         plan = QuantPlan.from_json(plan_json)
-        name = suite or self.default_suite
-        result = self._evaluator(name).evaluate(plan)
+        key = (suite or self.default_suite, split)
+        result = self._evaluator(*key).evaluate(plan)
         gates = {
             key: {
                 f: getattr(gate, f)
@@ -127,8 +132,19 @@ class HostWorker:
             examples=result.examples,
             worker=self.name,
             pid=os.getpid(),
-            evaluator_load_s=self._load_s.get(name, 0.0),
+            evaluator_load_s=self._load_s.get(key, 0.0),
         )
+
+
+def _persistent_compilation_cache(folder: Path) -> None:
+    """Share compiled executables across trials, workers and runs: a plan whose layout was
+    compiled before (same formats and shapes) loads its executable instead of compiling."""
+    import jax
+
+    folder.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(folder.resolve()))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _plain(value: Any) -> Any:

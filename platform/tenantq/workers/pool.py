@@ -138,12 +138,14 @@ class WorkerPool:
     def in_flight_keys(self) -> list[Any]:
         return [key for key, _, _ in self._inflight.values()]
 
-    def submit(self, key: Any, plan_json: str, suite: str | None = None) -> str:
+    def submit(
+        self, key: Any, plan_json: str, suite: str | None = None, split: str = "search"
+    ) -> str:
         """Run `plan_json` on an idle worker; returns the worker's name."""
         if not self._idle:
             raise RuntimeError("no idle worker: never submit more plans than workers")
         slot = self._idle.pop(0)
-        ref = self._actors[slot].evaluate.remote(plan_json, suite)
+        ref = self._actors[slot].evaluate.remote(plan_json, suite, split)
         self._inflight[ref] = (key, slot, time.perf_counter())
         return self._names[slot]
 
