@@ -95,17 +95,24 @@ def fold(
     if site.source_kind == "norm":
         out[site.source] = (src / s).astype(np.float32)
         return out
-    if site.source_kind == "value_heads":
-        hkv, d = config.num_kv_heads, config.head_dim
-        grouped = s.reshape(hkv, config.num_heads // hkv, d)
-        if not np.allclose(grouped, grouped[:, :1], rtol=1e-6):
-            raise ValueError(f"{site.site}: scales differ within a KV group; share them first")
-        s = grouped[:, 0, :].reshape(-1)  # one per v_proj output channel
+    s = source_column_scale(config, site, s)
     out[site.source] = (src / s[None, :]).astype(np.float32)
     bias = site.source.rsplit("_", 1)[0] + "_bias"  # layers/i/attn/v_proj -> v_bias
     if bias in params:
         out[bias] = (np.asarray(params[bias], np.float64) / s).astype(np.float32)
     return out
+
+
+def source_column_scale(config: ModelConfig, site: FoldSite, scale: np.ndarray) -> np.ndarray:
+    """The divisor of each output column of a projection source (v_proj: one per KV channel)."""
+    s = np.asarray(scale, np.float64)
+    if site.source_kind != "value_heads":
+        return s
+    hkv, d = config.num_kv_heads, config.head_dim
+    grouped = s.reshape(hkv, config.num_heads // hkv, d)
+    if not np.allclose(grouped, grouped[:, :1], rtol=1e-6):
+        raise ValueError(f"{site.site}: scales differ within a KV group; share them first")
+    return grouped[:, 0, :].reshape(-1)
 
 
 def folded_stats(stats: InputStats, scale: np.ndarray) -> InputStats:

@@ -1,0 +1,106 @@
+"""`prepare`: turn a plan's calibrated rules plus statistics into what `apply_plan` needs.
+
+SmoothQuant and AWQ change two tensors per input site (the consumers and the producer),
+which a per-tensor algorithm cannot do, and GPTQ needs its input's Hessian. So this runs
+once over the sites: it folds SmoothQuant's or AWQ's scales into the params, carries the
+statistics through the fold (x becomes x / s), and hands each tensor's algorithm its
+inputs. Usage: `cal = prepare(params, plan, config, stats)`, then
+`apply_plan(cal.params, plan, config, inputs=cal.inputs)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tenantq.model.config import ModelConfig
+from tenantq.quant import awq, smoothquant
+from tenantq.quant.calibration import CalibrationStats, InputStats, head_site, input_sites
+from tenantq.quant.folding import fold, fold_sites, folded_stats, source_column_scale
+from tenantq.quant.plan import QuantPlan
+
+_FOLDING = ("smoothquant", "awq")
+
+
+@dataclass
+class Calibrated:
+    """Params with folds applied, per-tensor algorithm inputs, and each folded site's s."""
+
+    params: dict[str, Any]
+    inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    fold_scales: dict[str, np.ndarray] = field(default_factory=dict)
+    awq_alphas: dict[str, float] = field(default_factory=dict)
+    site_stats: dict[str, InputStats] = field(default_factory=dict)  # after any fold
+
+    def effective_weight(self, path: str, quantized, config: ModelConfig) -> np.ndarray:
+        """The weight as the original model sees it: rows / s of the site `path` reads,
+        columns * s of a site `path` produces (v_proj, up_proj), so ‖XW − XŴ‖ compares
+        like with like."""
+        w = np.asarray(quantized, np.float64)
+        sites = fold_sites(config)
+        for name, s in self.fold_scales.items():
+            if path in sites[name].consumers:
+                w = w / s[:, None]
+            if path == sites[name].source:
+                w = w * source_column_scale(config, sites[name], s)[None, :]
+        return w
+
+
+def prepare(
+    params: Mapping[str, Any],
+    plan: QuantPlan,
+    config: ModelConfig,
+    stats: CalibrationStats,
+    *,
+    alpha: float = smoothquant.DEFAULT_ALPHA,
+    awq_grid: int = awq.DEFAULT_GRID,
+    awq_clip: bool = True,
+    act_order: bool = False,
+) -> Calibrated:
+    """Fold and collect inputs for every site whose consumers use smoothquant/awq/gptq."""
+    resolved = plan.resolve(config)
+    foldable = fold_sites(config)
+    all_sites = dict(head_site(config))
+    for layer in range(config.num_layers):
+        all_sites.update(input_sites(config, layer))
+    out = Calibrated(dict(params))
+    for name, consumers in all_sites.items():
+        algorithms = {resolved[p].algorithm for p in consumers if p in resolved}
+        if not algorithms - {"rtn"}:
+            continue
+        site_stats = stats.sites[name]
+        folding = sorted(algorithms & set(_FOLDING))
+        if len(folding) > 1:
+            raise ValueError(
+                f"{', '.join(consumers)} read one input, so they must agree on a scaling "
+                f"algorithm; the plan mixes {' and '.join(folding)}"
+            )
+        if folding and name not in foldable:
+            raise ValueError(
+                f"{folding[0]} cannot fold a scale into the input of {', '.join(consumers)} "
+                "(a tied LM head shares its weight with the embedding); use rtn or gptq there"
+            )
+        if folding == ["smoothquant"]:
+            s = smoothquant.site_scales(out.params, config, foldable[name], stats, alpha)
+        elif folding == ["awq"]:
+            plans = {p: resolved[p] for p in consumers if p in resolved}
+            s, out.awq_alphas[name] = awq.search_scale(
+                out.params, config, foldable[name], site_stats, plans, grid=awq_grid
+            )
+        if folding:
+            out.params = fold(out.params, config, foldable[name], s)
+            site_stats = folded_stats(site_stats, s)
+            out.fold_scales[name] = s
+        out.site_stats[name] = site_stats
+        for path in consumers:
+            algorithm = resolved[path].algorithm if path in resolved else None
+            if algorithm == "smoothquant":
+                out.inputs[path] = {"smoothed": True}
+            elif algorithm == "awq":
+                out.inputs[path] = {"awq_scaled": True, "gram": site_stats.gram, "clip": awq_clip}
+            elif algorithm == "gptq":
+                out.inputs[path] = {"hessian": site_stats.hessian, "act_order": act_order}
+    return out
