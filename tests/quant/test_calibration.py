@@ -6,49 +6,11 @@ import json
 
 import jax.numpy as jnp
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
+from tenantq.evals.data import array_hash
+from tenantq.evals.identity import model_identity
 from tenantq.quant import calibration as cal
-
-
-def _encode(text: str) -> list[int]:
-    return [ord(c) % 50 + 3 for c in text]
-
-
-def test_token_windows_bos_and_disjoint_held_out():
-    texts = ["abcdefghij" * 20, "klmnop" * 30]
-    first = cal.token_windows(_encode, texts, num_sequences=3, seq_tokens=9, bos_token_id=1)
-    held = cal.token_windows(
-        _encode, texts, num_sequences=2, seq_tokens=9, bos_token_id=1, skip_sequences=3
-    )
-    both = cal.token_windows(_encode, texts, num_sequences=5, seq_tokens=9, bos_token_id=1)
-    assert first.shape == (3, 9) and held.shape == (2, 9) and first.dtype == np.int32
-    assert (first[:, 0] == 1).all()
-    # Skipping 3 windows gives exactly windows 3 and 4 of one longer read: disjoint from 0..2.
-    np.testing.assert_array_equal(both[3:], held)
-    np.testing.assert_array_equal(both[:3], first)
-
-
-def test_token_windows_too_little_text_says_how_much():
-    with pytest.raises(ValueError, match=r"hold 4 tokens; 2 windows of 8 .* need 16"):
-        cal.token_windows(_encode, ["abcd"], num_sequences=2, seq_tokens=8)
-
-
-def test_read_texts_formats(tmp_path):
-    (tmp_path / "a.txt").write_text("hello")
-    (tmp_path / "b.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n')
-    pq.write_table(pa.table({"text": ["x", "y"]}), tmp_path / "c.parquet")
-    assert cal.read_texts(tmp_path / "a.txt") == ["hello"]
-    assert cal.read_texts(tmp_path / "b.jsonl") == ["one", "two"]
-    assert cal.read_texts(tmp_path / "c.parquet") == ["x", "y"]
-    (tmp_path / "d.jsonl").write_text('{"body": "x"}\n')
-    with pytest.raises(ValueError, match=r"d.jsonl:1: .* string 'text'"):
-        cal.read_texts(tmp_path / "d.jsonl")
-    (tmp_path / "e.csv").write_text("text\nx\n")
-    with pytest.raises(ValueError, match=r"expected a .txt, .jsonl or .parquet"):
-        cal.read_texts(tmp_path / "e.csv")
 
 
 def _rmsnorm(x, w, eps):
@@ -90,19 +52,26 @@ def test_percentile_is_the_order_statistic():
     np.testing.assert_allclose(np.asarray(parts[1]), want)
 
 
+def _collect(checkpoint, windows, cache_dir):
+    return cal.collect_statistics(
+        checkpoint, windows, model_id=model_identity(checkpoint), data_hash=array_hash(windows),
+        cache_dir=cache_dir,
+    )  # fmt: skip
+
+
 def test_second_run_reads_the_cache(checkpoint, windows, tmp_path, monkeypatch):
-    first = cal.collect_statistics(checkpoint, windows, cache_dir=tmp_path)
+    first = _collect(checkpoint, windows, tmp_path)
     assert not first.from_cache
     folder = next(tmp_path.iterdir())
     meta = json.loads((folder / "meta.json").read_text())
-    assert meta["dataset_hash"] == cal.dataset_hash(windows)
+    assert meta["dataset_hash"] == array_hash(windows)
     assert len(meta["files"]) == 3  # two layers and the head
 
     def fail(*args, **kwargs):
         raise AssertionError("the second run recomputed instead of reading the cache")
 
     monkeypatch.setattr(cal, "compute_statistics", fail)
-    second = cal.collect_statistics(checkpoint, windows, cache_dir=tmp_path)
+    second = _collect(checkpoint, windows, tmp_path)
     assert second.from_cache
     for name, s in first.sites.items():
         t = second.sites[name]
@@ -111,14 +80,14 @@ def test_second_run_reads_the_cache(checkpoint, windows, tmp_path, monkeypatch):
         np.testing.assert_array_equal(s.absmax, t.absmax)
     # Other tokens -> another key -> recomputed (here: refused by the patched function).
     with pytest.raises(AssertionError, match="recomputed"):
-        cal.collect_statistics(checkpoint, windows[:, ::-1], cache_dir=tmp_path)
+        _collect(checkpoint, np.ascontiguousarray(windows[:, ::-1]), tmp_path)
 
 
 def test_cut_off_run_is_recomputed(checkpoint, windows, tmp_path):
-    first = cal.collect_statistics(checkpoint, windows, cache_dir=tmp_path)
+    first = _collect(checkpoint, windows, tmp_path)
     folder = next(tmp_path.iterdir())
     (folder / "meta.json").unlink()  # as if the run died before finishing
-    again = cal.collect_statistics(checkpoint, windows, cache_dir=tmp_path)
+    again = _collect(checkpoint, windows, tmp_path)
     assert not again.from_cache and (folder / "meta.json").is_file()
     np.testing.assert_allclose(
         again.for_path("lm_head").gram, first.for_path("lm_head").gram, rtol=1e-6

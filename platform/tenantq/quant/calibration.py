@@ -1,12 +1,12 @@
 """Calibration statistics: what each linear layer's input looks like on real text.
 
-Token windows run through the bf16 model one decoder layer at a time (hidden states of all
-windows held between layers, so peak memory is the model plus one layer's activations).
-For every linear input (an *input site*: q/k/v share one, gate/up share one) we keep the
-per-channel absmax, a high per-channel percentile, the per-channel mean |x| and the Gram
-matrix XᵀX that GPTQ's Hessian and every output-error figure are built from. Statistics are
-saved as Parquet keyed by (model identity, dataset hash) and read back on the next run.
-"""
+Token windows (the caller's; by default the reference model's train split, drawn by
+`tenantq.evals.sensitivity.calibration_windows`) run through the bf16 model one decoder
+layer at a time, so peak memory is the model plus one layer's activations. For every
+linear input (an *input site*: q/k/v share one, gate/up share one) we keep the per-channel
+absmax, a high percentile, the mean |x| and the Gram matrix XᵀX that GPTQ's Hessian and
+every output-error figure are built from; saved as Parquet keyed by (model identity,
+dataset hash) and read back on the next run."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,101 +32,6 @@ DEFAULT_SEQ_TOKENS = 512
 DEFAULT_PERCENTILE = 99.9
 BATCH_SEQUENCES = 8  # windows per forward call while collecting
 _STATS_VERSION = 1  # bump when the statistics' definition changes (invalidates caches)
-
-
-# --- identities ---------------------------------------------------------------------------
-
-
-def model_identity(folder: str | Path) -> str:
-    """sha256 of config.json and every *.safetensors file's bytes (DESIGN: model identity)."""
-    folder = Path(folder)
-    files = [folder / "config.json", *sorted(folder.glob("*.safetensors"))]
-    missing = [f.name for f in files if not f.is_file()]
-    if missing or len(files) < 2:
-        raise ValueError(f"{folder}: a model identity needs config.json and *.safetensors")
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode() + b"\0")
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def dataset_hash(windows: np.ndarray) -> str:
-    """sha256 of the token windows (shape and int32 ids): same tokens -> same hash."""
-    ids = np.ascontiguousarray(windows, dtype=np.int32)
-    return hashlib.sha256(repr(ids.shape).encode() + ids.tobytes()).hexdigest()
-
-
-# --- calibration text -> token windows -----------------------------------------------------
-
-
-def read_texts(path: str | Path, *, field_name: str = "text") -> list[str]:
-    """Texts from a user's file: .txt (the whole file), .jsonl or .parquet (column `text`)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"calibration data {p} does not exist")
-    if p.suffix == ".txt":
-        return [p.read_text(encoding="utf-8", errors="replace")]
-    if p.suffix == ".jsonl":
-        texts = []
-        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get(field_name), str):
-                raise ValueError(
-                    f"{p}:{n}: each line must be an object with a string {field_name!r}"
-                )
-            texts.append(record[field_name])
-        return texts
-    if p.suffix == ".parquet":
-        table = pq.read_table(p)
-        if field_name not in table.column_names:
-            raise ValueError(f"{p}: no column {field_name!r}; columns: {table.column_names}")
-        return [t for t in table.column(field_name).to_pylist() if t]
-    raise ValueError(f"calibration data {p}: expected a .txt, .jsonl or .parquet file")
-
-
-def token_windows(
-    encode: Callable[[str], Sequence[int]],
-    texts: Iterable[str],
-    *,
-    num_sequences: int = DEFAULT_NUM_SEQUENCES,
-    seq_tokens: int = DEFAULT_SEQ_TOKENS,
-    skip_sequences: int = 0,
-    bos_token_id: int | None = None,
-    eos_token_id: int | None = None,
-) -> np.ndarray:
-    """int32 [num_sequences, seq_tokens]: texts concatenated (EOS between), cut into windows.
-
-    Each window starts with BOS when one is given. `skip_sequences` windows are dropped
-    first, so windows [skip, skip + n) are disjoint from [0, skip) (held-out sets).
-    Raises when the texts hold fewer tokens than asked for.
-    """
-    if num_sequences <= 0 or seq_tokens <= 1:
-        raise ValueError(
-            f"need num_sequences >= 1 and seq_tokens >= 2, got {num_sequences}, {seq_tokens}"
-        )
-    body = seq_tokens - (bos_token_id is not None)
-    want = (skip_sequences + num_sequences) * body
-    stream: list[int] = []
-    for text in texts:
-        stream.extend(int(t) for t in encode(text))
-        if eos_token_id is not None:
-            stream.append(int(eos_token_id))
-        if len(stream) >= want:
-            break
-    if len(stream) < want:
-        raise ValueError(
-            f"calibration texts hold {len(stream)} tokens; {num_sequences} windows of "
-            f"{seq_tokens} (after skipping {skip_sequences}) need {want}"
-        )
-    flat = np.asarray(stream[skip_sequences * body : want], np.int32).reshape(num_sequences, body)
-    if bos_token_id is not None:
-        flat = np.concatenate([np.full((num_sequences, 1), bos_token_id, np.int32), flat], axis=1)
-    return flat
 
 
 # --- statistics ---------------------------------------------------------------------------
@@ -412,12 +317,18 @@ def collect_statistics(
     model_path: str | Path,
     windows: np.ndarray,
     *,
+    model_id: str,
+    data_hash: str,
     cache_dir: str | Path | None = None,
     percentile: float = DEFAULT_PERCENTILE,
     params: dict | None = None,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> CalibrationStats:
     """Statistics of the checkpoint at `model_path` on `windows`, from the cache if present.
+
+    `model_id` and `data_hash` name what is measured (`tenantq.evals.identity.model_identity`
+    of the folder, `tenantq.evals.data.array_hash` of the windows: one definition each,
+    computed by the caller since quant sits above evals).
 
     The cache folder (`cache_dir`/key) holds one Parquet file per layer, written as each
     layer finishes, and `meta.json` written last: a run cut off midway is recomputed, never
@@ -428,7 +339,6 @@ def collect_statistics(
 
     model_path = Path(model_path)
     config = ModelConfig.from_file(model_path)
-    model_id, data_hash = model_identity(model_path), dataset_hash(windows)
     folder = Path(cache_dir or default_cache_dir()) / cache_key(model_id, data_hash, percentile)
     meta_path = folder / "meta.json"
     if meta_path.is_file():
