@@ -63,6 +63,7 @@ def _study(tmp: Path):
     return optuna.load_study(study_name="cap", storage=f"sqlite:///{tmp}/optuna.db")
 
 
+@pytest.mark.slow
 def test_capacity_study_trials_runs_and_front(tmp_path) -> None:
     spec, text = _spec(tmp_path, trials=8)
     outcome = SearchDriver(spec, text, progress=False, out_dir=tmp_path / "out").run()
@@ -109,6 +110,7 @@ def test_capacity_study_trials_runs_and_front(tmp_path) -> None:
     assert "tenants" in outcome.table and f"{int(best)} " in outcome.table
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_study(tmp_path) -> None:
     spec, text = _spec(tmp_path, trials=4)
     SearchDriver(spec, text, progress=False, out_dir=tmp_path / "o").run()
@@ -126,6 +128,7 @@ def test_resume_continues_the_same_study(tmp_path) -> None:
     assert len(parents) == 1  # the resumed study reopened its parent run
 
 
+@pytest.mark.slow
 def test_resume_needs_an_existing_study_and_the_same_spec(tmp_path) -> None:
     spec, text = _spec(tmp_path, trials=2)
     with pytest.raises(ValueError, match="no study 'cap'"):

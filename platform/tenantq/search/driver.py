@@ -157,6 +157,8 @@ class SearchDriver:
         self._parked: dict[str, list[Any]] = {}  # fingerprint in flight -> duplicate trials
         self._inflight: dict[int, dict[str, Any]] = {}  # trial number -> context
         self._last_heartbeat = 0.0
+        self._started_ray = False
+        self._confirmations: dict[int, Any] = {}
 
     # ---------------------------------------------------------------- study and runs
     def _open_study(self):
@@ -259,6 +261,10 @@ class SearchDriver:
         finally:
             if pool is not None:
                 pool.shutdown()
+            if self._started_ray:
+                import ray
+
+                ray.shutdown()
             if status != "FINISHED":
                 for number in list(self._inflight):
                     self._fail(number, "the driver stopped before this trial finished", retry=False)
@@ -270,6 +276,7 @@ class SearchDriver:
         from tenantq.workers import WorkerPool
 
         if not ray.is_initialized():
+            self._started_ray = True
             if self.address:
                 ray.init(address=self.address, namespace="tenantq", log_to_driver=False)
             else:
@@ -373,6 +380,7 @@ class SearchDriver:
             disable=not self.progress,
             dynamic_ncols=True,
         )
+        shown: tuple[int, ...] = ()
         try:
             while True:
                 counts = self._counts()
@@ -387,14 +395,17 @@ class SearchDriver:
                 for finished in pool.wait(POLL_S) if pool is not None else []:
                     self._record(finished)
                 counts = self._counts()
-                bar.n = min(counts["done"], total)
-                bar.set_postfix(
-                    running=len(self._inflight),
-                    failed=counts["failed"],
-                    front=len(self.study.best_trials),
-                    refresh=False,
-                )
-                bar.refresh()
+                state = (counts["done"], len(self._inflight), counts["failed"])
+                if state != shown:  # redraw on change only: quiet logs when not on a terminal
+                    shown = state
+                    bar.n = min(counts["done"], total)
+                    bar.set_postfix(
+                        running=len(self._inflight),
+                        failed=counts["failed"],
+                        front=len(self.study.best_trials),
+                        refresh=False,
+                    )
+                    bar.refresh()
         finally:
             bar.close()
 
@@ -457,6 +468,7 @@ class SearchDriver:
             self._tell(trial.number, summary={}, gates={}, timings={}, artifacts={})
             return
         ctx["worker"] = pool.submit(trial.number, plan.to_json())
+        trial.set_user_attr("worker", ctx["worker"])
 
     # ---------------------------------------------------------------- outcomes
     def _record(self, finished) -> None:
@@ -487,7 +499,7 @@ class SearchDriver:
                 "gates.json": r.gates,
             }
             try:
-                self._tell(number, r.summary, r.gates, timings, artifacts, worker=r.worker)
+                self._tell(number, r.summary, r.gates, timings, artifacts, r.worker, r.pid)
             except ValueError as err:
                 self._fail(number, str(err), retry=False)
         fp = ctx.get("fingerprint")
@@ -497,7 +509,9 @@ class SearchDriver:
             else:
                 self._fail(dup, f"the trial measuring the same plan ({number}) failed", retry=False)
 
-    def _tell(self, number, summary, gates, timings, artifacts, worker: str = "") -> None:
+    def _tell(
+        self, number, summary, gates, timings, artifacts, worker: str = "", worker_pid: int = 0
+    ) -> None:
         ctx = self._inflight[number]
         trial = ctx["trial"]
         values = objective_values(self.spec.objectives, ctx["budget"].tenants, summary)
@@ -507,6 +521,8 @@ class SearchDriver:
         numeric = {k: v for k, v in summary.items() if isinstance(v, int | float)}
         trial.set_user_attr("summary", summary)
         trial.set_user_attr("timings_s", timings)
+        if worker_pid:
+            trial.set_user_attr("worker_pid", worker_pid)
         self.study.tell(trial, values)
         del self._inflight[number]
         self._fingerprints[ctx["fingerprint"]] = number
@@ -607,7 +623,6 @@ class SearchDriver:
     def _confirm(self, pool, rows: list[FrontRow]) -> list[FrontRow]:
         """Re-evaluate the front on the held-out confirmation suite (the winner's curse)."""
         done: dict[str, Any] = dict(self.study.user_attrs.get(CONFIRMED_ATTR, {}))
-        self._confirmations: dict[int, Any] = {}
         todo = [r for r in rows if str(r.trial) not in done]
         while todo or pool.in_flight:
             while todo and pool.idle:

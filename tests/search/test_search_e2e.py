@@ -1,0 +1,199 @@
+"""The search end to end with real components: Ray started locally, real HostWorkers running
+the real Evaluator on the shipped reference model, Optuna sqlite and MLflow sqlite in tmp dirs.
+
+A tiny suite (tests/search/tiny_suite.toml: fidelity on 4 x 128 tokens) keeps a trial to
+seconds. What is checked is bookkeeping, so the bounds are exact counts: every trial has its
+nested MLflow run with params and metrics; a killed worker's trial still completes; a trial that
+raises is FAILED with its error while the study goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import tomllib
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+
+from tenantq.search.driver import SearchDriver
+from tenantq.search.spec import parse_spec
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SUITE = Path(__file__).with_name("tiny_suite.toml")
+SPEC = """
+model = "reference"
+[deployment]
+hardware = "cpu"
+memory = "9830KiB"
+context_tokens = 256
+[space]
+weight_formats = ["bf16", "fp8_e4m3", "int4"]
+group_size = 64
+key_formats = ["bf16", "fp8_e4m3", "int8"]
+value_formats = ["bf16", "fp8_e4m3"]
+bf16_first_layers = [0, 1]
+bf16_last_layers = [0]
+[[objectives]]
+metric = "tenants"
+direction = "maximize"
+[[objectives]]
+metric = "fidelity.kl_mean"
+direction = "minimize"
+[eval]
+suite = "{suite}"
+confirm_suite = {confirm}
+cache_dir = "{tmp}/cache"
+[calibration]
+algorithm = "{algorithm}"
+[sampler]
+kind = "nsga2"
+seed = 1
+population_size = 4
+[study]
+name = "e2e"
+trials = {trials}
+storage = "sqlite:///{tmp}/optuna.db"
+[workers]
+count = 2
+cpus_per_worker = 1
+[tracking]
+uri = "sqlite:///{tmp}/mlflow.db"
+"""
+
+
+def _spec(tmp: Path, trials: int, *, confirm: bool = False, algorithm: str = "rtn"):
+    text = SPEC.format(
+        tmp=tmp,
+        trials=trials,
+        suite=SUITE,
+        confirm=f'"{SUITE}"' if confirm else '""',
+        algorithm=algorithm,
+    ).replace('confirm_suite = ""\n', "")
+    return parse_spec(tomllib.loads(text)), text
+
+
+def _study(tmp: Path) -> optuna.Study:
+    return optuna.load_study(study_name="e2e", storage=f"sqlite:///{tmp}/optuna.db")
+
+
+def _nested_runs(tmp: Path):
+    client = MlflowClient(f"sqlite:///{tmp}/mlflow.db")
+    exp = client.get_experiment_by_name("e2e")
+    runs = client.search_runs([exp.experiment_id], "tags.`tenantq.kind` = 'trial'")
+    return client, {int(r.data.tags["tenantq.trial"]): r for r in runs}
+
+
+def test_quickstart_variant_end_to_end(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    spec, text = _spec(tmp_path, trials=5, confirm=True)
+    outcome = SearchDriver(spec, text, progress=False, out_dir=tmp_path / "out").run()
+    trials = _study(tmp_path).trials
+    S = optuna.trial.TrialState
+    assert [t.state for t in trials] == [S.COMPLETE] * 5
+    client, runs = _nested_runs(tmp_path)
+    assert sorted(runs) == [t.number for t in trials]  # one nested run per trial
+    keys = {frozenset(r.data.params) for r in runs.values()}
+    assert len(keys) == 1  # the same param names in every trial (MLflow compare views)
+    for t in trials:
+        run = runs[t.number]
+        assert run.info.status == "FINISHED"
+        assert run.data.metrics["capacity.tenants"] == t.values[0]
+        assert run.data.metrics["fidelity.kl_mean"] == pytest.approx(t.values[1])
+        assert "fidelity.kl_mean.ci_high" in run.data.metrics
+        if "duplicate_of" not in t.user_attrs:
+            assert run.data.metrics["time.total_s"] > 0
+            names = {a.path for a in client.list_artifacts(run.info.run_id)}
+            assert {"plan.json", "examples.parquet", "budget.txt", "memory_report.json"} <= names
+    # bf16 is the baseline: KL exactly 0 against itself (the suite pairs on the same tokens).
+    assert trials[0].values == [16, 0.0]
+    # The front was confirmed on the held-out split and both figures are side by side.
+    assert outcome.front and all(r.confirmed for r in outcome.front)
+    assert "confirmed fidelity.kl_mean" in outcome.table
+    for r in outcome.front:
+        tags = runs[r.trial].data.tags
+        assert tags["tenantq.pareto"] == "true"
+        assert "confirmed.fidelity.kl_mean" in runs[r.trial].data.metrics
+    assert len(outcome.exported) == len(outcome.front)
+
+
+def test_killed_worker_is_replaced_and_its_trial_retried(tmp_path, monkeypatch) -> None:
+    import ray
+
+    monkeypatch.chdir(tmp_path)
+    spec, text = _spec(tmp_path, trials=4)
+    ray.init(num_cpus=2, include_dashboard=False, namespace="tenantq", log_to_driver=False)
+    try:
+        driver = SearchDriver(spec, text, progress=False, out_dir=tmp_path / "out")
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                driver.run()
+            except BaseException as err:  # surfaced in the main thread below
+                errors.append(err)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        killed = None
+        deadline = time.monotonic() + 300
+        while killed is None and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.5)
+            try:
+                running = _study(tmp_path).get_trials(states=(optuna.trial.TrialState.RUNNING,))
+            except Exception:  # study not created yet
+                continue
+            for t in running:
+                if "worker" in t.user_attrs:
+                    actor = ray.get_actor(t.user_attrs["worker"], namespace="tenantq")
+                    pid = ray.get(actor.ping.remote())["pid"]
+                    os.kill(pid, signal.SIGKILL)  # the worker process dies mid-trial
+                    killed = (t.number, pid)
+                    break
+        thread.join(timeout=600)
+        assert not errors, errors
+        assert killed is not None, "no trial was seen running"
+    finally:
+        ray.shutdown()
+    trials = _study(tmp_path).trials
+    S = optuna.trial.TrialState
+    finished = [t for t in trials if t.state in (S.COMPLETE, S.FAIL)]
+    retries = [t for t in trials if "failed_trial" in t.system_attrs]
+    assert len(finished) - len(retries) == 4  # every trial accounted for
+    number, pid = killed
+    victim = trials[number]
+    if victim.state == S.COMPLETE:  # Ray restarted the actor and retried the task
+        assert victim.user_attrs["worker_pid"] != pid
+    else:  # Ray gave up: the driver replaced the worker and Optuna re-queued the trial
+        assert any(t.system_attrs.get("failed_trial") == number for t in trials)
+    _, runs = _nested_runs(tmp_path)
+    assert sorted(runs) == sorted(t.number for t in finished)
+
+
+def test_trial_that_raises_is_failed_and_the_study_goes_on(tmp_path, monkeypatch) -> None:
+    from tenantq.quant.apply import registered_algorithms
+    from tenantq.quant.plan import ALGORITHM_NAMES
+
+    missing = [a for a in ALGORITHM_NAMES if a not in registered_algorithms()]
+    if not missing:
+        pytest.skip("every plan algorithm is implemented: no plan fails in the worker")
+    monkeypatch.chdir(tmp_path)
+    # Every quantized tensor names an algorithm the engine does not have: those trials raise
+    # in the worker; the bf16 baseline has no rule and completes.
+    spec, text = _spec(tmp_path, trials=3, algorithm=missing[0])
+    SearchDriver(spec, text, progress=False, out_dir=tmp_path / "out").run()
+    trials = _study(tmp_path).trials
+    S = optuna.trial.TrialState
+    assert trials[0].state == S.COMPLETE and trials[0].values == [16, 0.0]
+    failed = [t for t in trials if t.state == S.FAIL]
+    assert failed and all("is not available" in t.user_attrs["error"] for t in failed)
+    assert len(trials) == 3  # a trial's own error is not retried
+    _, runs = _nested_runs(tmp_path)
+    for t in failed:
+        assert runs[t.number].info.status == "FAILED"
+        assert "is not available" in runs[t.number].data.tags["tenantq.error"]
