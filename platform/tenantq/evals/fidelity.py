@@ -144,6 +144,17 @@ def compare(engine, rows: np.ndarray, base: FidelityBaseline) -> dict[str, np.nd
     return {"kl": kl, "top1_agree": agree, "target_logp": cand_logp}
 
 
+def topk_from_exact(base: FidelityBaseline, k: int) -> FidelityBaseline:
+    """The top-k + tail form of an exact baseline (to measure the approximation's error)."""
+    if not base.exact:
+        raise ValueError("topk_from_exact needs an exact baseline")
+    ids, logp_k, tail = _top_k_tail(base.logp, k)
+    return FidelityBaseline(
+        base.tokens, base.target_logp, base.top1, base.margin,
+        topk_ids=ids, topk_logp=logp_k, tail_logp=tail,
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------- the baseline on disk
 def save_baseline(base: FidelityBaseline, path: Path) -> None:
     """One Parquet row per predicted token; written to a temp name, then renamed."""
