@@ -17,8 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tenantq.numerics import QArray, dequantize, elements, quantize
-from tenantq.numerics.packing import pack_nibbles
+from tenantq.numerics import (
+    QArray,
+    compute_scale_zero_point,
+    dequantize,
+    nvfp4_tensor_scale,
+    quantize,
+    quantize_with_scale_zero_point,
+)
 
 # Residual windows, sinks and bf16-format pages are bf16 in serving; a float32 engine (the
 # parity mode) keeps them in float32 so its cache adds no rounding of its own.
@@ -28,7 +34,6 @@ RESIDUAL_DTYPE = "bfloat16"
 # this headroom, so a later token up to 16x larger still fits the E4M3 block scales. E4M3
 # keeps its 2^-3 relative step down to 2^-6, so the headroom costs no precision above that.
 NVFP4_TOKEN_HEADROOM = 16.0
-_NVFP4_BLOCK = 16
 
 
 def _bits_dtype(dtype):
@@ -182,21 +187,12 @@ class PagedLayout:
         page_amax = jnp.zeros((n,), jnp.float32).at[page].max(token_amax, mode="drop")
         opens = (valid & (offset == 0)).astype(jnp.int32)
         opened = jnp.zeros((n,), jnp.int32).at[page].max(opens, mode="drop")
-        fresh = page_amax * NVFP4_TOKEN_HEADROOM / (448.0 * 6.0)
-        fresh = jnp.where(jnp.isfinite(fresh) & (fresh >= np.finfo(np.float32).tiny), fresh, 1.0)
+        fresh = nvfp4_tensor_scale(page_amax * NVFP4_TOKEN_HEADROOM)
         tensor_scale = jnp.where(opened > 0, fresh, arrays["tensor_scale"])
         g = tensor_scale[jnp.clip(page, 0, n - 1)][..., None, None]  # [B, S, 1, 1]
-        d = x.shape[-1]
-        groups = -(-d // _NVFP4_BLOCK)
-        padded = jnp.pad(x, [(0, 0)] * 3 + [(0, groups * _NVFP4_BLOCK - d)])
-        blocks = padded.reshape(*x.shape[:-1], groups, _NVFP4_BLOCK)
-        target = jnp.max(jnp.abs(blocks), axis=-1) / 6.0 / g
-        block_scale = elements.saturating_cast(target, "float8_e4m3fn", 448.0)
-        step = block_scale.astype(jnp.float32) * g
-        y = jnp.where(step[..., None] > 0, blocks / jnp.where(step > 0, step, 1.0)[..., None], 0.0)
-        y = y.reshape(*x.shape[:-1], groups * _NVFP4_BLOCK)[..., :d]
-        data = pack_nibbles(elements.encode_e2m1(jnp.clip(y, -6.0, 6.0)))
-        return data, block_scale, tensor_scale
+        scale, _ = compute_scale_zero_point(x, "nvfp4", axis=-1, tensor_scale=g)
+        q = quantize_with_scale_zero_point(x, "nvfp4", scale, axis=-1)
+        return q.data, q.scale, tensor_scale
 
     def _write_channel(self, arrays, spec, table, positions, valid, x):
         """Per-channel scales: assemble the touched pages (residual + new tokens); quantize

@@ -1,14 +1,17 @@
 """`quantize` and `dequantize`: float32 in, `QArray` out, and back, for every format.
 
-Each format family is one small function over groups: reduce the group (amax, or min/max
-for zero points), derive the scale the format prescribes, divide, saturate, encode. The
-work runs under one jax.jit per layout, so a call from eager code and the same call
-inside a caller's jit compute the same thing, and eager calls compile once per layout.
+Quantization is two steps, as in qwix: `compute_scale_zero_point` derives the scales (and
+zero points) a format prescribes from a tensor or from given statistics (calibrated amax,
+a clipping search, static scales); `quantize_with_scale_zero_point` divides, rounds,
+saturates and encodes with given scales. `quantize` is exactly their composition, and
+every other quantizer in tenantq (GPTQ, AWQ, the KV pool's writes) calls these two, so a
+format's arithmetic is written once. Each runs under one jax.jit per layout.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +29,17 @@ NVFP4_ELEMENT_MAX = 6.0  # E2M1 largest magnitude
 NVFP4_SCALE_MAX = 448.0  # E4M3 largest magnitude
 
 
+class NVFP4Scale(NamedTuple):
+    """nvfp4's two-level scale: E4M3 `block` scales (one per 16) times a float32 `tensor` G.
+
+    `tensor` is a scalar for a whole tensor; it may be any shape that broadcasts against
+    `block` (the KV pool gives each token its page's G).
+    """
+
+    block: jax.Array
+    tensor: jax.Array
+
+
 def quantize(
     x, fmt: str | FormatSpec, *, axis: int | None = -1, group_size=None, symmetric=True
 ) -> QArray:
@@ -36,6 +50,7 @@ def quantize(
     last group scaled over its real elements. MX formats use blocks of 32 along `axis`,
     nvfp4 blocks of 16 (plus a float32 tensor scale); int4 groups 128 by default.
     Casts (bf16, fp16) ignore `axis` and saturate at the format's largest finite value.
+    Exactly `quantize_with_scale_zero_point(x, fmt, *compute_scale_zero_point(x, fmt))`.
 
     Non-finite input: an eager call raises ValueError naming the format and the count of
     inf/NaN elements. Inside jit nothing can raise; instead every group that contains an
@@ -48,23 +63,73 @@ def quantize(
     such groups round to zero. MX scales clamp at E8M0's 2^-127 instead.
     """
     spec = get_format(fmt)
-    if not isinstance(x, jax.Array):  # numpy (any float dtype, ml_dtypes included) or lists
-        x = np.asarray(x)
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            with np.errstate(over="ignore"):  # float64 beyond float32 -> inf, reported below
-                x = x.astype(np.float32)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"quantize to {spec.name}: x must be a float array, got {x.dtype}")
-    x = jnp.asarray(x)
+    x = _float_input(x, spec)
     layout = resolve_layout(x.shape, spec, axis=axis, group_size=group_size, symmetric=symmetric)
-    if not isinstance(x, jax.core.Tracer):
-        n_bad = int(x.size - jnp.count_nonzero(jnp.isfinite(x.astype(jnp.float32))))
-        if n_bad:
-            raise ValueError(
-                f"quantize to {spec.name}: {n_bad} of {x.size} input elements are not "
-                f"finite (inf or NaN in float32); quantize only finite tensors"
-            )
     return _quantize_jit(x, layout)
+
+
+def compute_scale_zero_point(
+    x,
+    fmt: str | FormatSpec,
+    *,
+    axis: int | None = -1,
+    group_size=None,
+    symmetric=True,
+    amax=None,
+    amin=None,
+    tensor_scale=None,
+):
+    """The (scale, zero_point) `quantize(x, fmt, ...)` would store, as stored.
+
+    scale: float32 for fp8/int (amax / max_finite, or (hi - lo) / levels asymmetric, a
+    true IEEE division); uint8 E8M0 codes for MX; an `NVFP4Scale(block, tensor)` for
+    nvfp4; None for casts. zero_point: int8 for asymmetric int, else None. Shapes follow
+    the layout (one entry per group; (1,)*ndim for axis=None).
+
+    amax / amin, if given, replace the statistics measured from x and broadcast to the
+    scale's shape: symmetric formats read amax as the group's max |x| (>= 0); asymmetric
+    int reads amax as the group's max and amin as its min (either may be given alone).
+    For nvfp4, amax is each block's max |x|, and the tensor scale is
+    G = max(amax) / (448 * 6) (the tensor's amax when amax was measured) unless
+    `tensor_scale` (nvfp4 only: a float32 G, broadcastable to the block scales) fixes it;
+    the block scales are then e4m3(amax / 6 / G).
+    """
+    spec = get_format(fmt)
+    x = _float_input(x, spec)
+    layout = resolve_layout(x.shape, spec, axis=axis, group_size=group_size, symmetric=symmetric)
+    amax, amin, tensor_scale = _given_statistics(layout, amax, amin, tensor_scale)
+    return _scales_jit(x, layout, amax, amin, tensor_scale)
+
+
+def quantize_with_scale_zero_point(
+    x, fmt: str | FormatSpec, scale, zero_point=None, *, axis: int | None = -1, group_size=None
+) -> QArray:
+    """Store `x` in `fmt` with given scales: elements = round(x / scale) (+ zero_point),
+    round half to even, clipped to the format's range (symmetric int [-qmax, qmax],
+    asymmetric [-qmax - 1, qmax]; fp8, MX and E2M1 saturate at +-max_finite).
+
+    `scale` (and `zero_point`) are what `compute_scale_zero_point` returns for the same
+    fmt/axis/group_size, or anything broadcastable to the scale's shape (a static
+    per-tensor or per-head scale): float32 for fp8/int, uint8 E8M0 codes for MX, an
+    `NVFP4Scale` (or a (block, tensor) pair) for nvfp4. A group whose scale is NaN
+    (E8M0 0xFF) stores zeros. Eager calls reject other non-positive or non-finite scales.
+    """
+    spec = get_format(fmt)
+    x = _float_input(x, spec)
+    symmetric = zero_point is None
+    if not symmetric and not spec.is_int:
+        raise ValueError(f"{spec.name}: zero_point exists only for int8 and int4; pass None")
+    layout = resolve_layout(x.shape, spec, axis=axis, group_size=group_size, symmetric=symmetric)
+    scale, zero_point = _given_scales(layout, scale, zero_point)
+    return _quantize_with_jit(x, layout, scale, zero_point)
+
+
+def nvfp4_tensor_scale(amax) -> jax.Array:
+    """nvfp4's float32 tensor scale G = amax / (448 * 6), or 1 where that is not a normal
+    positive float32 (zero or tiny amax) ; NaN amax gives 1 too (callers mark bad data)."""
+    amax = jnp.asarray(amax, jnp.float32)
+    scale = _true_divide(amax, NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)
+    return jnp.where(_usable(scale), scale, jnp.float32(1.0))
 
 
 def dequantize(q: QArray) -> jax.Array:
@@ -100,7 +165,139 @@ def scale_float32(q: QArray) -> np.ndarray | None:
     return scale
 
 
-# --- grouping ---------------------------------------------------------------------------
+# --- argument checks (eager only; inside jit nothing can raise) ---------------------------
+
+
+def _float_input(x, spec: FormatSpec) -> jax.Array:
+    """x as a float jax array; eagerly, ValueError on a non-float dtype or inf/NaN."""
+    if not isinstance(x, jax.Array):  # numpy (any float dtype, ml_dtypes included) or lists
+        x = np.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            with np.errstate(over="ignore"):  # float64 beyond float32 -> inf, reported below
+                x = x.astype(np.float32)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"quantize to {spec.name}: x must be a float array, got {x.dtype}")
+    x = jnp.asarray(x)
+    if not isinstance(x, jax.core.Tracer):
+        n_bad = int(x.size - jnp.count_nonzero(jnp.isfinite(x.astype(jnp.float32))))
+        if n_bad:
+            raise ValueError(
+                f"quantize to {spec.name}: {n_bad} of {x.size} input elements are not "
+                f"finite (inf or NaN in float32); quantize only finite tensors"
+            )
+    return x
+
+
+def _check_broadcasts(array, layout: Layout, what: str) -> None:
+    """ValueError naming `what` unless its shape broadcasts to the layout's scale shape."""
+    shape = layout.scale_shape
+    try:
+        fits = np.broadcast_shapes(tuple(array.shape), shape) == shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{layout.spec.name}: {what} has shape {tuple(array.shape)}; it must broadcast "
+            f"to the scale shape {shape} (one per group)"
+        )
+
+
+def _broadcast_to_scale(value, layout: Layout, what: str, dtype) -> jax.Array:
+    """`value` as `dtype`, broadcast to the layout's scale shape, or a ValueError naming it."""
+    array = jnp.asarray(value)
+    _check_broadcasts(array, layout, what)
+    return jnp.broadcast_to(array.astype(dtype), layout.scale_shape)
+
+
+def _eager(array) -> bool:
+    return array is not None and not isinstance(array, jax.core.Tracer)
+
+
+def _given_statistics(layout: Layout, amax, amin, tensor_scale):
+    spec = layout.spec
+    if spec.scale_dtype is None and (amax is not None or amin is not None):
+        raise ValueError(f"{spec.name} is a plain cast with no scale; pass amax=None, amin=None")
+    if amin is not None and layout.symmetric:
+        raise ValueError(
+            f"{spec.name}: amin applies to asymmetric int only (symmetric=False); "
+            f"a symmetric scale reads amax = max |x|"
+        )
+    if tensor_scale is not None and spec.family != "nvfp4":
+        raise ValueError(f"{spec.name}: tensor_scale applies to nvfp4 only; pass None")
+    if amax is not None:
+        amax = _broadcast_to_scale(amax, layout, "amax", jnp.float32)
+        if _eager(amax) and layout.symmetric and not bool(jnp.all(amax >= 0)):
+            raise ValueError(f"{spec.name}: amax is max |x| per group and must be >= 0")
+    if amin is not None:
+        amin = _broadcast_to_scale(amin, layout, "amin", jnp.float32)
+    for name, value in (("amax", amax), ("amin", amin)):
+        if _eager(value) and not bool(jnp.all(jnp.isfinite(value))):
+            raise ValueError(f"{spec.name}: {name} must be finite in every group")
+    if tensor_scale is not None:
+        tensor_scale = jnp.asarray(tensor_scale, jnp.float32)
+        _check_broadcasts(tensor_scale, layout, "tensor_scale")
+        _check_positive(tensor_scale, spec, "tensor_scale")
+    return amax, amin, tensor_scale
+
+
+def _check_positive(value, spec: FormatSpec, what: str, *, zero_ok=False) -> None:
+    if not _eager(value):
+        return
+    value = jnp.asarray(value).astype(jnp.float32)
+    ok = jnp.isfinite(value) & ((value >= 0) if zero_ok else (value > 0))
+    if not bool(jnp.all(ok)):
+        allowed = "finite and >= 0" if zero_ok else "positive and finite"
+        raise ValueError(f"{spec.name}: every {what} must be {allowed}")
+
+
+def _given_scales(layout: Layout, scale, zero_point):
+    spec = layout.spec
+    family = spec.family
+    if family == "cast":
+        if scale is not None:
+            raise ValueError(f"{spec.name} is a plain cast with no scale; pass scale=None")
+        return None, None
+    if scale is None:
+        raise ValueError(f"{spec.name} needs a scale; get one from compute_scale_zero_point")
+    if family == "nvfp4":
+        if not (isinstance(scale, tuple) and len(scale) == 2):
+            raise ValueError(
+                "nvfp4 needs scale=NVFP4Scale(block, tensor) (E4M3 block scales and a "
+                "float32 tensor scale), as compute_scale_zero_point returns"
+            )
+        block = jnp.asarray(scale[0])
+        if block.dtype != jnp.float8_e4m3fn:
+            _check_positive(block, spec, "block scale", zero_ok=True)
+            block = elements.saturating_cast(
+                block.astype(jnp.float32), "float8_e4m3fn", NVFP4_SCALE_MAX
+            )
+        block = _broadcast_to_scale(block, layout, "block scale", jnp.float8_e4m3fn)
+        tensor = jnp.asarray(scale[1], jnp.float32)
+        _check_broadcasts(tensor, layout, "tensor scale")
+        _check_positive(tensor, spec, "tensor scale")
+        return NVFP4Scale(block, tensor), None
+    if family == "mx":
+        codes = jnp.asarray(scale)
+        if not jnp.issubdtype(codes.dtype, jnp.integer):
+            raise ValueError(
+                f"{spec.name}: scale must be E8M0 codes (uint8, scale 2^(code-127)), "
+                f"got {codes.dtype}"
+            )
+        if _eager(codes) and not bool(jnp.all((codes >= 0) & (codes < elements.E8M0_NAN))):
+            raise ValueError(f"{spec.name}: E8M0 scale codes must lie in [0, 254] (255 is NaN)")
+        return _broadcast_to_scale(codes, layout, "scale", jnp.uint8), None
+    _check_positive(scale, spec, "scale")
+    scale = _broadcast_to_scale(scale, layout, "scale", jnp.float32)
+    if zero_point is not None:
+        qmax = int(spec.max_finite)
+        zp = jnp.asarray(zero_point)
+        if _eager(zp) and not bool(jnp.all((zp >= -qmax - 1) & (zp <= qmax))):
+            raise ValueError(f"{spec.name}: zero_point must be an integer in [{-qmax - 1}, {qmax}]")
+        zero_point = _broadcast_to_scale(zp, layout, "zero_point", jnp.int8)
+    return scale, zero_point
+
+
+# --- grouping and exact arithmetic -------------------------------------------------------
 
 
 def _group_reduce(x: jax.Array, layout: Layout, reduce) -> jax.Array:
@@ -125,6 +322,26 @@ def _expand(per_group: jax.Array, layout: Layout) -> jax.Array:
     return jax.lax.slice_in_dim(repeated, 0, layout.shape[k], axis=k)
 
 
+def _true_divide(numerator, denominator) -> jax.Array:
+    """numerator / denominator, correctly rounded (IEEE) even under jit.
+
+    XLA's algebraic simplifier rewrites a division by a broadcast (a constant such as
+    qmax, or one scale per group) into a multiplication by its reciprocal, which is off
+    by one ulp for about half of all inputs (21 / 7 gives 3.0000002). Materialising the
+    divisor at full shape behind an optimization barrier keeps a real division.
+    """
+    numerator = jnp.asarray(numerator, jnp.float32)
+    denominator = jnp.asarray(denominator, jnp.float32)
+    shape = jnp.broadcast_shapes(numerator.shape, denominator.shape)
+    numerator = jnp.broadcast_to(numerator, shape)
+    # The select ties the divisor to the numerator, so that under vmap it is batched too
+    # (an unbatched divisor is broadcast again after the barrier), and the barrier holds a
+    # data-dependent operand (XLA drops a barrier whose operands are all constants).
+    full = jnp.where(jnp.isnan(numerator), denominator, denominator)
+    numerator, full = jax.lax.optimization_barrier((numerator, full))
+    return numerator / full
+
+
 def _amax(x: jax.Array, layout: Layout) -> jax.Array:
     return _group_reduce(jnp.abs(x), layout, jnp.max)  # NaN propagates, inf stays inf
 
@@ -133,61 +350,86 @@ def _usable(scale: jax.Array) -> jax.Array:
     return jnp.isfinite(scale) & (scale >= _TINY)
 
 
-# --- quantizers, one per family ----------------------------------------------------------
-
-
-def _quantize_cast(x, layout):
-    spec = layout.spec
-    return elements.saturating_cast(x, spec.element_dtype, spec.max_finite), None, None, None
-
-
-def _quantize_float(x, layout):
-    """fp8: float32 scale = amax / max_finite per group; elements saturate before the cast."""
-    spec = layout.spec
-    amax = _amax(x, layout)
-    bad = ~jnp.isfinite(amax)
-    scale = amax / spec.max_finite
-    scale = jnp.where(_usable(scale), scale, jnp.float32(1.0))
-    y = jnp.where(_expand(bad, layout), 0.0, x / _expand(scale, layout))
-    data = elements.saturating_cast(y, spec.element_dtype, spec.max_finite)
-    return data, jnp.where(bad, _NAN, scale), None, None
-
-
-def _quantize_int(x, layout):
-    """int8/int4: round half to even, clip, cast; asymmetric adds an int8 zero point."""
-    spec = layout.spec
-    qmax = spec.max_finite  # 127 or 7
-    if layout.symmetric:
-        qmin = -qmax  # symmetric grids drop -128/-8 so that +-amax are both representable
-        amax = _amax(x, layout)
-        bad = ~jnp.isfinite(amax)
-        scale = amax / qmax
-        scale = jnp.where(_usable(scale), scale, jnp.float32(1.0))
-        q = jnp.round(x / _expand(scale, layout))
-        zero_point = None
-    else:
-        qmin = -qmax - 1
-        lo = jnp.minimum(_group_reduce(x, layout, jnp.min), 0.0)
-        hi = jnp.maximum(_group_reduce(x, layout, jnp.max), 0.0)
-        bad = ~(jnp.isfinite(lo) & jnp.isfinite(hi))
-        levels = qmax - qmin  # 255 or 15
-        span = hi - lo
-        # hi - lo overflows float32 only for |x| near 3.4e38; split the division there.
-        scale = jnp.where(jnp.isfinite(span), span / levels, hi / levels - lo / levels)
-        scale = jnp.where(_usable(scale), scale, jnp.float32(1.0))
-        lo = jnp.where(bad, 0.0, lo)
-        zp = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
-        q = jnp.round(x / _expand(scale, layout)) + _expand(zp, layout)
-        zero_point = zp.astype(jnp.int8)
-    q = jnp.where(_expand(bad, layout), 0.0, q)
-    q = jnp.clip(q, qmin, qmax).astype(jnp.int8)
-    data = pack_nibbles(q.astype(jnp.uint8)) if spec.packed else q
-    return data, jnp.where(bad, _NAN, scale), zero_point, None
+def _or_one(scale: jax.Array) -> jax.Array:
+    return jnp.where(_usable(scale), scale, jnp.float32(1.0))
 
 
 def _element_emax(spec: FormatSpec) -> int:
     """Exponent of the element format's largest power of two: 8 for E4M3, 2 for E2M1."""
     return math.floor(math.log2(spec.max_finite))
+
+
+# --- step 1: scales, one function per family ------------------------------------------------
+
+
+def _scales_float_or_symmetric_int(x, layout, amax):
+    """fp8 and symmetric int: scale = amax / max_finite (448, 57344, 127 or 7) per group."""
+    amax = _amax(x, layout) if amax is None else amax
+    scale = _or_one(_true_divide(amax, layout.spec.max_finite))
+    return jnp.where(jnp.isfinite(amax), scale, _NAN), None
+
+
+def _scales_asymmetric_int(x, layout, amax, amin):
+    """Asymmetric int: [lo, hi] = [min(x, 0), max(x, 0)] onto [qmin, qmax]; int8 zero point."""
+    qmax = layout.spec.max_finite  # 127 or 7
+    qmin = -qmax - 1
+    lo = jnp.minimum(_group_reduce(x, layout, jnp.min) if amin is None else amin, 0.0)
+    hi = jnp.maximum(_group_reduce(x, layout, jnp.max) if amax is None else amax, 0.0)
+    bad = ~(jnp.isfinite(lo) & jnp.isfinite(hi))
+    levels = qmax - qmin  # 255 or 15
+    span = hi - lo
+    # hi - lo overflows float32 only for |x| near 3.4e38; split the division there.
+    scale = jnp.where(
+        jnp.isfinite(span),
+        _true_divide(span, levels),
+        _true_divide(hi, levels) - _true_divide(lo, levels),
+    )
+    scale = _or_one(scale)
+    lo = jnp.where(bad, 0.0, lo)
+    zp = jnp.clip(jnp.round(qmin - _true_divide(lo, scale)), qmin, qmax)
+    return jnp.where(bad, _NAN, scale), zp.astype(jnp.int8)
+
+
+def _scales_mx(x, layout, amax):
+    """OCP MX v1.0 section 6.3: X = 2^(floor(log2(amax)) - emax_elem), stored as its E8M0
+    code floor(log2 amax) - emax + 127 clamped to [0, 254]; an all-zero block takes the
+    lowest scale 2^-127 (log2(0) = -inf, clamped); 0xFF is NaN."""
+    amax = _amax(x, layout) if amax is None else amax
+    exponent = jnp.clip(elements.floor_log2(amax) - _element_emax(layout.spec), -127, 127)
+    code = jnp.where(jnp.isfinite(amax), exponent + elements.E8M0_BIAS, elements.E8M0_NAN)
+    return code.astype(jnp.uint8), None
+
+
+def _scales_nvfp4(x, layout, amax, tensor_scale):
+    """NVFP4: tensor scale G = amax_tensor / (448 * 6); block scale s = e4m3(amax_b / 6 / G).
+    A zero tensor takes G = 1; a zero block s = 0. Non-finite data: G is NaN."""
+    amax = _amax(x, layout) if amax is None else amax
+    if tensor_scale is None:
+        amax_tensor = jnp.max(amax)  # max over blocks = max |x|; NaN propagates
+        stored = jnp.where(jnp.isfinite(amax_tensor), nvfp4_tensor_scale(amax_tensor), _NAN)
+        tensor_scale = nvfp4_tensor_scale(amax_tensor)
+    else:
+        stored = tensor_scale
+    target = _true_divide(_true_divide(amax, NVFP4_ELEMENT_MAX), tensor_scale)
+    block = elements.saturating_cast(target, "float8_e4m3fn", NVFP4_SCALE_MAX)
+    return NVFP4Scale(block, stored), None
+
+
+def _scales_impl(x, layout: Layout, amax=None, amin=None, tensor_scale=None):
+    x = x.astype(jnp.float32)
+    family = layout.spec.family
+    if family == "cast":
+        return None, None
+    if family == "float" or (family == "int" and layout.symmetric):
+        return _scales_float_or_symmetric_int(x, layout, amax)
+    if family == "int":
+        return _scales_asymmetric_int(x, layout, amax, amin)
+    if family == "mx":
+        return _scales_mx(x, layout, amax)
+    return _scales_nvfp4(x, layout, amax, tensor_scale)
+
+
+# --- step 2: elements with given scales, one function per family ----------------------------
 
 
 def _encode_elements(y, spec: FormatSpec):
@@ -203,57 +445,71 @@ def _decode_elements(data, layout: Layout):
     return data.astype(jnp.float32)
 
 
-def _quantize_mx(x, layout):
-    """OCP MX v1.0 section 6.3: X = 2^(floor(log2(amax)) - emax_elem), elements x / X.
+def _elements_float(x, layout, scale):
+    """fp8: x / scale, saturated at +-max_finite, cast (round to nearest even)."""
+    bad = _expand(jnp.isnan(scale), layout)
+    y = jnp.where(bad, 0.0, _true_divide(x, _expand(scale, layout)))
+    return elements.saturating_cast(y, layout.spec.element_dtype, layout.spec.max_finite)
 
-    X is stored as its E8M0 code floor(log2 amax) - emax + 127, clamped to [0, 254]; an
-    all-zero block takes the lowest scale 2^-127 (log2(0) = -inf, clamped), 0xFF is NaN.
-    """
+
+def _elements_int(x, layout, scale, zero_point):
+    """int8/int4: round half to even, add the zero point, clip, cast (and pack int4)."""
     spec = layout.spec
-    amax = _amax(x, layout)
-    bad = ~jnp.isfinite(amax)
-    exponent = jnp.clip(elements.floor_log2(amax) - _element_emax(spec), -127, 127)
-    # x * 2^-exponent is exact; -exponent <= 127 and >= -125 for any finite float32 amax.
+    qmax = spec.max_finite  # 127 or 7
+    # symmetric grids drop -128/-8 so that +-amax are both representable
+    qmin = -qmax if zero_point is None else -qmax - 1
+    q = jnp.round(_true_divide(x, _expand(scale, layout)))
+    if zero_point is not None:
+        q = q + _expand(zero_point, layout).astype(jnp.float32)
+    q = jnp.where(_expand(jnp.isnan(scale), layout), 0.0, q)
+    q = jnp.clip(q, qmin, qmax).astype(jnp.int8)
+    return pack_nibbles(q.astype(jnp.uint8)) if spec.packed else q
+
+
+def _elements_mx(x, layout, code):
+    """x * 2^-(code - 127), exact; clipped to +-max_finite, encoded."""
+    spec = layout.spec
+    exponent = code.astype(jnp.int32) - elements.E8M0_BIAS
+    # x * 2^-exponent in two exact steps when -exponent < -126 (code 254: 2^-127).
     inverse = elements.pow2(jnp.clip(-exponent, -126, 127))
-    y = jnp.where(_expand(bad, layout), 0.0, x * _expand(inverse, layout))
-    code = jnp.where(bad, elements.E8M0_NAN, exponent + elements.E8M0_BIAS).astype(jnp.uint8)
-    return _encode_elements(jnp.clip(y, -spec.max_finite, spec.max_finite), spec), code, None, None
+    half = jnp.where(-exponent < -126, jnp.float32(0.5), jnp.float32(1.0))
+    bad = _expand(code == elements.E8M0_NAN, layout)
+    y = jnp.where(bad, 0.0, (x * _expand(inverse, layout)) * _expand(half, layout))
+    return _encode_elements(jnp.clip(y, -spec.max_finite, spec.max_finite), spec)
 
 
-def _quantize_nvfp4(x, layout):
-    """NVFP4: tensor scale G = amax / (448 * 6); block scale s = e4m3(amax_block / 6 / G);
-    elements e2m1(x / (s * G)). A zero tensor takes G = 1; a zero block s = 0 and zeros.
-    """
-    spec = layout.spec
-    amax_tensor = jnp.max(jnp.abs(x))
-    bad = ~jnp.isfinite(amax_tensor)
-    tensor_scale = amax_tensor / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)
-    tensor_scale = jnp.where(_usable(tensor_scale), tensor_scale, jnp.float32(1.0))
-    block_target = _amax(x, layout) / NVFP4_ELEMENT_MAX / tensor_scale
-    block_scale = elements.saturating_cast(block_target, "float8_e4m3fn", NVFP4_SCALE_MAX)
-    step = _expand(block_scale.astype(jnp.float32) * tensor_scale, layout)
+def _elements_nvfp4(x, layout, scale: NVFP4Scale):
+    """e2m1(x / (s * G)); a block with step 0 (or a NaN tensor scale) stores zeros."""
+    step = _expand(scale.block.astype(jnp.float32) * scale.tensor, layout)
     safe_step = jnp.where(step > 0, step, 1.0)
-    y = jnp.where((step > 0) & ~bad, x / safe_step, 0.0)
-    data = _encode_elements(y, spec)
-    return data, block_scale, None, jnp.where(bad, _NAN, tensor_scale)
+    y = jnp.where(step > 0, _true_divide(x, safe_step), 0.0)
+    return _encode_elements(y, layout.spec)
 
 
-_QUANTIZERS = {
-    "cast": _quantize_cast,
-    "float": _quantize_float,
-    "int": _quantize_int,
-    "mx": _quantize_mx,
-    "nvfp4": _quantize_nvfp4,
-}
+def _quantize_with_impl(x, layout: Layout, scale, zero_point) -> QArray:
+    x = x.astype(jnp.float32)
+    spec = layout.spec
+    tensor_scale = None
+    if spec.family == "cast":
+        data = elements.saturating_cast(x, spec.element_dtype, spec.max_finite)
+    elif spec.family == "float":
+        data = _elements_float(x, layout, scale)
+    elif spec.family == "int":
+        data = _elements_int(x, layout, scale, zero_point)
+    elif spec.family == "mx":
+        data = _elements_mx(x, layout, scale)
+    else:
+        data = _elements_nvfp4(x, layout, scale)
+        scale, tensor_scale = scale.block, scale.tensor
+    return QArray(
+        data, scale, zero_point, tensor_scale, layout.shape, spec.name, layout.axis,
+        layout.group_size,
+    )  # fmt: skip
 
 
 def _quantize_impl(x, layout: Layout) -> QArray:
-    quantizer = _QUANTIZERS[layout.spec.family]
-    data, scale, zero_point, tensor_scale = quantizer(x.astype(jnp.float32), layout)
-    return QArray(
-        data, scale, zero_point, tensor_scale, layout.shape, layout.spec.name, layout.axis,
-        layout.group_size,
-    )  # fmt: skip
+    scale, zero_point = _scales_impl(x, layout)
+    return _quantize_with_impl(x, layout, scale, zero_point)
 
 
 def _dequantize_impl(data, scale, zero_point, tensor_scale, layout: Layout):
@@ -273,9 +529,11 @@ def _dequantize_impl(data, scale, zero_point, tensor_scale, layout: Layout):
     values = _decode_elements(data, layout)
     if family == "mx":
         return elements.scale_by_e8m0(values, _expand(scale, layout))
-    step = scale.astype(jnp.float32) * tensor_scale  # same product as in _quantize_nvfp4
+    step = scale.astype(jnp.float32) * tensor_scale  # same product as in _elements_nvfp4
     return values * _expand(step, layout)
 
 
 _quantize_jit = jax.jit(_quantize_impl, static_argnums=1)
+_scales_jit = jax.jit(_scales_impl, static_argnums=1)
+_quantize_with_jit = jax.jit(_quantize_with_impl, static_argnums=1)
 _dequantize_jit = jax.jit(_dequantize_impl, static_argnums=4)

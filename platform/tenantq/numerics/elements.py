@@ -33,15 +33,15 @@ def saturating_cast(y: jax.Array, dtype: str, max_finite: float) -> jax.Array:
 def encode_e2m1(y: jax.Array) -> jax.Array:
     """E2M1 codes (uint8, 0..15) of float32 `y`: round half to even, saturate at +-6.
 
-    A value that rounds to zero gets code 0 (+0), never the -0 code 8.
+    The sign bit is y's sign bit, so a negative value that rounds to zero (and -0.0
+    itself) gets the -0 code 8, as ml_dtypes' float4_e2m1fn cast and fp8 casts store it.
     """
     magnitude = jnp.abs(y)
     code = jnp.zeros(y.shape, jnp.uint8)
     for midpoint, tie_goes_up in _E2M1_MIDPOINTS:
         above = magnitude >= midpoint if tie_goes_up else magnitude > midpoint
         code = code + above.astype(jnp.uint8)
-    negative = (y < 0) & (code > 0)
-    return code | (negative.astype(jnp.uint8) << 3)
+    return code | (jnp.signbit(y).astype(jnp.uint8) << 3)
 
 
 def decode_e2m1(codes: jax.Array) -> jax.Array:
