@@ -195,6 +195,24 @@ def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[s
             del array
 
 
+def iter_file(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, read-only array) of every tensor of one `.safetensors` file, in header order,
+    with the same checks as a checkpoint load (header, readable dtype, finite values)."""
+    path = Path(path)
+    header = SafetensorsHeader.read(path)
+    for entry in header.entries.values():
+        if entry.dtype not in READABLE_DTYPES:
+            raise ValueError(
+                f"{path.name}: tensor {entry.name} has dtype {entry.dtype}, which the loader "
+                f"cannot read; readable: {', '.join(READABLE_DTYPES)}"
+            )
+    with _open(path) as handle:
+        for name in header.entries:
+            array = _get_tensor(handle, path, name)
+            check_finite(array, f"tensor {name} in {path.name}")
+            yield name, array
+
+
 def _open(file: Path):
     try:
         return safe_open(str(file), framework="numpy")
