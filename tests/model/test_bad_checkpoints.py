@@ -126,6 +126,11 @@ def _gap(header, data):
     return header, b"\0" * 8 + data, None
 
 
+def _mutate_dtype(header, data):
+    header[NORM]["dtype"] = "I16"  # same 2 bytes per element: a valid header, wrong kind
+    return header, data, None
+
+
 # (case id, mutation, regex the message must match: the file, the tensor or field, the rule)
 HEADER_CASES = [
     (
@@ -220,15 +225,11 @@ HEADER_CASES = [
     ),
     (
         "readable format, unreadable dtype",
-        lambda h, d: _mutate_dtype(h, d),
-        rf"tensor {NORM} has dtype I16, which the loader cannot read; readable: F64, F32, F16, BF16",
+        _mutate_dtype,
+        rf"tensor {NORM} has dtype I16, which the loader cannot read; readable: F64, F32, F16, "
+        "BF16",
     ),
 ]
-
-
-def _mutate_dtype(header, data):
-    header[NORM]["dtype"] = "I16"  # same 2 bytes per element: a valid header, wrong kind
-    return header, data, None
 
 
 @pytest.mark.parametrize(
