@@ -23,7 +23,7 @@ from hand_checkpoint import (
 )
 
 from tenantq.model.config import ModelConfig
-from tenantq.model.loader import iter_checkpoint, load_params
+from tenantq.model.loader import check_finite, iter_checkpoint, load_params
 from tenantq.model.safetensors_header import MAX_HEADER_BYTES
 from tenantq.model.tokenizer import TokenizerUnreadableWarning, load_tokenizer
 
@@ -286,6 +286,24 @@ def test_non_finite_weight_is_named_while_streaming(tmp_path, name, dtype, value
         rf"index {re.escape(str(index))}.*weights must be finite",
     ):
         load_params(tmp_path, _config())
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64])
+def test_finite_check_draws_the_line_at_the_exponent_bits(dtype):
+    # IEEE 754: all-ones exponent = inf/NaN. The largest finite value, the smallest
+    # subnormal and -0 (bit patterns next to the check's thresholds) pass; +-inf and +-NaN
+    # (the sign bit set on a NaN is the unsigned view's largest pattern) fail, alone
+    # among finite values, whichever element holds them.
+    info = ml_dtypes.finfo(dtype)
+    finite = np.array([info.max, -info.max, info.smallest_subnormal, -0.0, 1.0], dtype)
+    check_finite(finite, "ok")
+    for bad in (np.inf, -np.inf, np.nan, -np.nan):
+        for position in (0, 4):
+            values = finite.copy()
+            values[position] = bad
+            with pytest.raises(ValueError, match=r"^t holds 1 non-finite values"):
+                check_finite(values.reshape(5, 1), "t")
+    assert np.signbit(np.array(-np.nan, dtype))  # the -NaN case really has its sign bit set
 
 
 def test_non_finite_weight_is_named_under_a_plan(tmp_path):
