@@ -7,8 +7,6 @@ layer's page, residual and sink bytes, read from the pool's real arrays.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tenantq.capacity import kv as capacity_kv
@@ -16,8 +14,9 @@ from tenantq.capacity.weights import tensor_bytes
 from tenantq.engine import Engine
 from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import KVPlan, QuantPlan, Rule
+from tenantq.reference import reference_model_path
 
-REFERENCE = Path(__file__).resolve().parents[2] / "platform/tenantq/reference/model"
+REFERENCE = reference_model_path()
 
 
 def _reference_shape() -> ModelConfig:

@@ -16,7 +16,7 @@ from tenantq.capacity import (
     get_model_config,
     parse_bytes,
 )
-from tenantq.capacity.presets import PUBLISHED_PARAMS, REFERENCE_CONFIG
+from tenantq.capacity.presets import PUBLISHED_PARAMS
 from tenantq.capacity.units import GiB, MiB
 from tenantq.quant.plan import QuantPlan
 
@@ -76,12 +76,12 @@ def test_unknown_model_lists_the_presets():
         get_model_config("llama-9")
 
 
-def test_reference_model_loads_or_says_it_is_not_shipped():
-    if REFERENCE_CONFIG.is_file():
-        assert get_model_config("tenantq-ref").num_layers > 0
-    else:
-        with pytest.raises(ValueError, match="not shipped"):
-            get_model_config("tenantq-ref")
+def test_reference_model_is_a_registered_preset():
+    from tenantq.model.config import ModelConfig
+    from tenantq.reference import reference_model_path  # registers tenantq-ref
+
+    want = ModelConfig.from_file(reference_model_path())
+    assert get_model_config("tenantq-ref") == want and want.num_layers == 4
 
 
 def test_hardware_figures():

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-REFERENCE_MODEL = Path(__file__).resolve().parent.parent / "reference" / "model"
+from tenantq.reference import reference_model_path
+
+REFERENCE_MODEL = reference_model_path()
 FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "mxfp4", "nvfp4")
 KV_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "mxfp4", "nvfp4")
 

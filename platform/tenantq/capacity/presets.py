@@ -4,11 +4,15 @@ Each preset is the published file's shape-bearing fields, so it goes through the
 `ModelConfig.from_hf_dict` as a checkpoint folder would and cannot drift from it. Where a
 published file leaves a field to the transformers default (Gemma 3's text_config omits
 vocab_size, max_position_embeddings and, for 12B, head_dim), the default is written out
-and marked. `tenantq-ref` is the project's own model, read from the package when shipped.
+and marked. Other packages add presets that are checkpoint folders (the reference model
+registers `tenantq-ref`) with `register_preset` or the `tenantq.model_presets` entry-point
+group; this module reads the folder it is given and knows no package by path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -213,27 +217,42 @@ PUBLISHED_PARAMS: dict[str, float] = {
     "gemma-3-27b": 1.416e9 + 25.600e9,  # Gemma 3 tech report, table 1 (text only)
 }
 
-REFERENCE_NAME = "tenantq-ref"
-REFERENCE_CONFIG = Path(__file__).resolve().parents[1] / "reference" / "model" / "config.json"
+# Entry points in this group name a preset and point at a callable returning its folder
+# (or config.json); tenantq's own pyproject declares `tenantq-ref` there.
+ENTRY_POINT_GROUP = "tenantq.model_presets"
+# name -> callable giving the checkpoint folder (or config.json) of a registered preset.
+_FOLDER_PRESETS: dict[str, Callable[[], str | Path]] = {}
+
+
+def register_preset(name: str, folder: Callable[[], str | Path] | str | Path) -> None:
+    """Make `name` a preset read from a checkpoint folder (a callable is called lazily)."""
+    key = name.strip().lower()
+    if key in PRESETS:
+        raise ValueError(f"preset {key!r} is built in; choose another name")
+    _FOLDER_PRESETS[key] = folder if callable(folder) else (lambda: folder)
+
+
+def _folder_presets() -> dict[str, Callable[[], str | Path]]:
+    """Registered presets, plus those installed packages declare as entry points."""
+    found = {ep.name.lower(): ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    for name, ep in found.items():
+        _FOLDER_PRESETS.setdefault(name, lambda ep=ep: ep.load()())
+    return _FOLDER_PRESETS
 
 
 def model_names() -> list[str]:
-    """Preset names, with the reference model only when its config ships."""
-    return [*PRESETS, *([REFERENCE_NAME] if REFERENCE_CONFIG.is_file() else [])]
+    """Built-in preset names, then registered ones."""
+    return [*PRESETS, *sorted(_folder_presets())]
 
 
 def get_model_config(name_or_path: str | Path) -> ModelConfig:
-    """A preset by name, `tenantq-ref`, or any HF `config.json` (or the folder holding it)."""
+    """A preset by name (built in or registered), or any HF `config.json` (or its folder)."""
     key = str(name_or_path).strip()
     if key.lower() in PRESETS:
         return ModelConfig.from_hf_dict(PRESETS[key.lower()], source=f"preset {key.lower()}")
-    if key.lower() == REFERENCE_NAME:
-        if not REFERENCE_CONFIG.is_file():
-            raise ValueError(
-                f"the reference model {REFERENCE_NAME} is not shipped in this tree yet "
-                f"({REFERENCE_CONFIG} is missing); pass a preset or a config.json path"
-            )
-        return ModelConfig.from_file(REFERENCE_CONFIG)
+    registered = _folder_presets().get(key.lower())
+    if registered is not None:
+        return ModelConfig.from_file(registered())
     path = Path(key).expanduser()
     if path.exists() or key.endswith(".json") or "/" in key:
         return ModelConfig.from_file(path)

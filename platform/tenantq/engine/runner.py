@@ -116,14 +116,14 @@ class Engine:
         **pool_options,
     ) -> Engine:
         """Load a Hugging Face folder (safetensors; tokenizer.json optional) under `plan`."""
-        from tenantq.model.loader import load_params
         from tenantq.model.tokenizer import load_tokenizer
+        from tenantq.quant.apply import load_quantized
 
         config = ModelConfig.from_file(path)
         check_supported(config)
         per_shard = tp is not None and scale_scope == "shard"  # quantized per shard later
-        params = load_params(
-            path, config, plan=None if per_shard else plan,
+        params = load_quantized(
+            path, config, None if per_shard else plan,
             dtype=jnp.float32 if per_shard else jnp.dtype(dtype),
         )  # fmt: skip
         return cls(

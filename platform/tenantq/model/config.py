@@ -9,6 +9,7 @@ no JAX here, the capacity planner imports it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,13 +87,39 @@ class ModelConfig:
             "max_position_embeddings",
         ):
             value = getattr(self, key)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model config: {key} must be a positive integer, got {value!r}")
+            if not _is_int(value) or value <= 0:
+                raise ValueError(
+                    f"model config: {HF_KEYS.get(key, key)} must be an integer >= 1, got {value!r}"
+                )
+        if not _is_number(self.rope_theta) or not self.rope_theta > 0:
+            raise ValueError(
+                f"model config: rope_theta must be a finite number > 0 (e.g. 10000.0), "
+                f"got {self.rope_theta!r}"
+            )
+        if not _is_number(self.rms_norm_eps) or not self.rms_norm_eps >= 0:
+            raise ValueError(
+                f"model config: rms_norm_eps must be a finite number >= 0 (e.g. 1e-5), "
+                f"got {self.rms_norm_eps!r}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        for key, ids in (
+            ("bos_token_id", (self.bos_token_id,)),
+            ("eos_token_id", self.eos_token_ids),
+        ):
+            bad = [
+                i for i in ids if i is not None and not (_is_int(i) and 0 <= i < self.vocab_size)
+            ]
+            if bad:
+                raise ValueError(
+                    f"model config: {key} {bad[0]!r} is not a token id; valid ids are integers "
+                    f"0..{self.vocab_size - 1} (vocab_size {self.vocab_size})"
+                )
+        if self.rope_scaling_items is not None:
+            _check_rope_scaling(self.rope_scaling)
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
         if len(self.layer_types) != self.num_layers:
@@ -103,8 +130,13 @@ class ModelConfig:
         bad = sorted(set(self.layer_types) - {"full", "sliding"})
         if bad:
             raise ValueError(f"model config: unknown layer types {bad}; valid: full, sliding")
-        if "sliding" in self.layer_types and not self.sliding_window:
-            raise ValueError("model config: sliding layers need a positive sliding_window")
+        if "sliding" in self.layer_types and not (
+            _is_int(self.sliding_window) and self.sliding_window > 0
+        ):
+            raise ValueError(
+                f"model config: sliding layers need sliding_window, an integer >= 1 "
+                f"(tokens), got {self.sliding_window!r}"
+            )
 
     # ---------------------------------------------------------------- derived figures
     @property
@@ -224,7 +256,13 @@ class ModelConfig:
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
-        """Read a Hugging Face config dict; a missing field is an error naming it."""
+        """Read a Hugging Face config dict; a missing or out-of-range field is an error
+        naming it and its valid range."""
+        if not isinstance(raw, dict):
+            raise ValueError(
+                f"{source}: expected a JSON object of model fields (model_type, hidden_size, "
+                f"...), got a JSON {_json_type(raw)}"
+            )
         if "text_config" in raw and isinstance(raw["text_config"], dict):
             # Multimodal wrappers (Gemma 3 12B/27B) keep the decoder under text_config.
             inner = dict(raw["text_config"])
@@ -244,11 +282,40 @@ class ModelConfig:
                 raise ValueError(f"{source}: missing required field {key!r} for {model_type}")
             return raw[key]
 
-        num_heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        num_layers = int(need("num_hidden_layers"))
+        def integer(key: str, value: Any) -> int:
+            if _is_int(value) or (isinstance(value, float) and value.is_integer()):
+                return int(value)
+            raise ValueError(
+                f"{source}: {key} must be an integer >= 1, got {value!r} ({_json_type(value)})"
+            )
+
+        def number(key: str, default: float) -> float:
+            value = raw.get(key, default)
+            if value is None:
+                return default
+            if not _is_number(value):
+                raise ValueError(
+                    f"{source}: {key} must be a finite number, got {value!r} ({_json_type(value)})"
+                )
+            return float(value)
+
+        def flag(key: str, default: bool) -> bool:
+            value = raw.get(key, default)
+            if not isinstance(value, bool):
+                raise ValueError(
+                    f"{source}: {key} must be true or false, got {value!r} ({_json_type(value)})"
+                )
+            return value
+
+        num_heads = integer("num_attention_heads", need("num_attention_heads"))
+        hidden = integer("hidden_size", need("hidden_size"))
+        num_layers = integer("num_hidden_layers", need("num_hidden_layers"))
+        if num_heads <= 0:
+            raise ValueError(
+                f"{source}: num_attention_heads must be an integer >= 1, got {num_heads}"
+            )
         head_dim = raw.get("head_dim") or hidden // num_heads
-        rope_theta, rope_scaling = _rope_fields(raw)
+        rope_theta, rope_scaling = _rope_fields(raw, source)
         if rope_scaling is not None:
             rtype = rope_scaling.get("rope_type", rope_scaling.get("type"))
             if model_type in ENGINE_MODEL_TYPES and rtype not in ("llama3", "default", None):
@@ -259,34 +326,49 @@ class ModelConfig:
         sliding_window = raw.get("sliding_window")
         layer_types = _layer_types(raw, model_type, num_layers, sliding_window)
         eos = raw.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         qk_norm = model_type in ("qwen3", "gemma3", "gemma3_text")
-        attention_bias = bool(raw.get("attention_bias", model_type == "qwen2"))
-        return cls(
-            model_type=model_type,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            max_position_embeddings=int(need("max_position_embeddings")),
-            rope_theta=rope_theta,
-            rope_scaling_items=None
-            if rope_scaling is None
-            else tuple(sorted((k, _freeze(v)) for k, v in rope_scaling.items())),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type.startswith("gem"))),
-            attention_bias=attention_bias,
-            qk_norm=qk_norm,
-            layer_types=layer_types,
-            sliding_window=int(sliding_window) if "sliding" in layer_types else None,
-            hidden_act=str(raw.get("hidden_act", raw.get("hidden_activation", "silu"))),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            name=str(raw.get("_name_or_path", "")),
-        )
+        attention_bias = flag("attention_bias", model_type == "qwen2")
+        hidden_act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+        if not isinstance(hidden_act, str):
+            raise ValueError(f"{source}: hidden_act must be a string such as 'silu'")
+        try:
+            return cls(
+                model_type=model_type,
+                vocab_size=integer("vocab_size", need("vocab_size")),
+                hidden_size=hidden,
+                intermediate_size=integer("intermediate_size", need("intermediate_size")),
+                num_layers=num_layers,
+                num_heads=num_heads,
+                num_kv_heads=integer(
+                    "num_key_value_heads", raw.get("num_key_value_heads") or num_heads
+                ),
+                head_dim=integer("head_dim", head_dim),
+                max_position_embeddings=integer(
+                    "max_position_embeddings", need("max_position_embeddings")
+                ),
+                rope_theta=rope_theta,
+                rope_scaling_items=None
+                if rope_scaling is None
+                else tuple(sorted((k, _freeze(v)) for k, v in rope_scaling.items())),
+                rms_norm_eps=number("rms_norm_eps", 1e-6),
+                tie_word_embeddings=flag("tie_word_embeddings", model_type.startswith("gem")),
+                attention_bias=attention_bias,
+                qk_norm=qk_norm,
+                layer_types=layer_types,
+                sliding_window=integer("sliding_window", sliding_window)
+                if "sliding" in layer_types
+                else None,
+                hidden_act=hidden_act,
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                name=str(raw.get("_name_or_path", "")),
+            )
+        except ValueError as err:  # field checks in __post_init__: say which file
+            message = str(err)
+            if message.startswith("model config:"):
+                message = f"{source}:" + message[len("model config:") :]
+            raise ValueError(message) from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -313,7 +395,51 @@ _ARCH_NAMES = {
 }
 
 
-def _rope_fields(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+# ModelConfig field -> the config.json key a user edits, for error messages.
+HF_KEYS = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
+
+
+def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+    """llama3 scaling needs its four numbers in range (Meta's `apply_scaling` divides by
+    high_freq_factor - low_freq_factor and by factor)."""
+    rtype = scaling.get("rope_type", scaling.get("type", "default"))
+    if rtype != "llama3":
+        return
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in fields if k not in scaling]
+    if missing:
+        raise ValueError(f"model config: llama3 rope_scaling lacks {missing}; it needs {fields}")
+    bad = [k for k in fields if not _is_number(scaling[k]) or not scaling[k] > 0]
+    if bad:
+        raise ValueError(
+            f"model config: rope_scaling {bad[0]} must be a finite number > 0, "
+            f"got {scaling[bad[0]]!r}"
+        )
+    if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ValueError(
+            "model config: rope_scaling high_freq_factor must exceed low_freq_factor, got "
+            f"{scaling['high_freq_factor']!r} <= {scaling['low_freq_factor']!r}"
+        )
+
+
+def _rope_fields(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either config layout.
 
     transformers < 5 writes top-level `rope_theta` and `rope_scaling`; transformers >= 5
@@ -328,7 +454,18 @@ def _rope_fields(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             theta = params.get("rope_theta")
         if scaling is None and params.get("rope_type", "default") != "default":
             scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    return float(theta if theta is not None else 10000.0), scaling
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ValueError(
+            f'{source}: rope_scaling must be an object such as {{"rope_type": "llama3", '
+            f"...}} or null, got {scaling!r}"
+        )
+    if theta is None:
+        return 10000.0, scaling
+    if not _is_number(theta):
+        raise ValueError(
+            f"{source}: rope_theta must be a finite number > 0 (e.g. 10000.0), got {theta!r}"
+        )
+    return float(theta), scaling
 
 
 def _freeze(value: Any) -> Any:

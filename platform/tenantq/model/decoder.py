@@ -5,6 +5,8 @@ differ only in switches read from `ModelConfig`. Params are keyed by the tensor 
 `config.tensors()`, the same keys plans match and memory reports count. Attention never
 sees the fresh K/V projections: each layer writes them into the KV store it is handed and
 attends over what the store reads back, so a lossy cache's error reaches every token.
+`forward` runs the same modules without a cache (`OwnTokensKV`: each call attends over its
+own tokens, optionally split into packed segments) for training and whole-text scoring.
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ class Attention(nnx.Module):
         self.config = config
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array, positions: jax.Array, kv: KVAccess) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, kv: KVAccess, segments: jax.Array | None = None
+    ) -> jax.Array:
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
@@ -87,15 +91,17 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         kv.write(self.layer, k, v)
         keys, values, key_pos = kv.read(self.layer)
-        out = attend(q, keys, values, positions, key_pos, self.window)
+        out = attend(q, keys, values, positions, key_pos, self.window, segments=segments)
         return self.o_proj(out.reshape(b, s, -1).astype(self.dtype))
 
 
-def attend(q, keys, values, q_pos, key_pos, window: int | None) -> jax.Array:
+def attend(q, keys, values, q_pos, key_pos, window: int | None, *, segments=None) -> jax.Array:
     """Causal grouped-query attention, float32 scores and softmax.
 
     q [B, S, H, d]; keys/values [B, T, Hkv, d]; q_pos [B, S]; key_pos [B, T] (< 0: empty).
-    A key is visible when 0 <= key_pos <= q_pos (and key_pos > q_pos - window).
+    A key is visible when 0 <= key_pos <= q_pos (and key_pos > q_pos - window). `segments`
+    [B, S] (only when the keys are the queries' own tokens, T == S) packs several documents
+    in a row: a key is visible only to queries of the same segment.
     """
     b, s, h, d = q.shape
     hkv = keys.shape[2]
@@ -106,6 +112,8 @@ def attend(q, keys, values, q_pos, key_pos, window: int | None) -> jax.Array:
     visible = (kp >= 0) & (kp <= qp)
     if window is not None:
         visible &= kp > qp - window
+    if segments is not None:
+        visible &= segments[:, :, None] == segments[:, None, :]
     scores = jnp.where(visible[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum(
@@ -140,8 +148,8 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(params[f"{p}/post_attn_norm"], eps=eps, dtype=dtype)
         self.mlp = MLP(layer, params, dtype=dtype, activations=activations)
 
-    def __call__(self, x, positions, kv: KVAccess):
-        x = x + self.attn(self.input_norm(x), positions, kv)
+    def __call__(self, x, positions, kv: KVAccess, segments=None):
+        x = x + self.attn(self.input_norm(x), positions, kv, segments)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -182,10 +190,16 @@ class Decoder(nnx.Module):
             )
         )
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, kv: KVAccess) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        kv: KVAccess,
+        segments: jax.Array | None = None,
+    ) -> jax.Array:
         x = self.embed(tokens)
         for block in self.layers:
-            x = block(x, positions, kv)
+            x = block(x, positions, kv, segments)
         return self.final_norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -193,6 +207,47 @@ class Decoder(nnx.Module):
         if self.lm_head is None:
             return self.embed.attend(hidden)
         return self.lm_head(hidden).astype(jnp.float32)
+
+
+class OwnTokensKV:
+    """A `KVAccess` without a cache: each layer attends over the keys/values of the tokens
+    of this very call (training, and scoring whole texts). Keys sit at the queries'
+    positions, so `attend`'s position rule is the causal mask."""
+
+    def __init__(self, positions: jax.Array):
+        self.positions = positions
+        self._layers: dict[int, tuple[jax.Array, jax.Array]] = {}
+
+    def write(self, layer: int, keys: jax.Array, values: jax.Array) -> None:
+        self._layers[layer] = (keys, values)
+
+    def read(self, layer: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        keys, values = self._layers.pop(layer)
+        return keys, values, self.positions
+
+
+def forward(
+    params: Mapping[str, Any],
+    config: ModelConfig,
+    tokens: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    segments: jax.Array | None = None,
+    dtype=jnp.float32,
+) -> jax.Array:
+    """Float32 logits [B, S, vocab] of whole rows, no cache; differentiable in `params`.
+
+    The same `Decoder` modules the engine runs, built from `params` (path -> array, traced
+    arrays included). `positions` default to 0..S-1 per row; with `segments` [B, S] tokens
+    attend causally within their own segment only (packed training documents; positions
+    then restart at each segment).
+    """
+    tokens = jnp.asarray(tokens)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    model = Decoder(config, params, dtype=dtype)
+    hidden = model(tokens, positions, OwnTokensKV(positions), segments)
+    return model.logits(hidden).astype(jnp.float32)
 
 
 def init_params(config: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> dict[str, jax.Array]:

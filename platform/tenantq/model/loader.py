@@ -1,27 +1,28 @@
-"""Read a Hugging Face checkpoint folder (safetensors only) into engine params.
+"""Read a Hugging Face checkpoint folder (safetensors only) as a stream of engine tensors.
 
-The safetensors header is parsed here and each tensor is memory-mapped on its own, so a
-load touches one tensor at a time: it is transposed to the engine's [in, out] layout and,
-when a plan is given, quantized at once, which keeps peak host memory near the quantized
-model plus one tensor. Pickle (`*.bin`) is never read. Errors name the tensor, the file
-and what was expected.
+`iter_checkpoint` yields `(engine path, array in engine layout)` one tensor at a time, so a
+caller that converts each tensor before asking for the next (a cast, or quantization in
+`tenantq.quant.apply.load_quantized`) holds the model plus one tensor. Every tensor is
+checked for shape against config.json and for NaN/inf before it is yielded. Pickle
+(`*.bin`) is never read. Errors are `ValueError`s naming the file, the tensor and what
+was expected; nothing is yielded from a file whose header is not valid.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import struct
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
-from tenantq.model.config import ModelConfig
-from tenantq.model.decoder import check_supported
+from tenantq.model.config import ATTN_PROJ, ModelConfig
+from tenantq.model.safetensors_header import SafetensorsHeader
 
 # safetensors dtype codes the loader reads; others (ints, fp8, packed GPTQ) are rejected.
 READABLE_DTYPES: dict[str, Any] = {
@@ -32,8 +33,7 @@ READABLE_DTYPES: dict[str, Any] = {
 }
 # HF tensors that carry nothing the engine needs (precomputed RoPE tables).
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq")
-
-_ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def hf_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
@@ -51,7 +51,7 @@ def hf_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
             out[path] = (f"{hf}.post_attention_layernorm.weight", False)
         elif kind == "mlp":
             out[path] = (f"{hf}.mlp.{name}.weight", True)
-        elif name in _ATTN_PROJ:
+        elif name in ATTN_PROJ:
             out[path] = (f"{hf}.self_attn.{name}.weight", True)
         elif name.endswith("_bias"):
             out[path] = (f"{hf}.self_attn.{name[0]}_proj.bias", False)
@@ -66,73 +66,104 @@ def hf_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
     return out
 
 
-class SafetensorsFile:
-    """One `.safetensors` file: its header, and one tensor at a time as a read-only view."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        with path.open("rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError(f"{path}: not a safetensors file (shorter than its header)")
-            (header_len,) = struct.unpack("<Q", raw)
-            try:
-                header = json.loads(f.read(header_len))
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise ValueError(f"{path}: unreadable safetensors header ({err})") from None
-        header.pop("__metadata__", None)
-        self.header: dict[str, dict[str, Any]] = header
-        self.data_offset = 8 + header_len
-
-    def names(self) -> list[str]:
-        return list(self.header)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.header[name]["shape"])
-
-    def read(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        code = info["dtype"]
-        if code not in READABLE_DTYPES:
-            raise ValueError(
-                f"{self.path.name}: tensor {name} has dtype {code}, which the loader cannot "
-                f"read; readable: {', '.join(READABLE_DTYPES)}"
-            )
-        dtype = np.dtype(READABLE_DTYPES[code])
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        count = int(np.prod(shape, dtype=np.int64))
-        if end - start != count * dtype.itemsize:
-            raise ValueError(
-                f"{self.path.name}: tensor {name} spans {end - start} bytes, expected "
-                f"{count * dtype.itemsize} for {code} {list(shape)}"
-            )
-        mapped = np.memmap(
-            self.path, dtype=dtype, mode="r", offset=self.data_offset + start, shape=(count,)
-        )
-        return mapped.reshape(shape)
-
-
 def checkpoint_files(folder: Path) -> dict[str, Path]:
-    """HF tensor name -> the file holding it (sharded via the index, or every file)."""
-    index = folder / "model.safetensors.index.json"
+    """HF tensor name -> the file holding it (sharded via the index, or every file).
+
+    An index is read as JSON (the error names it when it is not), its shard names must be
+    plain file names inside `folder`: a path that leaves the folder is refused.
+    """
+    index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        return {name: folder / file for name, file in weight_map.items()}
+        try:
+            raw = json.loads(index.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{index}: not valid JSON ({err})") from None
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(
+                f'{index}: expected an object with a non-empty "weight_map" '
+                "{tensor name: shard file name}"
+            )
+        root = folder.resolve()
+        out: dict[str, Path] = {}
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or not file.endswith(".safetensors"):
+                raise ValueError(
+                    f"{index}: weight_map[{name!r}] is {file!r}; expected the file name of a "
+                    ".safetensors shard in the same folder"
+                )
+            shard = (folder / file).resolve()
+            if shard.parent != root:
+                raise ValueError(
+                    f"{index}: weight_map[{name!r}] = {file!r} points outside the checkpoint "
+                    f"folder {folder}; shards must be files in that folder"
+                )
+            out[name] = shard
+        return out
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in folder.glob("*.bin"))
         hint = f" (found {pickles}; pickle checkpoints are never read)" if pickles else ""
         raise ValueError(f"no *.safetensors files in {folder}{hint}")
-    out: dict[str, Path] = {}
+    out = {}
     for path in files:
-        for name in SafetensorsFile(path).names():
+        for name in SafetensorsHeader.read(path).entries:
             out[name] = path
     return out
 
 
+# Bit pattern of +inf per float dtype (sign 0, exponent all ones, mantissa 0), IEEE 754.
+_INF_BITS = {
+    np.dtype(np.float16): 0x7C00,
+    np.dtype(ml_dtypes.bfloat16): 0x7F80,
+    np.dtype(np.float32): 0x7F800000,
+    np.dtype(np.float64): 0x7FF0000000000000,
+}
+_INT_VIEWS = {2: (np.int16, np.uint16), 4: (np.int32, np.uint32), 8: (np.int64, np.uint64)}
+
+
+def check_finite(array: np.ndarray, what: str) -> None:
+    """Raise naming `what` when `array` holds NaN or inf.
+
+    A float is non-finite exactly when its exponent bits are all ones. Read as a signed
+    integer, a positive one is then >= the +inf pattern; read as unsigned, a negative one is
+    >= the -inf pattern (sign bit set) and no finite value is. So two integer max
+    reductions over views of the bytes decide, without a temporary or a float conversion
+    (measured on 156M bf16 weights: 0.04 s, against 0.09 s for a float64 sum and 0.21 s for
+    `np.isfinite(...).all()`). Only a failing tensor pays for the element-wise scan that
+    counts and locates the offenders for the message.
+    """
+    if array.size == 0:
+        return
+    inf_bits = _INF_BITS[array.dtype]
+    signed, unsigned = _INT_VIEWS[array.dtype.itemsize]
+    flat = np.ascontiguousarray(array).reshape(-1)
+    sign_bit = 1 << (8 * array.dtype.itemsize - 1)
+    if (
+        int(flat.view(signed).max()) < inf_bits
+        and int(flat.view(unsigned).max()) < inf_bits | sign_bit
+    ):
+        return
+    wide = np.asarray(array, np.float64)
+    bad = ~np.isfinite(wide)
+    count = int(bad.sum())
+    first = [int(i) for i in np.unravel_index(int(np.argmax(bad)), array.shape)]
+    nans = int(np.isnan(wide).sum())
+    raise ValueError(
+        f"{what} holds {count} non-finite values ({nans} NaN, {count - nans} inf; first at "
+        f"index {first} of shape {list(array.shape)}); weights must be finite numbers"
+    )
+
+
 def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """(engine path, float array in engine layout) per tensor, one at a time, in order."""
+    """(engine path, float array in engine layout) per tensor, one at a time, in order.
+
+    Every file's header is validated (`SafetensorsHeader`) and every expected tensor found
+    with its config.json shape before the first tensor is read. Arrays are read-only
+    (one tensor's copy at a time, read by `safe_open`).
+    """
+    from tenantq.model.decoder import check_supported
+
     folder = Path(folder)
     check_supported(config)
     where = checkpoint_files(folder)
@@ -148,7 +179,7 @@ def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[s
             f"{folder}: tensors the {config.model_type} engine does not use: {extra[:5]} "
             f"({len(extra)} in all); the checkpoint does not match its config.json"
         )
-    opened: dict[Path, SafetensorsFile] = {}
+    headers: dict[Path, SafetensorsHeader] = {}
     for path, (hf, transpose) in names.items():
         file = where.get(hf)
         if file is None:
@@ -156,38 +187,78 @@ def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[s
             raise ValueError(f"tensor {hf} ({path}) is missing; searched {searched} in {folder}")
         if not file.is_file():
             raise ValueError(f"tensor {hf} ({path}): the index names {file.name}, which is missing")
-        st = opened.setdefault(file, SafetensorsFile(file))
-        if hf not in st.header:
+        if file not in headers:
+            headers[file] = SafetensorsHeader.read(file)
+        entry = headers[file].entries.get(hf)
+        if entry is None:
             raise ValueError(f"tensor {hf} ({path}) is missing from {file.name}")
+        if entry.dtype not in READABLE_DTYPES:
+            raise ValueError(
+                f"{file.name}: tensor {hf} has dtype {entry.dtype}, which the loader cannot "
+                f"read; readable: {', '.join(READABLE_DTYPES)}"
+            )
         want = expected[path].shape
         want_hf = tuple(reversed(want)) if transpose else want
-        if st.shape(hf) != want_hf:
+        if entry.shape != want_hf:
             raise ValueError(
-                f"tensor {hf} ({path}) in {file.name} has shape {list(st.shape(hf))}, "
+                f"tensor {hf} ({path}) in {file.name} has shape {list(entry.shape)}, "
                 f"expected {list(want_hf)} from config.json"
             )
-        array = st.read(hf)
-        yield path, (array.T if transpose else array)
+    with ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+        for path, (hf, transpose) in names.items():
+            file = where[hf]
+            if file not in opened:
+                opened[file] = stack.enter_context(_open(file))
+            array = _get_tensor(opened[file], file, hf)
+            check_finite(array, f"tensor {hf} ({path}) in {file.name}")
+            yield path, (array.T if transpose else array)
+            del array
 
 
-def load_params(
-    folder: str | Path, config: ModelConfig, *, plan=None, dtype=jnp.bfloat16
-) -> dict[str, Any]:
-    """Params (path -> jax array or QArray) with the plan applied tensor by tensor.
+def iter_file(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, read-only array) of every tensor of one `.safetensors` file, in header order,
+    with the same checks as a checkpoint load (header, readable dtype, finite values)."""
+    path = Path(path)
+    header = SafetensorsHeader.read(path)
+    for entry in header.entries.values():
+        if entry.dtype not in READABLE_DTYPES:
+            raise ValueError(
+                f"{path.name}: tensor {entry.name} has dtype {entry.dtype}, which the loader "
+                f"cannot read; readable: {', '.join(READABLE_DTYPES)}"
+            )
+    with _open(path) as handle:
+        for name in header.entries:
+            array = _get_tensor(handle, path, name)
+            check_finite(array, f"tensor {name} in {path.name}")
+            yield name, array
 
-    Tensors the plan quantizes go straight to their `QArray` (via `quantize_tensor`, the
-    same function `apply_plan` uses); the rest are cast to `dtype`. Unused rules are not
-    reported here; `apply_plan` (which the Engine runs on these params) reports them.
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="numpy")
+    except SafetensorError as err:  # validated already; the library's own check disagrees
+        raise ValueError(f"{file}: the safetensors library refused the file ({err})") from None
+
+
+def _get_tensor(handle, file: Path, name: str) -> np.ndarray:
+    try:
+        array = handle.get_tensor(name)
+    except SafetensorError as err:
+        raise ValueError(f"{file.name}: tensor {name} could not be read ({err})") from None
+    array.flags.writeable = False
+    return array
+
+
+def load_params(folder: str | Path, config: ModelConfig, *, dtype: Any = "bfloat16") -> dict:
+    """Params (path -> jax array of `dtype`), read and cast one tensor at a time.
+
+    Full precision only: `tenantq.quant.apply.load_quantized` streams the same tensors
+    into a plan's formats.
     """
-    from tenantq.quant.apply import quantize_tensor
+    import jax.numpy as jnp
 
-    resolved = plan.resolve(config) if plan is not None else {}
-    params: dict[str, Any] = {}
-    for path, array in iter_checkpoint(folder, config):
-        how = resolved.get(path)
-        if how is None:
-            params[path] = jnp.asarray(np.asarray(array), dtype=dtype)
-        else:
-            params[path] = quantize_tensor(np.asarray(array, dtype=np.float32), how)
-        del array
-    return params
+    return {
+        path: jnp.asarray(array, dtype=jnp.dtype(dtype))
+        for path, array in iter_checkpoint(folder, config)
+    }

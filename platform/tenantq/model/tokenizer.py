@@ -1,12 +1,14 @@
 """Text <-> token ids for a checkpoint folder, through the `tokenizers` library.
 
 Only `tokenizer.json` is read (the fast-tokenizer file every Llama-family checkpoint
-ships). It is optional: a folder without it still loads and runs on token ids, and
-whatever needs text asks for the tokenizer and gets a clear error there.
+ships). It is optional: a folder without it, or with one the library cannot read, still
+loads and runs on token ids (an unreadable file is a warning naming it), and whatever
+needs text asks for the tokenizer and gets a clear error there.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -37,7 +39,22 @@ class Tokenizer:
         return self._inner.token_to_id(token)
 
 
+class TokenizerUnreadableWarning(UserWarning):
+    """A checkpoint's tokenizer.json exists but could not be read; the model loads without it."""
+
+
 def load_tokenizer(folder: str | Path) -> Tokenizer | None:
-    """The folder's `tokenizer.json`, or None when it has none."""
+    """The folder's `tokenizer.json`; None when it has none or it cannot be read (warns)."""
     path = Path(folder) / "tokenizer.json"
-    return Tokenizer.from_file(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as err:  # the tokenizers library raises bare Exception subclasses
+        warnings.warn(
+            f"{path}: the tokenizer could not be read ({err}); the model loads without one "
+            "and runs on token ids only",
+            TokenizerUnreadableWarning,
+            stacklevel=2,
+        )
+        return None

@@ -3,14 +3,16 @@
 A plan resolves to one `TensorQuant` per quantized tensor; each is produced by the
 algorithm its rule names, looked up in a registry. Round-to-nearest ("rtn") is built in;
 GPTQ, AWQ and SmoothQuant register themselves with `register_algorithm` and receive
-whatever calibration inputs the caller passes through. The streaming loader quantizes
-tensor by tensor with the same `quantize_tensor`, so both paths store identical bytes.
+whatever calibration inputs the caller passes through. `load_quantized` is where a plan
+meets a checkpoint: it quantizes the loader's tensor stream one tensor at a time with the
+same `quantize_tensor`, so both paths store identical bytes.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
@@ -144,3 +146,33 @@ def apply_plan(
         else:
             out[path] = quantize_tensor(value, how, **dict((inputs or {}).get(path, {})))
     return out
+
+
+def load_quantized(
+    folder: str | Path,
+    config: ModelConfig,
+    plan: QuantPlan | None = None,
+    *,
+    dtype: Any = "bfloat16",
+) -> dict[str, Any]:
+    """Params of a checkpoint folder with `plan` applied as each tensor streams in.
+
+    Tensors the plan quantizes go straight from the loader's float array to their `QArray`
+    (rtn through `quantize_tensor`, as `apply_plan` does); the rest are cast to `dtype`.
+    Peak host memory stays near the result plus one full-precision tensor. Unused rules
+    are not reported here; `apply_plan` (which the Engine runs on these params) does.
+    """
+    import numpy as np
+
+    from tenantq.model.loader import iter_checkpoint
+
+    resolved = (plan or QuantPlan()).resolve(config)
+    params: dict[str, Any] = {}
+    for path, array in iter_checkpoint(folder, config):
+        how = resolved.get(path)
+        if how is None:
+            params[path] = jnp.asarray(array, dtype=jnp.dtype(dtype))
+        else:
+            params[path] = quantize_tensor(np.asarray(array, dtype=np.float32), how)
+        del array
+    return params

@@ -1,10 +1,12 @@
-"""Measure the shipped reference checkpoint and write its model card.
+"""Measure the shipped reference checkpoint through the Engine and write its model card.
 
-Everything is computed from the exported bf16 tensors with bf16 activations (norms and
-softmax in float32): test/validation perplexity against a unigram baseline fitted on the
-train split, and passkey exact match over a grid of lengths (up to twice the trained
-context) and depths spread evenly over 0-100%.
-`python -m tenantq.reference.evaluate --model DIR --run RUN_DIR --card`.
+Every figure comes from `Engine.from_checkpoint(...)`, the path users and the quality suite
+run (bf16 weights, activations and KV pool; norms and softmax in float32): perplexity from
+`engine.score` over windows that fill the model's context after a BOS, against a unigram
+baseline fitted on the train split, and passkey exact match from greedy `engine.generate`
+over a grid of prompt lengths and depths spread evenly over 0-100%. The trainer's own
+evaluations call the same two loops (`mean_nll`, `needle_grid`) on an in-memory Engine.
+`python -m tenantq.reference.evaluate --model DIR --card`.
 """
 
 from __future__ import annotations
@@ -15,18 +17,22 @@ import math
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
+from tenantq.engine import Engine
 from tenantq.reference import needles, reference_model_path
 from tenantq.reference.corpus import load_corpus
-from tenantq.reference.export import read_hf_checkpoint
-from tenantq.reference.train_model import forward, hidden_states, lm_head
 
-NEEDLE_LENGTHS = (128, 256, 512, 768, 1024, 1536, 2048)
 DEPTH_BUCKETS = 5
+# Sequences scored or generated at once (the engine's max_seqs).
+EVAL_BATCH = 8
+
+
+def needle_lengths(context_tokens: int) -> tuple[int, ...]:
+    """Prompt lengths of the grid: the engine serves prompt + answer within the context, so
+    the longest prompt is the context less the answer's digits."""
+    longest = context_tokens - needles.VALUE_DIGITS
+    return tuple(n for n in (128, 256, 512, 768) if n < longest) + (longest,)
 
 
 def split_ids(tokenizer, split: str) -> np.ndarray:
@@ -43,82 +49,91 @@ def unigram_nll(train_ids: np.ndarray, eval_ids: np.ndarray, vocab: int) -> floa
     return float(-logp[eval_ids].mean())
 
 
-def model_nll(params, config, ids: np.ndarray, window: int, dtype, max_windows: int) -> float:
-    """Mean next-token NLL over disjoint windows of `window` tokens, each after a BOS."""
-    fn = jax.jit(lambda p, x: forward(p, config, x, dtype=dtype))
-    total, count = 0.0, 0
-    n_windows = min(len(ids) // window, max_windows)
-    for b in range(0, n_windows, 4):
-        rows = [ids[r * window : (r + 1) * window] for r in range(b, min(b + 4, n_windows))]
-        x = np.stack([np.r_[config.bos_token_id, r] for r in rows])
-        logits = fn(params, x[:, :-1])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:])
-        total, count = total + float(jnp.sum(ce)), count + ce.size
-    return total / count
+def mean_nll(engine: Engine, ids: np.ndarray, window_tokens: int, max_windows: int) -> float:
+    """Mean next-token NLL (nats) of disjoint windows of `ids`, each scored after a BOS.
 
-
-def needle_grid(params, config, tok, source_ids, lengths, count: int, dtype, seed: int = 1234):
-    """Exact match per (length, depth bucket); depths evenly spaced over [0, 1].
-
-    Teacher-forced: greedy decoding spells the answer iff the argmax at every answer
-    position equals the answer token, so one forward pass scores one needle.
+    `engine.score([BOS], window)`: every window token is predicted from the BOS and the
+    window's earlier tokens, so BOS + window must fit the context.
     """
+    bos = engine.config.bos_token_id
+    n_windows = min(len(ids) // window_tokens, max_windows)
+    windows = [ids[r * window_tokens : (r + 1) * window_tokens].tolist() for r in range(n_windows)]
+    total, count = 0.0, 0
+    for logp in engine.score([[bos]] * n_windows, windows):
+        total, count = total - float(np.sum(logp, dtype=np.float64)), count + len(logp)
+    return total / max(count, 1)
 
-    def answer_argmax(p, x, first):  # argmax only where answer tokens are predicted
-        hidden = hidden_states(p, config, x, dtype=dtype)
-        span = first[:, None] + jnp.arange(needles.VALUE_DIGITS)[None]
-        picked = jnp.take_along_axis(hidden, span[:, :, None], axis=1)
-        return jnp.argmax(lm_head(p, config, picked), -1)
 
-    fn = jax.jit(answer_argmax)
+def needle_grid(engine: Engine, tok, source_ids, lengths, count: int, seed: int = 1234) -> dict:
+    """Exact match per prompt length and depth fifth; depths evenly spaced over [0, 1].
+
+    Greedy `engine.generate` of the answer's digit count, no stop token; a needle is
+    retrieved when the generated ids equal the answer (`needles.needle_correct`). 'digits
+    right' is the share of generated digits equal to the answer's at the same place.
+    """
     out = {}
     for length in lengths:
         rng = np.random.default_rng([seed, length])
         depths = np.linspace(0.0, 1.0, count)
-        hits = np.zeros(count, bool)
-        digits_right = np.zeros(count)
-        batch = max(1, 4096 // length)
-        for start in range(0, count, batch):
-            ex = [
-                needles.make_needle_example(tok, source_ids, length, float(d), rng)
-                for d in depths[start : start + batch]
+        examples = [
+            needles.make_needle_example(tok, source_ids, length, float(d), rng) for d in depths
+        ]
+        generated = engine.generate(
+            [p.tolist() for p, _ in examples], needles.VALUE_DIGITS, stop_tokens=[]
+        )
+        hits = np.array(
+            [
+                needles.needle_correct(np.array(g), a)
+                for g, (_, a) in zip(generated, examples, strict=True)
             ]
-            x = np.stack([np.concatenate([p, a]) for p, a in ex])
-            first = np.array([len(p) - 1 for p, _ in ex])
-            pred = np.asarray(fn(params, x[:, :-1], first))
-            for i, (_, a) in enumerate(ex):
-                hits[start + i] = needles.needle_correct(pred[i], a)
-                digits_right[start + i] = np.mean(pred[i] == a)
+        )
+        digits = np.array(
+            [
+                np.mean(np.array(g[: len(a)]) == a)
+                for g, (_, a) in zip(generated, examples, strict=True)
+            ]
+        )
         bucket = np.minimum((depths * DEPTH_BUCKETS).astype(int), DEPTH_BUCKETS - 1)
         out[length] = {
             "accuracy": float(hits.mean()),
             "count": count,
-            # Teacher-forced share of answer digits right (chance 0.1): partial retrieval.
-            "digit_accuracy": float(digits_right.mean()),
+            "digit_accuracy": float(digits.mean()),
             "by_depth": [float(hits[bucket == b].mean()) for b in range(DEPTH_BUCKETS)],
         }
     return out
 
 
-def evaluate(model_dir, needles_per_length: int = 200, lengths=NEEDLE_LENGTHS, max_windows=400):
-    params, config, tok = read_hf_checkpoint(model_dir)
-    dtype = jnp.bfloat16
+def evaluate(model_dir, needles_per_length: int = 200, lengths=None, max_windows=400) -> dict:
+    model_dir = Path(model_dir)
+    engine = Engine.from_checkpoint(model_dir, dtype="bfloat16", max_seqs=EVAL_BATCH)
+    config, tok = engine.config, _raw_tokenizer(model_dir)
+    context = config.max_position_embeddings
+    lengths = needle_lengths(context) if lengths is None else tuple(lengths)
     t0 = time.time()
     ids = {s: split_ids(tok, s) for s in ("train", "valid", "test")}
-    window = config.max_position_embeddings
-    result = {"dtype": "bfloat16", "eval_window_tokens": window}
+    window = context - 1  # BOS + window fills the context
+    result = {
+        "path": "Engine.from_checkpoint(dtype='bfloat16'): score() and greedy generate()",
+        "dtype": "bfloat16",
+        "eval_window_tokens": window,
+    }
     uni_test = unigram_nll(ids["train"], ids["test"], config.vocab_size)
     for split in ("valid", "test"):
-        nll = model_nll(params, config, ids[split], window, dtype, max_windows)
+        nll = mean_nll(engine, ids[split], window, max_windows)
         result[f"{split}_nll"] = nll
         result[f"{split}_ppl"] = math.exp(nll)
         result[f"{split}_tokens"] = int(min(len(ids[split]) // window, max_windows) * window)
     result["unigram_test_ppl"] = math.exp(uni_test)
-    result["needles"] = needle_grid(
-        params, config, tok, ids["test"], lengths, needles_per_length, dtype
-    )
+    result["needles"] = needle_grid(engine, tok, ids["test"], lengths, needles_per_length)
     result["eval_wall_s"] = round(time.time() - t0, 1)
     return result
+
+
+def _raw_tokenizer(model_dir: Path):
+    """The `tokenizers.Tokenizer` itself: needles and corpus splits use its batch API."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
 def write_card(model_dir: Path, result: dict, notes: str = "") -> Path:
@@ -167,16 +182,21 @@ def write_card(model_dir: Path, result: dict, notes: str = "") -> Path:
         f"(plain JAX, float32), about {training['tokens_per_s']:.0f} tokens/s on average.",
         f"- Optimizer: {training['optimizer']}.",
         "",
-        "## Measured quality (bf16 weights and activations)",
-        f"- Perplexity over windows of {result['eval_window_tokens']} tokens: validation "
+        "## Measured quality (bf16 weights, activations and KV cache)",
+        f"Measured through the engine users run: {result['path']} "
+        f"(`python -m tenantq.reference.evaluate --card`, {result['eval_wall_s']:.0f} s).",
+        "",
+        f"- Perplexity over windows of {result['eval_window_tokens']} tokens, each after a BOS "
+        "(together the model's context): validation "
         f"**{result['valid_ppl']:.2f}**, test **{result['test_ppl']:.2f}** "
         f"({result['test_tokens']:,} test tokens); unigram baseline (train-split token "
         f"frequencies) on test: **{result['unigram_test_ppl']:.1f}**.",
         "- Passkey retrieval: greedy exact match of the 5-digit value (`needles.py`; chance",
         "  1e-5), haystacks from the test split, depths evenly spaced over 0-100% (exact match",
-        "  per depth fifth); 'digits right' is the teacher-forced share of answer digits",
-        "  predicted correctly (chance 10%). Lengths above "
-        f"{config['max_position_embeddings']} exceed the trained context:",
+        "  per depth fifth); 'digits right' is the share of greedily generated digits equal to",
+        "  the answer's digit at the same place (chance 10%). The longest prompt is the context",
+        f"  ({config['max_position_embeddings']}) less the 5 answer tokens: the engine refuses",
+        "  sequences beyond the context.",
         "",
         "| prompt tokens | needles | exact match | digits right | depth 0-20% | 20-40% | 40-60%"
         " | 60-80% | 80-100% |",
@@ -194,19 +214,38 @@ def write_card(model_dir: Path, result: dict, notes: str = "") -> Path:
     return path
 
 
+def existing_notes(card_text: str) -> str:
+    """The free-text notes of a card: everything after its last table row."""
+    lines = card_text.splitlines()
+    last_row = max((i for i, line in enumerate(lines) if line.startswith("|")), default=-1)
+    return "\n".join(lines[last_row + 1 :]).strip()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Evaluate the reference checkpoint")
     ap.add_argument("--model", default=str(reference_model_path()))
     ap.add_argument("--needles", type=int, default=200, help="needles per length")
+    ap.add_argument(
+        "--max-windows", type=int, default=400, help="perplexity windows per split, at most"
+    )
     ap.add_argument("--card", action="store_true", help="write MODEL_CARD.md and eval.json")
-    ap.add_argument("--notes", default=None, help="Markdown file appended to the card")
+    ap.add_argument(
+        "--notes",
+        default=None,
+        help="Markdown file appended to the card (default: keep the "
+        "notes of the card being replaced)",
+    )
     args = ap.parse_args(argv)
-    result = evaluate(args.model, args.needles)
+    result = evaluate(args.model, args.needles, max_windows=args.max_windows)
     print(json.dumps(result, indent=1))
     if args.card:
         model_dir = Path(args.model)
         (model_dir / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
-        notes = Path(args.notes).read_text() if args.notes else ""
+        card = model_dir / "MODEL_CARD.md"
+        if args.notes:
+            notes = Path(args.notes).read_text()
+        else:  # keep the notes of the card being replaced
+            notes = existing_notes(card.read_text()) if card.is_file() else ""
         write_card(model_dir, result, notes)
 
 

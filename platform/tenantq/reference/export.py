@@ -1,8 +1,8 @@
 """Hugging Face layout for the reference model: write it (bf16) and read it back.
 
 Our linear weights are `[in, out]`; HF stores `[out, in]`, so every projection and the
-LM head are transposed on the way out and back in. Reading back here is what evaluation
-uses, so the figures in the model card are those of the shipped bf16 tensors.
+LM head are transposed on the way out and back in (both through the loader's `hf_names`).
+Reading back goes through the engine's loader, so it gets the same checks as any checkpoint.
 """
 
 from __future__ import annotations
@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
 from tenantq.model.config import ModelConfig
-from tenantq.model.loader import hf_names  # the one HF name mapping, shared with loading
+from tenantq.model.loader import hf_names, load_params
 
 
 def write_hf_checkpoint(out_dir, params, config: ModelConfig, tokenizer: Tokenizer) -> Path:
@@ -44,12 +43,11 @@ def write_hf_checkpoint(out_dir, params, config: ModelConfig, tokenizer: Tokeniz
 
 
 def read_hf_checkpoint(model_dir) -> tuple[dict, ModelConfig, Tokenizer]:
-    """Params (float32, our layout; values exactly the stored bf16), config, tokenizer."""
+    """Params (float32, our layout; values exactly the stored bf16), config, tokenizer.
+
+    Read through the engine's loader, with its header, shape and finiteness checks.
+    """
     model_dir = Path(model_dir)
     config = ModelConfig.from_file(model_dir)
-    raw = load_file(str(model_dir / "model.safetensors"))
-    params = {}
-    for path, (name, transpose) in hf_names(config).items():
-        value = np.asarray(raw[name]).astype(np.float32)
-        params[path] = jnp.asarray(value.T if transpose else value)
+    params = load_params(model_dir, config, dtype="float32")
     return params, config, Tokenizer.from_file(str(model_dir / "tokenizer.json"))

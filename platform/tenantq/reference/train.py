@@ -6,6 +6,8 @@ emerge from plain language modelling at this size, so each packed row mixes real
 segments whose answer tokens carry their own, separately normalised loss term; row length
 grows in a curriculum (64 -> 1024). Data for step s comes from rng(seed, s), and
 params + AdamW state are checkpointed as .npz, so a cut-off run resumes where it stopped.
+The forward pass is the model package's (`tenantq.model.decoder.forward`, the engine's
+modules with a packed-segment mask); evaluations run through an in-memory `Engine`.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ import optax
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from tenantq.engine import Engine
 from tenantq.model.config import ModelConfig
+from tenantq.model.decoder import forward
 from tenantq.reference import export, needles
 from tenantq.reference.corpus import load_corpus
+from tenantq.reference.evaluate import mean_nll, needle_grid
 from tenantq.reference.tokenizer_train import train_tokenizer
-from tenantq.reference.train_model import forward, init_params
 
 CONTEXT_TOKENS = 1024
 
@@ -51,6 +55,20 @@ def reference_config(vocab_size: int, bos_id: int = 1, eos_id: int = 2) -> Model
         eos_token_ids=(eos_id,),
         name="tenantq-reference-stdlib",
     )
+
+
+def init_params(config: ModelConfig, seed: int) -> dict[str, jax.Array]:
+    """Normal(0, 0.02) weights, residual outputs scaled by 1/sqrt(2 * layers), unit norms."""
+    rng = np.random.default_rng(seed)
+    out_scale = 1.0 / np.sqrt(2 * config.num_layers)
+    params: dict[str, jax.Array] = {}
+    for path, info in config.tensors().items():
+        if info.kind == "norm":
+            params[path] = jnp.ones(info.shape, jnp.float32)
+            continue
+        std = 0.02 * (out_scale if path.endswith(("o_proj", "down_proj")) else 1.0)
+        params[path] = jnp.asarray(rng.normal(0.0, std, info.shape).astype(np.float32))
+    return params
 
 
 # Probability of each segment kind when filling a row.
@@ -102,7 +120,8 @@ class TrainSettings:
     task_loss_weight: float = 1.0
     seed: int = 0
     eval_every: int = 100
-    eval_needle_lengths: tuple[int, ...] = (256, 1024)
+    # 1019: the longest prompt whose 5-digit answer still fits the 1,024-token context.
+    eval_needle_lengths: tuple[int, ...] = (256, CONTEXT_TOKENS - needles.VALUE_DIGITS)
     checkpoint_minutes: float = 5.0
     backup_dir: str | None = None
 
@@ -243,7 +262,9 @@ def make_optimizer(s: TrainSettings) -> optax.GradientTransformation:
 
 
 def loss_terms(params, config: ModelConfig, batch) -> dict[str, jax.Array]:
-    logits = forward(params, config, batch["inputs"], batch["segments"], batch["positions"])
+    logits = forward(
+        params, config, batch["inputs"], positions=batch["positions"], segments=batch["segments"]
+    )
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     hit = jnp.argmax(logits, -1) == batch["targets"]
 
@@ -274,39 +295,23 @@ def build_step(config: ModelConfig, opt: optax.GradientTransformation, task_weig
     return step
 
 
-def text_loss(params, config: ModelConfig, ids: np.ndarray, rows: int, row_tokens: int) -> float:
-    """Mean next-token loss over the first `rows` windows of `ids` (BOS + text)."""
-    fn = jax.jit(lambda p, x: forward(p, config, x))
-    total, count = 0.0, 0
-    for r in range(rows):
-        window = ids[r * row_tokens : (r + 1) * row_tokens]
-        if len(window) < row_tokens:
-            break
-        x = np.concatenate([[config.bos_token_id], window])[None]
-        logits = fn(params, x[:, :-1])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:])
-        total, count = total + float(jnp.sum(ce[:, 1:])), count + row_tokens - 1
-    return total / max(count, 1)
+def eval_engine(params, config: ModelConfig, max_seq_tokens: int) -> Engine:
+    """The training params in an `Engine` (float32), for the evaluation loops users run."""
+    return Engine(config, params, dtype="float32", max_seqs=8, max_seq_tokens=max_seq_tokens)
 
 
-def needle_accuracy(
-    params, config, tok, source_ids, length: int, count: int, seed: int, batch: int = 8
-) -> float:
-    """Greedy exact match, computed teacher-forced in one pass: greedy decoding spells the
-    answer iff the argmax at every answer position equals the answer token."""
-    rng = np.random.default_rng([seed, length])
-    fn = jax.jit(lambda p, x: forward(p, config, x))
-    hits = 0
-    for start in range(0, count, batch):
-        examples = [
-            needles.make_needle_example(tok, source_ids, length, float(d), rng)
-            for d in np.linspace(0, 1, count)[start : start + batch]
-        ]
-        x = np.stack([np.concatenate([p, a]) for p, a in examples])
-        pred = np.asarray(jnp.argmax(fn(params, x[:, :-1]), -1))
-        for row, (p, a) in enumerate(examples):
-            hits += needles.needle_correct(pred[row, len(p) - 1 :], a)
-    return hits / count
+def validation_loss(params, config: ModelConfig, ids: np.ndarray) -> float:
+    """Mean next-token loss (nats) of 8 windows of `ids` (512 tokens, or what fits the
+    context after a BOS), through the engine's `score` (`evaluate.mean_nll`)."""
+    window = min(512, config.max_position_embeddings - 1)
+    engine = eval_engine(params, config, window + 1)
+    return mean_nll(engine, ids, window, 8)
+
+
+def needle_accuracy(params, config, tok, source_ids, length: int, count: int, seed: int) -> float:
+    """Greedy exact match at one prompt length (`evaluate.needle_grid` through the engine)."""
+    engine = eval_engine(params, config, length + needles.VALUE_DIGITS)
+    return needle_grid(engine, tok, source_ids, (length,), count, seed)[length]["accuracy"]
 
 
 def save_checkpoint(path: Path, params, opt_state, step: int, backup_dir: str | None) -> None:
@@ -410,7 +415,7 @@ def train(
             bar.set_postfix(row=phase.row_tokens, **rec)
             rec.update(step=step, tokens=tokens_seen, wall_s=round(time.time() - t_start, 1))
             if step % s.eval_every == 0 or step == s.steps:
-                rec["val_loss"] = round(text_loss(params, config, ids["valid"], 8, 512), 4)
+                rec["val_loss"] = round(validation_loss(params, config, ids["valid"]), 4)
                 for length in s.eval_needle_lengths:
                     acc = needle_accuracy(params, config, tok, ids["valid"], length, 32, 7)
                     rec[f"needle_{length}"] = acc
