@@ -144,10 +144,9 @@ def test_killed_worker_is_replaced_and_its_trial_retried(tmp_path, monkeypatch) 
         deadline = time.monotonic() + 300
         while killed is None and time.monotonic() < deadline and thread.is_alive():
             time.sleep(0.5)
-            try:
-                running = _study(tmp_path).get_trials(states=(optuna.trial.TrialState.RUNNING,))
-            except Exception:  # study not created yet
+            if not hasattr(driver, "study"):  # the driver has not created its study yet
                 continue
+            running = _study(tmp_path).get_trials(states=(optuna.trial.TrialState.RUNNING,))
             for t in running:
                 if "worker" in t.user_attrs:
                     actor = ray.get_actor(t.user_attrs["worker"], namespace="tenantq")

@@ -45,7 +45,7 @@ MISTAKES = [
         lambda d: d.update(objectives=[{"metric": "tenants", "direction": "up"}]),
         ["objectives.0.direction", "'maximize' or 'minimize'"],
     ),
-    (lambda d: d.update(workers={"kind": "tpu"}), ["tpu_topology", "v6e-8"]),
+    (lambda d: d.update(workers={"kind": "tpu"}), ["tpu_topology", "TPU-V6E"]),
     (lambda d: d.update(space={"key_axes": ["row"]}), ["space.key_axes", "'channel' or 'token'"]),
     (lambda d: d.update(space={"sink_tokens": []}), ["space.sink_tokens", "at least one"]),
 ]

@@ -158,7 +158,9 @@ class WorkersSpec(_Strict):
     cpus_per_worker: int = Field(1, ge=1, description="CPU cores a CPU worker owns")
     gpus_per_worker: int = Field(1, ge=1)
     tpu_topology: str | None = Field(None, description="e.g. '2x4' (tpu workers)")
-    tpu_accelerator_type: str | None = Field(None, description="e.g. 'v6e-8' (tpu workers)")
+    tpu_accelerator_type: str | None = Field(
+        None, description="Ray's accelerator type, e.g. 'TPU-V6E' (tpu workers)"
+    )
     max_restarts: int = Field(2, ge=0, description="Ray actor restarts per worker")
     max_task_retries: int = Field(2, ge=0, description="Ray retries of a trial on a restart")
 
@@ -167,7 +169,7 @@ class WorkersSpec(_Strict):
         if self.kind == "tpu" and not (self.tpu_topology and self.tpu_accelerator_type):
             raise ValueError(
                 "workers.kind = 'tpu' needs tpu_topology (e.g. '2x4') and "
-                "tpu_accelerator_type (e.g. 'v6e-8')"
+                "tpu_accelerator_type (e.g. 'TPU-V6E')"
             )
         return self
 

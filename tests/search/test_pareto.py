@@ -1,0 +1,67 @@
+"""The front table: one row per plan, CIs beside values, confirmed figures side by side."""
+
+from __future__ import annotations
+
+import optuna
+
+from tenantq.search.driver import _confirmed_front
+from tenantq.search.pareto import front_rows, render_front
+from tenantq.search.spec import ObjectiveSpec
+
+OBJ = [
+    ObjectiveSpec(metric="tenants", direction="maximize"),
+    ObjectiveSpec(metric="fidelity.kl_mean", direction="minimize"),
+]
+
+
+def _trial(number: int, tenants: int, kl: float, fp: str, constraint: float = -1.0):
+    t = optuna.trial.create_trial(
+        values=[tenants, kl],
+        user_attrs={
+            "plan_fingerprint": fp,
+            "capacity": {"capacity.tenants": tenants},
+            "summary": {
+                "fidelity.kl_mean": kl,
+                "fidelity.kl_mean.ci_low": kl * 0.9,
+                "fidelity.kl_mean.ci_high": kl * 1.1,
+                "verdict.fidelity.kl_mean": "no detectable change",
+            },
+            "weights_summary": "int4",
+            "kv_summary": "bf16",
+            "plan": "{}",
+        },
+        system_attrs={"constraints:fidelity.kl_mean": constraint},
+    )
+    t.number = number
+    return t
+
+
+def test_rows_one_per_plan_most_tenants_first() -> None:
+    rows = front_rows(
+        [_trial(2, 40, 0.02, "b"), _trial(0, 16, 0.0, "a"), _trial(3, 40, 0.02, "b")], OBJ
+    )
+    assert [(r.trial, r.tenants) for r in rows] == [(2, 40), (0, 16)]  # trial 3 repeats plan b
+    text = render_front(rows, OBJ)
+    assert "0.02 [0.018, 0.022]" in text and "shippable" in text
+    assert "confirmed" not in text.splitlines()[0]
+
+
+def test_confirmation_drops_rows_that_fail_or_become_dominated() -> None:
+    rows = front_rows(
+        [_trial(0, 16, 0.0, "a"), _trial(1, 40, 0.002, "b"), _trial(2, 30, 0.001, "c")], OBJ
+    )
+    by = {r.trial: r for r in rows}
+    by[0].confirmed, by[0].confirmed_feasible = {"fidelity.kl_mean": (0.0, 0.0, 0.0)}, True
+    # Trial 1 fails its gate on fresh examples: the winner's curse; it leaves the front.
+    by[1].confirmed, by[1].confirmed_feasible = {"fidelity.kl_mean": (0.02, 0.01, 0.03)}, False
+    # Trial 2 confirms worse than trial 0 at fewer... no: more tenants, so it stays.
+    by[2].confirmed, by[2].confirmed_feasible = {"fidelity.kl_mean": (0.003, 0.002, 0.004)}, True
+    kept = _confirmed_front(rows, OBJ)
+    assert [r.trial for r in kept] == [2, 0]
+    text = render_front(kept, OBJ)
+    assert "confirmed fidelity.kl_mean [CI]" in text.splitlines()[0]
+    assert "0.003 [0.002, 0.004]" in text
+
+
+def test_empty_front_says_why() -> None:
+    assert "no completed trial met every constraint" in render_front([], OBJ)

@@ -1,0 +1,71 @@
+"""MLflow tracking: flattened plan params share keys across plans; runs nest under the study.
+
+Real MLflow on a sqlite store in a tmp dir (MLflow 3's default backend).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+from mlflow import MlflowClient
+
+from tenantq.capacity import get_model_config
+from tenantq.quant.plan import KVPlan, QuantPlan, Rule
+from tenantq.tracking import StudyTracker, flatten_plan
+
+CONFIG = get_model_config("tenantq-ref")
+
+
+def test_flattened_params_have_the_same_keys_for_any_plan() -> None:
+    plans = [
+        QuantPlan(),
+        QuantPlan.uniform("int4", "fp8_e4m3", group_size=64),
+        QuantPlan(
+            rules=(Rule("layers/0/.*", "bf16"), Rule(r"layers/\d+/mlp/down_proj", "int8")),
+            kv=KVPlan(key_format="int4", sink_tokens=4, bf16_layers=(0, -1)),
+        ),
+    ]
+    flat = [flatten_plan(p, CONFIG) for p in plans]
+    assert len({frozenset(f) for f in flat}) == 1
+    assert flat[0]["weights.mlp_down"] == "bf16" and flat[0]["kv.bf16_layers"] == "none"
+    assert flat[1]["weights.attn_qkv"] == "int4/g64" and flat[1]["kv.value_format"] == "fp8_e4m3"
+    # 4 layers, layer 0 kept bf16 by the first rule: 3 int8 down projections and one bf16.
+    assert flat[2]["weights.mlp_down"] == "bf16 x1, int8 x3"
+    assert flat[2]["kv.bf16_layers"] == "0,-1" and flat[2]["kv.sink_tokens"] == "4"
+    assert flat[2]["plan.fingerprint"] == plans[2].fingerprint()
+
+
+@pytest.mark.slow
+def test_study_and_trial_runs(tmp_path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = StudyTracker(uri, "exp")
+    parent = tracker.start_study(
+        "s", {"model.identity": "abc"}, {"tenantq.code_version": "x"}, "a=1"
+    )
+    table = pa.table({"example": [0, 1], "kl": [0.1, 0.2]})
+    ok = tracker.log_trial(
+        0,
+        params={"kv.key_format": "int8"},
+        metrics={"fidelity.kl_mean": 0.15, "capacity.tenants": 7, "nan": float("nan")},
+        tags={"tenantq.shippable": "true"},
+        artifacts={"plan.json": "{}", "examples.parquet": table, "memory.json": {"a": 1}},
+    )
+    bad = tracker.log_trial(1, params={"kv.key_format": "int4"}, metrics={}, error="boom: it broke")
+    assert tracker.trial_runs() == {0: ok, 1: bad}
+    tracker.end_study("FINISHED", {"study.complete": 1})
+    client = MlflowClient(uri)
+    run = client.get_run(ok)
+    assert run.data.tags["mlflow.parentRunId"] == parent and run.info.status == "FINISHED"
+    assert run.data.metrics == {"fidelity.kl_mean": 0.15, "capacity.tenants": 7.0}  # NaN dropped
+    assert {a.path for a in client.list_artifacts(ok)} == {
+        "plan.json",
+        "examples.parquet",
+        "memory.json",
+    }
+    failed = client.get_run(bad)
+    assert failed.info.status == "FAILED" and failed.data.tags["tenantq.error"] == "boom: it broke"
+    assert client.get_run(parent).info.status == "FINISHED"
+    # A resumed study reopens the same parent run.
+    again = StudyTracker(uri, "exp")
+    again.resume_study(parent)
+    assert client.get_run(parent).info.status == "RUNNING" and again.trial_runs() == {0: ok, 1: bad}
