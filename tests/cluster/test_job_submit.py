@@ -133,6 +133,124 @@ def test_submitted_job_runs_and_exports_the_study_metrics(local_cluster, tmp_pat
     assert expected <= found, f"missing {sorted(expected - found)}; saw {sorted(found)}"
 
 
+STUDY_SPEC = """
+model = "reference"
+[deployment]
+hardware = "cpu"
+memory = "9830KiB"
+context_tokens = 256
+[space]
+kind = "structured"
+weight_formats = ["bf16", "fp8_e4m3", "int4"]
+group_size = 64
+key_formats = ["bf16", "fp8_e4m3"]
+value_formats = ["bf16", "fp8_e4m3"]
+key_axes = ["channel"]
+sink_tokens = [0]
+bf16_first_layers = [0]
+bf16_last_layers = [0]
+kv_bf16_layers = ["none"]
+[[objectives]]
+metric = "tenants"
+direction = "maximize"
+[[objectives]]
+metric = "fidelity.kl_mean"
+direction = "minimize"
+[eval]
+suite = "tiny_suite.toml"
+cache_dir = "{state}/cache"
+[sampler]
+kind = "random"
+seed = 0
+[study]
+name = "jobsubmit"
+trials = 3
+storage = "sqlite:///{state}/optuna.db"
+[workers]
+count = 1
+kind = "cpu"
+cpus_per_worker = 1
+[tracking]
+uri = "sqlite:///{state}/mlflow.db"
+experiment = "jobsubmit"
+"""
+# Fidelity on 2 windows of 64 tokens: the smallest suite that still runs a worker's whole path.
+TINY_SUITE = """
+seed = 0
+split = "search"
+resamples = 200
+[fidelity]
+rows = 2
+row_tokens = 64
+[[gates]]
+metric = "fidelity.kl_mean"
+tolerance = 0.05
+higher_is_better = false
+"""
+# tenantq's driver passes num_cpus to ray.init() unless --address is given; under `ray job
+# submit` Ray already set RAY_ADDRESS, and Ray refuses num_cpus for an existing cluster.
+KNOWN_DRIVER_BUG = "When connecting to an existing cluster, num_cpus and num_gpus must not be"
+
+
+def _run_study(cluster, tmp_path: Path, name: str, *extra_args: str) -> tuple[Path, dict, str]:
+    """Submit `tenantq search` on a fresh spec; returns its state dir, job record and logs."""
+    state = tmp_path / name
+    working_dir = state / "job"
+    working_dir.mkdir(parents=True)
+    (working_dir / "spec.toml").write_text(STUDY_SPEC.format(state=state))
+    (working_dir / "tiny_suite.toml").write_text(TINY_SUITE)
+    submission_id = _submit(
+        cluster,
+        working_dir,
+        *("tenantq", "search", "spec.toml", "--no-progress", "--out", str(state / "front")),
+        *extra_args,
+    )
+    record = cluster.wait_for_job(submission_id, timeout_s=480)
+    return state, record, cluster.job_logs(submission_id)
+
+
+def test_study_submitted_as_a_ray_job_is_tracked_in_mlflow(local_cluster, tmp_path) -> None:
+    import optuna
+    from mlflow import MlflowClient
+
+    # The documented form first: `ray job submit --working-dir . -- tenantq search SPEC`.
+    state, record, logs = _run_study(local_cluster, tmp_path, "documented")
+    documented_form_fails = record["status"] == "FAILED" and KNOWN_DRIVER_BUG in logs
+    if documented_form_fails:  # the same study with the cluster named explicitly
+        state, record, logs = _run_study(local_cluster, tmp_path, "address", "--address", "auto")
+    assert record["status"] == "SUCCEEDED", logs
+
+    study = optuna.load_study(study_name="jobsubmit", storage=f"sqlite:///{state}/optuna.db")
+    trials = study.trials
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    client = MlflowClient(f"sqlite:///{state}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("jobsubmit").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("tenantq.kind") == "study"]
+    nested = {
+        int(r.data.tags["tenantq.trial"]): r
+        for r in runs
+        if r.data.tags.get("tenantq.kind") == "trial"
+    }
+    assert parent.info.status == "FINISHED"
+    # One nested run per trial, under the study's parent run, carrying the trial's figures.
+    assert sorted(nested) == [t.number for t in trials]
+    for t in trials:
+        run = nested[t.number]
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert "weights.mlp_down" in run.data.params
+        assert run.data.metrics["capacity.tenants"] == t.values[0]
+        assert run.data.metrics["fidelity.kl_mean"] == pytest.approx(t.values[1])
+    # Trial 0 is the all-bf16 baseline: the same model as the reference, so KL is exactly 0.
+    assert nested[0].data.metrics["fidelity.kl_mean"] == 0.0
+    # The trials ran on the cluster's HostWorker actor, not on a Ray started inside the job.
+    status, actors = local_cluster.get_json("/api/v0/actors?detail=1&limit=1000")
+    assert status == 200
+    assert "HostWorker" in {a["class_name"] for a in actors["data"]["result"]["result"]}
+    if documented_form_fails:
+        pytest.xfail(f"`tenantq search SPEC` under ray job submit: {KNOWN_DRIVER_BUG}")
+
+
 def _sid(process: psutil.Process) -> int | None:
     try:
         return os.getsid(process.pid)

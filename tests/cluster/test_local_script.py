@@ -1,0 +1,65 @@
+"""`cluster/local.sh` refuses bad input with one line, before it starts or writes anything.
+
+No Ray is started here (tests/cluster/test_job_submit.py runs the script for real).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from conftest import LOCAL_SH
+
+
+def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TENANTQ_RAY_"))}
+    return subprocess.run(
+        [str(LOCAL_SH), *args], env=base | env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_script_is_valid_bash() -> None:
+    assert subprocess.run(["bash", "-n", str(LOCAL_SH)], capture_output=True).returncode == 0
+
+
+def test_unknown_command_names_the_valid_ones() -> None:
+    done = _run("restart")
+    assert done.returncode == 1
+    assert (
+        done.stderr.strip()
+        == "cluster/local.sh: usage: cluster/local.sh start|stop|status|env (got 'restart')"
+    )
+
+
+def test_state_dir_too_long_for_rays_socket_paths_is_refused(tmp_path) -> None:
+    # Ray appends ~70 bytes (session_<date>_<pid>/sockets/plasma_store) to its temp dir and a
+    # Unix socket path holds at most 107 bytes, so the script caps the state dir at 36.
+    state = tmp_path / ("d" * 40)
+    done = _run("start", TENANTQ_RAY_DIR=str(state))
+    assert done.returncode == 1
+    assert "at most 36" in done.stderr and str(state) in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not state.exists()  # nothing written
+
+
+def test_relative_state_dir_is_refused() -> None:
+    done = _run("start", TENANTQ_RAY_DIR="tq-rel")
+    assert done.returncode == 1
+    assert "absolute path" in done.stderr
+    assert not os.path.exists("tq-rel")
+
+
+def test_stop_and_status_without_a_running_head() -> None:
+    state = f"/tmp/tq-none-{os.getpid()}"  # short, never created
+    assert _run("stop", TENANTQ_RAY_DIR=state).stdout.strip() == "not running"
+    status = _run("status", TENANTQ_RAY_DIR=state)
+    assert status.returncode == 3 and status.stdout.strip() == "not running"
+
+
+def test_env_prints_what_the_ray_cli_needs() -> None:
+    done = _run("env", TENANTQ_RAY_DIR="/tmp/tq-x", TENANTQ_RAY_DASHBOARD_PORT="8999")
+    assert done.stdout.splitlines() == [
+        "export RAY_ADDRESS=http://127.0.0.1:8999",
+        "export RAY_AUTH_MODE=token",
+        "export RAY_AUTH_TOKEN_PATH=/tmp/tq-x/auth_token",
+    ]
