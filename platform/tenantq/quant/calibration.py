@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -275,9 +274,8 @@ _SCHEMA = pa.schema(
 
 
 def default_cache_dir() -> Path:
-    """$TENANTQ_CACHE/calibration, else ~/.cache/tenantq/calibration."""
-    root = os.environ.get("TENANTQ_CACHE") or Path.home() / ".cache" / "tenantq"
-    return Path(root) / "calibration"
+    """.tenantq-cache/calibration (the evals' cache folder convention)."""
+    return Path(".tenantq-cache") / "calibration"
 
 
 def _write_sites(path: Path, sites: dict[str, InputStats]) -> None:

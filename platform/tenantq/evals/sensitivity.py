@@ -1,0 +1,242 @@
+"""Sensitivity profiles: what one tensor costs in KL when it alone leaves bf16.
+
+Each unit (one weight tensor, one layer's attention or MLP block, or one layer's keys or
+values in the KV cache) is quantized to the format with everything else in bf16, and the
+engine's per-token KL against the bf16 baseline on a small fixed set of held-out windows
+is averaged per window and given a paired bootstrap CI (`evals.fidelity`, `evals.stats`).
+The result is an Arrow table (tensor, format, kl_mean, kl_ci_low, kl_ci_high, ...) cached
+as Parquet by (model identity, format, dataset hash); the search's `sensitivity` space reads
+it to keep the k most sensitive tensors in bf16. Also here: the calibration windows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tenantq.evals import data, fidelity, stats
+from tenantq.evals.identity import cache_key, model_identity
+from tenantq.model.config import ModelConfig
+from tenantq.quant.plan import FORMAT_NAMES, KV_FORMAT_NAMES, KVPlan, QuantPlan, Rule
+
+DEFAULT_ROWS = 16  # windows in the fixed set
+DEFAULT_ROW_TOKENS = 128  # tokens per window, BOS included
+DEFAULT_RESAMPLES = 2000
+EXACT_VOCAB_LIMIT = 32768  # exact KL below this vocabulary (as the quality suite)
+TOP_K = 64  # top-k + tail KL above it
+UNIT_KINDS = ("tensor", "block")
+CACHE_VERSION = 1
+SCHEMA = pa.schema(
+    [
+        ("tensor", pa.string()),  # a tensor path, a block (layers/3/mlp), or layers/3/kv/keys
+        ("format", pa.string()),
+        ("kl_mean", pa.float64()),  # mean over windows of the per-token KL (nats)
+        ("kl_ci_low", pa.float64()),
+        ("kl_ci_high", pa.float64()),
+        ("top1_agree", pa.float64()),
+        ("layer", pa.int64()),  # null for embed / lm_head
+        ("tensor_class", pa.string()),  # q_proj ... down_proj, attn, mlp, keys, values, embed
+        ("kind", pa.string()),  # "weight" or "kv"
+        ("rows", pa.int64()),
+        ("tokens", pa.int64()),
+    ]
+)
+
+
+# --- data --------------------------------------------------------------------------------
+
+
+def _texts(source: str | None) -> list[str]:
+    if source is None:  # the reference model's train split (calibration must not see test)
+        from tenantq.reference.corpus import load_corpus
+
+        return load_corpus().texts("train")
+    return data.load_documents(source)
+
+
+def text_windows(
+    tokenizer,
+    config: ModelConfig,
+    *,
+    source: str | None = None,
+    rows: int,
+    row_tokens: int,
+    seed: int = 0,
+) -> np.ndarray:
+    """int32 [rows, row_tokens]: BOS plus disjoint random windows of `source`'s token stream.
+
+    `source`: None for the reference train split, `data.REFERENCE_TEST`, or a user's
+    .txt/.jsonl/.parquet. Documents are tokenized only until the stream holds 4x what
+    is drawn (the slots still vary with the seed).
+    """
+    need = rows * (row_tokens - 1)
+    parts, held = [], 0
+    for doc in _texts(source):
+        ids = data.token_stream(tokenizer, [doc])
+        parts.append(ids)
+        held += len(ids)
+        if held >= 4 * need:
+            break
+    stream = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    body = data.token_windows(stream, rows, row_tokens - 1, np.random.default_rng([seed, 1]))
+    bos = config.bos_token_id if config.bos_token_id is not None else 1
+    return np.concatenate([np.full((rows, 1), bos, np.int32), body], axis=1).astype(np.int32)
+
+
+def calibration_windows(
+    tokenizer,
+    config: ModelConfig,
+    *,
+    source: str | None = None,
+    num_sequences: int = 128,
+    seq_tokens: int = 512,
+    held_out: int = 0,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(calibration windows, held-out windows): disjoint draws from one stream."""
+    rows = text_windows(
+        tokenizer, config, source=source, rows=num_sequences + held_out, row_tokens=seq_tokens,
+        seed=seed,
+    )  # fmt: skip
+    order = np.random.default_rng([seed, 2]).permutation(len(rows))
+    return rows[order[:num_sequences]], rows[order[num_sequences:]]
+
+
+# --- units ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One thing quantized on its own: its name in the table and the plan that does it."""
+
+    tensor: str
+    layer: int | None
+    tensor_class: str
+    kind: str
+    plan: QuantPlan
+
+
+def units(config: ModelConfig, fmt: str, *, by: str = "tensor", kv: bool = False) -> list[Unit]:
+    """Every unit of `config`: weight tensors (or blocks), or each layer's keys and values."""
+    if by not in UNIT_KINDS:
+        raise ValueError(f"unit kind {by!r} unknown; use one of {', '.join(UNIT_KINDS)}")
+    if kv:
+        if fmt not in KV_FORMAT_NAMES:
+            raise ValueError(f"KV format {fmt!r} unknown; valid: {', '.join(KV_FORMAT_NAMES)}")
+        out = []
+        for i in range(config.num_layers):
+            for part, formats in (("keys", (i, fmt, "bf16")), ("values", (i, "bf16", fmt))):
+                plan = QuantPlan(kv=KVPlan(layer_formats=(formats,)))
+                out.append(Unit(f"layers/{i}/kv/{part}", i, part, "kv", plan))
+        return out
+    if fmt not in FORMAT_NAMES or fmt == "bf16":
+        raise ValueError(f"format {fmt!r} is not a quantized weight format; valid: "
+                         f"{', '.join(f for f in FORMAT_NAMES if f != 'bf16')}")  # fmt: skip
+    out, blocks = [], {}
+    for path, info in config.tensors().items():
+        if not info.quantizable:
+            continue
+        parts = path.split("/")
+        if parts[0] != "layers":
+            out.append(Unit(path, None, path, "weight", _only(re.escape(path), fmt)))
+        elif by == "tensor":
+            out.append(Unit(path, int(parts[1]), parts[-1], "weight", _only(re.escape(path), fmt)))
+        else:
+            blocks.setdefault("/".join(parts[:3]), (int(parts[1]), parts[2]))
+    for block, (layer, cls) in blocks.items():
+        out.append(Unit(block, layer, cls, "weight", _only(re.escape(block) + "/.*", fmt)))
+    return out
+
+
+def _only(pattern: str, fmt: str) -> QuantPlan:
+    return QuantPlan(rules=(Rule(pattern, fmt),))
+
+
+# --- profiling -----------------------------------------------------------------------------
+
+
+def profile(
+    model_path: str | Path,
+    fmt: str,
+    *,
+    kv: bool = False,
+    by: str = "tensor",
+    source: str = data.REFERENCE_TEST,
+    rows: int = DEFAULT_ROWS,
+    row_tokens: int = DEFAULT_ROW_TOKENS,
+    resamples: int = DEFAULT_RESAMPLES,
+    cache_dir: str | Path = Path(".tenantq-cache"),
+    progress: bool = True,
+    on_unit: Callable[[Unit], None] | None = None,
+) -> pa.Table:
+    """The sensitivity table of the checkpoint at `model_path` (cached; see module doc)."""
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from tenantq.engine import Engine
+    from tenantq.model.loader import load_params
+    from tenantq.model.tokenizer import load_tokenizer
+
+    model_path = Path(model_path)
+    config = ModelConfig.from_file(model_path)
+    todo = units(config, fmt, by=by, kv=kv)
+    tokenizer = load_tokenizer(model_path)
+    if tokenizer is None:
+        raise ValueError(f"{model_path} has no tokenizer.json; sensitivity needs text windows")
+    windows = text_windows(tokenizer, config, source=source, rows=rows, row_tokens=row_tokens)
+    key = cache_key(
+        version=CACHE_VERSION, model=model_identity(model_path), format=fmt, by=by, kv=kv,
+        dataset=data.array_hash(windows), resamples=resamples,
+    )  # fmt: skip
+    path = Path(cache_dir) / f"sensitivity-{key}.parquet"
+    if path.is_file():
+        return pq.read_table(path, schema=SCHEMA)
+    params = load_params(model_path, config, dtype=jnp.bfloat16)
+    options = {"max_seqs": min(rows, 16), "max_seq_tokens": row_tokens}
+    base = fidelity.compute_baseline(
+        Engine(config, params, QuantPlan(), **options), windows,
+        exact=config.vocab_size <= EXACT_VOCAB_LIMIT, top_k=TOP_K,
+    )  # fmt: skip
+    records = []
+    for unit in tqdm(todo, desc=f"sensitivity {fmt}", disable=not progress, unit="unit"):
+        if on_unit is not None:
+            on_unit(unit)
+        cand = fidelity.compare(Engine(config, params, unit.plan, **options), windows, base)
+        kl_seq = cand["kl"].mean(axis=1)
+        ci = stats.paired_bootstrap(np.zeros_like(kl_seq), kl_seq, resamples=resamples)
+        records.append({
+            "tensor": unit.tensor, "format": fmt, "kl_mean": ci.delta, "kl_ci_low": ci.ci_low,
+            "kl_ci_high": ci.ci_high, "top1_agree": float(cand["top1_agree"].mean()),
+            "layer": unit.layer, "tensor_class": unit.tensor_class, "kind": unit.kind,
+            "rows": int(kl_seq.size), "tokens": int(cand["kl"].size),
+        })  # fmt: skip
+    table = pa.Table.from_pylist(records, schema=SCHEMA)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+    return table
+
+
+def matrix_text(table: pa.Table) -> str:
+    """Layer x tensor-class matrix of kl_mean (rows: layers; non-layer units listed below)."""
+    recs = table.to_pylist()
+    classes = list(dict.fromkeys(r["tensor_class"] for r in recs if r["layer"] is not None))
+    layers = sorted({r["layer"] for r in recs if r["layer"] is not None})
+    cell = {(r["layer"], r["tensor_class"]): r["kl_mean"] for r in recs}
+    width = max([9, *(len(c) for c in classes)])
+    lines = ["layer " + " ".join(f"{c:>{width}}" for c in classes)]
+    for layer in layers:
+        values = (cell.get((layer, c)) for c in classes)
+        lines.append(f"{layer:>5} " + " ".join(
+            f"{'-':>{width}}" if v is None else f"{v:>{width}.3g}" for v in values))  # fmt: skip
+    for r in recs:
+        if r["layer"] is None:
+            lines.append(f"{r['tensor']}: {r['kl_mean']:.3g}")
+    return "\n".join(lines)
