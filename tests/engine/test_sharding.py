@@ -190,6 +190,12 @@ def test_per_tensor_scales_per_shard_vs_global(check):
     # Each scheme's dequantized weights within e4m3 rounding of its own scales:
     # |w - w^| <= 2^-4 |w| + 2^-10 s (half an ulp of 3 mantissa bits; half the subnormal step).
     assert max(r["bound_ratio"].values()) <= 1.0
+    # KL(p || q) = E_p[d] + log E_p[e^-d] for logits differing by d, <= range(d)^2 / 8 by
+    # Hoeffding's lemma, and range(d) <= 2 max|d|: per token KL <= max|d|^2 / 2. The two
+    # schemes' scales differ, so their logits must too (KL > 0).
+    assert 0 < r["kl_global_shard_max"] <= r["max_abs_dlogits"] ** 2 / 2
+    for scope in ("global", "shard"):
+        assert r[f"kl_full_{scope}_mean"] <= r[f"max_abs_dlogits_full_{scope}"] ** 2 / 2
 
 
 @pytest.mark.slow
