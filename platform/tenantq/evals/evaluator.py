@@ -107,7 +107,7 @@ class Evaluator:
             raise ValueError(
                 f"{self.model_path} has no tokenizer.json; the quality suite needs text"
             )
-        self.params = load_params(self.model_path, self.config, plan=None, dtype=jnp.float32)
+        self.params = load_params(self.model_path, self.config, dtype=jnp.float32)
         self._draw_examples()
         _check_gates(self.suite, self.expected_metrics())
         self.load_s = time.perf_counter() - began
@@ -138,6 +138,14 @@ class Evaluator:
         self.needle_items = []
         for nspec in suite.needles:
             self.needle_items += retrieval.build_needles(self.tokenizer, stream, nspec, seed)
+        context = self.config.max_position_embeddings
+        for item in self.needle_items:
+            if len(item.prompt) + len(item.answer) > context:
+                raise ValueError(
+                    f"{item.task} at {item.length} tokens needs {len(item.answer)} more to "
+                    f"answer, past the model's context of {context}; use lengths <= "
+                    f"{context - len(item.answer)}"
+                )
         self.structured_items = []
         if suite.structured is not None:
             self.structured_items = structured.build_items(
