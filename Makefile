@@ -18,6 +18,9 @@ demo: $(STAMP)
 	$(VENV)/bin/tenantq formats
 	$(VENV)/bin/tenantq capacity --compare --model llama-3.1-8b --hardware tpu-v6e --chips 1 --context 8192
 	$(VENV)/bin/tenantq capacity --compare --model tenantq-ref --hardware cpu --memory 1GiB --context 1024
+	@# The quickstart study: tenants vs quality on the reference model, 2 CPU workers; a second
+	@# `make demo` resumes the finished study and prints its front again.
+	JAX_PLATFORMS=cpu $(VENV)/bin/tenantq search experiments/quickstart.toml --resume-or-start
 
 # pytest exits 5 when it collected nothing: say so plainly instead of failing obscurely.
 test: $(STAMP)

@@ -21,6 +21,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("spec", help="experiment spec TOML, e.g. experiments/quickstart.toml")
     p.add_argument("--resume", action="store_true", help="continue the study of the same name")
+    p.add_argument(
+        "--resume-or-start",
+        action="store_true",
+        help="resume the study if its storage has it, else start it (make demo)",
+    )
     p.add_argument("--workers", type=int, help="override workers.count")
     p.add_argument("--address", help="Ray cluster address (default: start Ray in-process)")
     p.add_argument("--trials", type=int, help="override study.trials")
@@ -36,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from pathlib import Path
 
-    from tenantq.search.driver import SearchDriver, prepare
+    from tenantq.search.driver import SearchDriver, prepare, study_exists
     from tenantq.search.spec import load_spec
 
     if args.workers is not None and args.workers < 1:
@@ -53,10 +58,14 @@ def run(args: argparse.Namespace) -> int:
         prepare(spec, text)
         print(f"{args.spec}: valid ({spec.space.kind} space, {spec.study.trials} trials)")
         return 0
+    resume = args.resume
+    if args.resume_or_start:
+        prepare(spec, text)  # a bad spec stops here, before a storage is opened
+        resume = study_exists(spec.study.storage, spec.study.name)
     driver = SearchDriver(
         spec,
         text,
-        resume=args.resume,
+        resume=resume,
         workers=args.workers,
         address=args.address,
         progress=not args.no_progress,

@@ -120,6 +120,16 @@ def _space_inputs(spec: Spec):
     return config, profile
 
 
+def study_exists(storage_url: str, study_name: str) -> bool:
+    """Whether the Optuna storage at `storage_url` holds `study_name` (a missing sqlite file:
+    no, and no file is created)."""
+    import optuna
+
+    if storage_url.startswith("sqlite:///") and not Path(storage_url[10:]).is_file():
+        return False
+    return study_name in optuna.study.get_all_study_names(storage_url)
+
+
 def make_storage(url: str, max_retry: int):
     import optuna
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
