@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tenantq.search.metrics import StudyMetrics
 from tenantq.search.objectives import capacity_metrics, constraint_values, objective_values
 from tenantq.search.pareto import FrontRow, front_rows, quality_with_ci, render_front, verdict_text
 from tenantq.search.space import (
@@ -168,6 +169,7 @@ class SearchDriver:
         self._inflight: dict[int, dict[str, Any]] = {}  # trial number -> context
         self._last_heartbeat = 0.0
         self._started_ray = False
+        self.metrics = StudyMetrics(spec.study.name, enabled=False)
         self._confirmations: dict[int, Any] = {}
 
     # ---------------------------------------------------------------- study and runs
@@ -262,6 +264,7 @@ class SearchDriver:
         # A capacity-only study needs no worker: every figure is arithmetic in the driver.
         needs_workers = bool(self.spec.quality_objectives() or self.spec.eval.confirm_suite)
         pool = self._start_pool() if needs_workers else None
+        self.metrics = StudyMetrics(self.spec.study.name, enabled=pool is not None)
         status = "FAILED"
         try:
             self._search(pool)
@@ -404,6 +407,7 @@ class SearchDriver:
                 self._heartbeat()
                 for finished in pool.wait(POLL_S) if pool is not None else []:
                     self._record(finished)
+                    self.metrics.workers_busy(pool.in_flight)
                 counts = self._counts()
                 state = (counts["done"], len(self._inflight), counts["failed"])
                 if state != shown:  # redraw on change only: quiet logs when not on a terminal
@@ -479,6 +483,7 @@ class SearchDriver:
             return
         ctx["worker"] = pool.submit(trial.number, plan.to_json())
         trial.set_user_attr("worker", ctx["worker"])
+        self.metrics.workers_busy(pool.in_flight)
 
     # ---------------------------------------------------------------- outcomes
     def _record(self, finished) -> None:
@@ -489,6 +494,10 @@ class SearchDriver:
         ctx = self._inflight.get(number)
         if ctx is None:
             return
+        failure = None
+        if finished.error is not None:
+            failure = "worker_died" if finished.worker_lost else "error"
+        self.metrics.attempt(finished.elapsed_s, failure)
         if finished.error is not None:
             lost = (
                 " (worker lost; Ray's restarts and retries exhausted)"
@@ -534,6 +543,7 @@ class SearchDriver:
         if worker_pid:
             trial.set_user_attr("worker_pid", worker_pid)
         self.study.tell(trial, values)
+        self.metrics.finished("complete")
         del self._inflight[number]
         self._fingerprints[ctx["fingerprint"]] = number
         self._log_trial(
@@ -554,6 +564,7 @@ class SearchDriver:
         trial.set_user_attr("duplicate_of", original)
         trial.set_user_attr("summary", source.user_attrs.get("summary", {}))
         self.study.tell(trial, list(source.values))
+        self.metrics.finished("complete")
         summary = source.user_attrs.get("summary", {})
         numeric = {k: v for k, v in summary.items() if isinstance(v, int | float)}
         self._log_trial(
@@ -571,6 +582,7 @@ class SearchDriver:
         trial = ctx["trial"]
         trial.set_user_attr("error", error[:2000])
         self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        self.metrics.finished("fail")
         if retry:
             self._retry(self.study, self.study.trials[number])
         self._log_trial(

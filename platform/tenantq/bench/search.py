@@ -1,0 +1,125 @@
+"""`python -m tenantq.bench search`: trials per hour with 1 and 2 workers, and where a trial's
+time goes (load / quantize / compile / eval).
+
+Both runs search the quickstart spec with the same seeded random sampler, so they evaluate the
+same plans in the same order. The bf16 baseline is computed once beforehand and copied into
+each run's cache (it is a one-off per model and suite, not a per-trial cost), while each run
+starts with an empty XLA compilation cache, so the 2-worker run gains nothing from the first.
+Steady-state rate = trials / (last trial's end - first trial's start), from Optuna's records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+PHASES = ("load", "quantize", "compile", "fidelity", "needles", "structured")
+EVAL_PHASES = ("fidelity", "needles", "structured")
+
+
+def _spec(base: dict, folder: Path, trials: int, workers: int, suite: str):
+    from tenantq.search.spec import parse_spec
+
+    raw = json.loads(json.dumps(base))
+    raw["study"].update(name=f"bench-{workers}w", trials=trials, storage=f"sqlite:///{folder}/o.db")
+    raw["tracking"] = {"uri": f"sqlite:///{folder}/m.db", "experiment": f"bench-{workers}w"}
+    raw["eval"] = {"suite": suite, "cache_dir": str(folder / "cache")}
+    raw["sampler"] = {"kind": "random", "seed": 0}
+    raw["workers"] = dict(raw.get("workers", {}), count=workers, cpus_per_worker=1)
+    return parse_spec(raw), json.dumps(raw)
+
+
+def _warm_baseline(model_path: Path, suite: str, cache: Path) -> float:
+    from tenantq.evals import Evaluator
+
+    start = time.perf_counter()
+    Evaluator(model_path, suite, cache_dir=cache).baseline()
+    return time.perf_counter() - start
+
+
+def run_one(base: dict, workers: int, trials: int, suite: str, warm: Path, root: Path) -> dict:
+    import optuna
+
+    from tenantq.search.driver import SearchDriver
+
+    folder = root / f"{workers}w"
+    (folder / "cache").mkdir(parents=True)
+    for f in warm.glob("baseline-*"):
+        shutil.copy2(f, folder / "cache" / f.name)
+    spec, text = _spec(base, folder, trials, workers, suite)
+    began = time.perf_counter()
+    SearchDriver(spec, text, progress=False, out_dir=folder / "out").run()
+    wall_s = time.perf_counter() - began
+    study = optuna.load_study(study_name=spec.study.name, storage=spec.study.storage)
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    measured = [t for t in done if "duplicate_of" not in t.user_attrs]
+    steady_s = (
+        max(t.datetime_complete for t in done) - min(t.datetime_start for t in done)
+    ).total_seconds()
+    phases = {p: sum(t.user_attrs["timings_s"].get(p, 0.0) for t in measured) for p in PHASES}
+    total = sum(t.user_attrs["timings_s"].get("total", 0.0) for t in measured)
+    return {
+        "workers": workers,
+        "trials": len(done),
+        "evaluated": len(measured),
+        "wall_s": wall_s,
+        "steady_s": steady_s,
+        "trials_per_hour": 3600 * len(done) / steady_s,
+        "trial_s_mean": total / max(len(measured), 1),
+        "phase_share": {p: v / total for p, v in phases.items()} if total else {},
+    }
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m tenantq.bench search", description=__doc__)
+    p.add_argument("--spec", default="experiments/quickstart.toml")
+    p.add_argument("--trials", type=int, default=6)
+    p.add_argument("--suite", default="quick")
+    p.add_argument("--workers", default="1,2", help="worker counts to compare")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from tenantq.search.spec import parse_spec
+
+    base = tomllib.loads(Path(args.spec).read_text())
+    spec = parse_spec(base, args.spec)
+    counts = [int(x) for x in args.workers.split(",")]
+    with tempfile.TemporaryDirectory(prefix="tenantq-bench-search-") as tmp:
+        root = Path(tmp)
+        warm = root / "warm"
+        baseline_s = _warm_baseline(spec.model_path(), args.suite, warm)
+        rows = [run_one(base, w, args.trials, args.suite, warm, root) for w in counts]
+    first = rows[0]["trials_per_hour"]
+    for r in rows:
+        r["speedup"] = r["trials_per_hour"] / first
+    if args.json:
+        print(json.dumps({"baseline_s": baseline_s, "runs": rows}, indent=2))
+        return 0
+    print(
+        f"search bench: {args.spec}, suite {args.suite}, {args.trials} trials per run, "
+        f"{os.cpu_count()} CPUs; bf16 baseline computed once beforehand in {baseline_s:.1f} s"
+    )
+    print(
+        f"{'workers':>7} {'trials':>6} {'evaluated':>9} {'wall s':>8} {'steady s':>8} "
+        f"{'trials/h':>9} {'speedup':>7} {'s/trial':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['workers']:>7} {r['trials']:>6} {r['evaluated']:>9} {r['wall_s']:>8.1f} "
+            f"{r['steady_s']:>8.1f} {r['trials_per_hour']:>9.1f} {r['speedup']:>6.2f}x "
+            f"{r['trial_s_mean']:>8.1f}"
+        )
+    print("\nshare of evaluated trial time (sum over trials)")
+    print(f"{'workers':>7} " + " ".join(f"{p:>10}" for p in (*PHASES, "eval")))
+    for r in rows:
+        s = r["phase_share"]
+        cells = [f"{100 * s.get(p, 0):>9.1f}%" for p in PHASES]
+        cells.append(f"{100 * sum(s.get(p, 0) for p in EVAL_PHASES):>9.1f}%")
+        print(f"{r['workers']:>7} " + " ".join(cells))
+    return 0
