@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -71,7 +72,14 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         out_dir=args.out,
     )
-    outcome = driver.run()
+    from tenantq.workers.pool import WorkerStartError
+
+    try:
+        outcome = driver.run()
+    except WorkerStartError as err:
+        # Every trial would fail the same way: one line, not a traceback; the study is kept.
+        print(f"tenantq search: workers could not run: {err}", file=sys.stderr)
+        return 1
     if args.json:
         print(
             json.dumps(
