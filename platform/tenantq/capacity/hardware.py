@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from tenantq.capacity.units import GiB, MiB, exact_bytes, human_bytes, parse_bytes
+from tenantq.capacity.units import GiB, MiB, exact_bytes, human_bytes, parse_bytes, parse_reserve
 
 GB_S = 10**9  # bandwidth figures are decimal: GB/s
 
@@ -118,22 +118,17 @@ class Reserve:
 
     @classmethod
     def parse(cls, value: Reserve | str | int | float | None = None) -> Reserve:
-        """`None` -> the default; a number below 1 (`0.1`) or a percentage (`"10%"`) -> a
-        fraction of HBM; a byte count (`"4GiB"`, `"512MB"`, `4294967296`) -> fixed bytes."""
+        """`None` -> the default; a Python int -> that many bytes; text (or a float) in one
+        of three forms (`units.parse_reserve`): a fraction below 1 (`0.1`), a percentage
+        (`"10%"`) or bytes with a unit (`"4GiB"`); a bare `"1"` or `"4096"` is an error."""
         if value is None:
             return cls(fraction=DEFAULT_RESERVE_FRACTION)
         if isinstance(value, Reserve):
             return value
-        text = str(value).strip()
-        try:
-            if text.endswith("%"):
-                return cls(fraction=Fraction(text[:-1].strip()) / 100)
-            number = Fraction(text)
-        except (ValueError, ZeroDivisionError):
-            number = None  # has a unit: a byte count
-        if number is not None and number < 1:
-            return cls(fraction=number)
-        return cls(fixed_bytes=parse_bytes(text, what="reserve"))
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(fixed_bytes=value)
+        fraction, fixed_bytes = parse_reserve(str(value))
+        return cls(fraction=fraction, fixed_bytes=fixed_bytes)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,17 @@
-"""Byte quantities as people type them ("4GiB", "16 GB", "0.1") and as the budget prints them.
+"""Byte quantities as people type them ("4GiB", "16 GB", "15%") and as the budget prints them.
 
 Decimal units (kB, MB, GB, TB = powers of 1000) and binary ones (KiB, MiB, GiB, TiB =
 powers of 1024) are both accepted and never confused: a budget that is exact to the
-byte must not turn "16GB" into 16 GiB. Printing always shows the exact integer first.
+byte must not turn "16GB" into 16 GiB. A memory share is a fraction below 1, a percentage
+or bytes with a unit, never a bare number that could be either. Printing shows the exact
+integer first.
 """
 
 from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 
 KiB = 1024
 MiB = 1024**2
@@ -53,6 +56,56 @@ def parse_bytes(text: str | int, *, what: str = "size") -> int:
     if value < 0:
         raise ValueError(f"{what}: must not be negative, got {text!r}")
     return value
+
+
+RESERVE_FORMS = (
+    "a fraction of memory in (0, 1) like 0.15, a percentage in (0%, 100%) like 15%, "
+    "or bytes with a unit like 4GiB (B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+)
+
+
+def parse_reserve(text: str, *, what: str | None = "reserve") -> tuple[Fraction | None, int | None]:
+    """A share of memory as (fraction, None) or (None, bytes), from exactly one of three forms.
+
+    `0.15` (a fraction strictly between 0 and 1), `15%` (a percentage strictly between 0%
+    and 100%), or `4GiB` (bytes with a unit; `0B` is an explicit zero). A bare number of 1
+    or more (`1`, `4096`: bytes or everything?) and anything else is a ValueError that
+    shows the three forms (prefixed by `what:` unless `what` is None).
+    """
+    given = text
+    text = str(text).strip()
+    prefix = "" if what is None else f"{what}: "
+
+    def bad(reason: str) -> ValueError:
+        return ValueError(f"{prefix}{given!r} {reason}; write {RESERVE_FORMS}")
+
+    if not text:
+        raise bad("is empty")
+    if text.endswith("%"):
+        try:
+            percent = Fraction(text[:-1].strip())
+        except (ValueError, ZeroDivisionError):
+            raise bad("is not a percentage") from None
+        if not 0 < percent < 100:
+            raise bad("is outside (0%, 100%)")
+        return percent / 100, None
+    try:
+        number = Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        number = None
+    if number is not None:  # a bare number: only a fraction below 1 is unambiguous
+        if 0 < number < 1:
+            return number, None
+        if number >= 1:
+            raise bad("has no unit (a bare number must be a fraction below 1)")
+        raise bad("is not a fraction in (0, 1)")
+    match = _QUANTITY.match(text)
+    if match is None or not match.group(2) or match.group(2).lower() not in _UNITS:
+        raise bad("is neither a fraction, a percentage nor bytes with a unit")
+    try:
+        return None, parse_bytes(text, what=what or "bytes")
+    except ValueError as err:
+        raise ValueError(f"{err}; write {RESERVE_FORMS}") from None
 
 
 def human_bytes(n: int | float) -> str:

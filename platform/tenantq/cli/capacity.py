@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+
+from tenantq.cli._args import number_format, one_line_errors, positive_int
 
 DEFAULT_PAIRS = (
     ("bf16", "bf16"),
@@ -28,28 +31,96 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "runtime reserve = KV pool, KV bytes per token, pages, and how many tenants of a "
         "given context fit.",
     )
-    p.add_argument("--model", required=True, help="preset name (e.g. llama-3.1-8b) or config.json")
-    p.add_argument("--hardware", required=True, help="tpu-v5e, tpu-v5p, tpu-v6e, tpu-v7, ..., cpu")
-    p.add_argument("--chips", type=int, default=1, help="chips = tensor-parallel degree (1)")
-    p.add_argument("--memory", help="memory size for --hardware cpu, e.g. 64GiB")
-    p.add_argument("--context", type=int, required=True, help="tokens per tenant")
-    p.add_argument("--weights", help="format of every weight tensor (default bf16)")
-    p.add_argument("--kv", help="format of every KV layer (default bf16)")
-    p.add_argument("--plan", help="a QuantPlan .json/.toml file instead of --weights/--kv")
-    p.add_argument("--page-tokens", type=int, default=16, help="tokens per KV page (16)")
+    p.add_argument(
+        "--model", required=True, help="a preset (e.g. llama-3.1-8b) or a config.json / its folder"
+    )
+    p.add_argument(
+        "--hardware", required=True, type=_hardware, help="tpu-v5e, tpu-v6e, h100-sxm, ..., cpu"
+    )
+    p.add_argument(
+        "--chips",
+        type=positive_int("a chip count", example=8),
+        default=1,
+        help="chips = tensor-parallel degree (1)",
+    )
+    p.add_argument("--memory", type=_memory, help="memory size for --hardware cpu, e.g. 64GiB")
+    p.add_argument(
+        "--context",
+        type=positive_int("a token count"),
+        required=True,
+        help="tokens per tenant, e.g. 4096",
+    )
+    p.add_argument("--weights", type=number_format, help="format of every weight tensor (bf16)")
+    p.add_argument("--kv", type=number_format, help="format of every KV layer (bf16)")
+    p.add_argument(
+        "--plan", type=_plan_path, help="a QuantPlan .json/.toml file instead of --weights/--kv"
+    )
+    p.add_argument(
+        "--page-tokens",
+        type=positive_int("a token count", example=16),
+        default=16,
+        help="tokens per KV page (16)",
+    )
     p.add_argument(
         "--reserve",
-        help="runtime reserve per chip: a fraction of HBM (0.1, 10%%) or bytes (4GiB); "
-        "default 10%% of HBM",
+        type=_reserve,
+        help="runtime reserve per chip: a fraction of HBM in (0, 1) like 0.15, a percentage "
+        "like 15%%, or bytes with a unit like 4GiB; default 10%% of HBM",
     )
     p.add_argument(
-        "--tenants", type=int, default=1, help="report the longest context this many can hold"
+        "--tenants",
+        type=positive_int("a tenant count", example=8),
+        default=1,
+        help="report the longest context this many can hold (1)",
     )
     p.add_argument("--compare", action="store_true", help="compare weights x KV format pairs")
-    p.add_argument("--pairs", help="pairs for --compare, e.g. bf16:bf16,int4:fp8_e4m3")
+    p.add_argument(
+        "--pairs", type=_parse_pairs, help="pairs for --compare, e.g. bf16:bf16,int4:fp8_e4m3"
+    )
     p.add_argument("--per-tensor", action="store_true", help="list every tensor's bytes")
     p.add_argument("--json", action="store_true", help="print the budget as JSON")
-    return p
+    return one_line_errors(p)
+
+
+def _hardware(text: str) -> str:
+    from tenantq.capacity.hardware import get_hardware
+
+    if text.strip().lower() != "cpu":  # plain cpu needs --memory, checked together with it
+        try:
+            get_hardware(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _memory(text: str) -> int:
+    from tenantq.capacity.units import parse_bytes
+
+    try:
+        size = parse_bytes(text, what="memory size")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"memory size {text!r} must be positive, e.g. 64GiB")
+    return size
+
+
+def _reserve(text: str) -> str:
+    from tenantq.capacity.units import parse_reserve
+
+    try:
+        parse_reserve(text, what=None)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _plan_path(text: str) -> str:
+    path = Path(text).expanduser()
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text} {what}; give a QuantPlan .json or .toml file")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,7 +128,14 @@ def run(args: argparse.Namespace) -> int:
     from tenantq.capacity.table import render_budget, render_compare
     from tenantq.quant.plan import QuantPlan
 
-    config = get_model_config(args.model)
+    try:
+        config = get_model_config(args.model)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--model: {err}") from None
+    if args.pairs and not args.compare:
+        raise ValueError("--pairs applies only with --compare")
+    if args.per_tensor and args.compare:
+        raise ValueError("--per-tensor lists one plan's tensors; it does not apply with --compare")
     deployment = Deployment.of(
         args.hardware,
         args.chips,
@@ -80,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         if args.plan or args.weights or args.kv:
             raise ValueError("--compare takes --pairs, not --plan/--weights/--kv")
-        pairs = _parse_pairs(args.pairs) if args.pairs else DEFAULT_PAIRS
+        pairs = args.pairs or DEFAULT_PAIRS
         rows = [(w, kv, one(QuantPlan.uniform(w, kv))) for w, kv in pairs]
         base = next((b for w, kv, b in rows if w == kv == "bf16"), None)
         base = base or one(QuantPlan.uniform("bf16", "bf16"))
@@ -111,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plan:
         if args.weights or args.kv:
             raise ValueError("give either --plan or --weights/--kv, not both")
-        plan = QuantPlan.load(args.plan)
+        try:
+            plan = QuantPlan.load(args.plan)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--plan: {err}") from None
     else:
         plan = QuantPlan.uniform(args.weights or "bf16", args.kv or "bf16")
     b = one(plan)
@@ -123,10 +204,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _parse_pairs(text: str) -> list[tuple[str, str]]:
+    """`int4:fp8_e4m3,bf16:bf16` -> [(weights, kv), ...]; an argparse type."""
     pairs = []
     for item in text.split(","):
-        parts = item.strip().split(":")
+        parts = [part.strip() for part in item.strip().split(":")]
         if len(parts) != 2 or not all(parts):
-            raise ValueError(f"--pairs: {item!r} is not WEIGHTS:KV (e.g. int4:fp8_e4m3)")
-        pairs.append((parts[0].strip(), parts[1].strip()))
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not WEIGHTS:KV; write pairs like int4:fp8_e4m3,bf16:bf16"
+            )
+        pairs.append((number_format(parts[0]), number_format(parts[1])))
     return pairs

@@ -13,6 +13,8 @@ import json
 
 import numpy as np
 
+from tenantq.cli._args import one_line_errors, positive_int
+
 COLUMNS = (
     ("format", "format"),
     ("element_dtype", "element"),
@@ -24,6 +26,19 @@ COLUMNS = (
 )
 
 
+# Checked with jax 0.10.2 on CPU: jit(x * y)(1e-40, 2) and jit(x * y)(tiny, 0.25) both give 0.
+SUBNORMALS = """\
+float32 subnormals (|x| < 2^-126 = 1.18e-38): XLA on CPU flushes them to zero, as inputs
+and as results (JAX sets flush-to-zero / denormals-are-zero; jax-ml/jax#16200,
+openxla/xla#35740; measured here). TPUs flush them too (jax-ml/jax#19689). XLA on NVIDIA
+GPUs keeps them unless --xla_gpu_ftz=true (jax-ml/jax#19689). tenantq's quantizers never
+store a subnormal float32 scale: a group whose amax / max_finite would be one is stored
+with scale 1 (its elements round to 0); E8M0's 2^-127 is applied as 2^-1 * 2^-126. Subnormal
+input elements still read as 0 on CPU and TPU but not on such a GPU."""
+
+MAX_SIZE = 16384  # a 16384^2 float32 weight is 1 GiB; bits per element no longer change
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "formats",
@@ -31,12 +46,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="For each number format: element type and bits, block or group, scale "
         "type, and the measured bits per element of an N x N float32 weight quantized "
         "along axis 0 with the format's default group.",
+        epilog=SUBNORMALS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--json", action="store_true", help="print a JSON list of objects")
     p.add_argument(
-        "--size", type=int, default=4096, help="side N of the square weight measured (4096)"
+        "--size",
+        type=positive_int("a matrix side", maximum=MAX_SIZE),
+        default=4096,
+        help=f"side N of the square weight measured, 1 to {MAX_SIZE} (4096)",
     )
-    return p
+    return one_line_errors(p)
 
 
 def _granularity(spec, q) -> str:
@@ -53,8 +73,8 @@ def format_rows(size: int) -> list[dict]:
     """One row per format, measured on a random size x size float32 weight."""
     from tenantq.numerics import FORMATS, quantize
 
-    if size <= 0:
-        raise ValueError(f"--size must be a positive int, got {size}")
+    if not isinstance(size, int) or not 0 < size <= MAX_SIZE:
+        raise ValueError(f"--size must be an integer from 1 to {MAX_SIZE}, got {size!r}")
     weight = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
     rows = []
     for name, spec in FORMATS.items():
