@@ -20,12 +20,13 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from tenantq.engine import Engine
-from tenantq.engine.sharding import device_bytes, make_mesh, shard_params, split_axis
+from tenantq.engine.sharding import device_bytes, make_mesh, shard_params
 from tenantq.model.config import ModelConfig
 from tenantq.model.decoder import init_params
 from tenantq.model.loader import hf_names
 from tenantq.numerics import QArray, dequantize
 from tenantq.quant.plan import QuantPlan
+from tenantq.quant.storage import tp_split_axis as split_axis
 
 CONFIG = ModelConfig(
     model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,

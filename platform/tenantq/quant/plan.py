@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from tenantq.model.config import ModelConfig, TensorInfo
+from tenantq.numerics import FORMATS, get_format
 
-FORMAT_NAMES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "mxfp8", "mxfp4", "nvfp4")
+FORMAT_NAMES = tuple(FORMATS)  # the numerics registry's names, in its order
 # Algorithms a rule may name. Only "rtn" is built in; GPTQ/AWQ/SmoothQuant register
 # themselves in tenantq.quant.apply when they land.
 ALGORITHM_NAMES = ("rtn", "gptq", "awq", "smoothquant")
@@ -107,47 +108,47 @@ class TensorQuant:
 
 
 @dataclass(frozen=True)
-class LayerKV:
-    """How one layer's keys and values are stored in the paged pool.
+class KVTensorSpec:
+    """How one tensor (keys or values) of one layer is stored: its format and scale axis.
 
-    A page of one layer holds keys `[page_tokens, kv_heads, head_dim]` and values of the same
-    shape. Axis "channel": one scale per (head, channel) per page (scales reduce over the
-    page's tokens, axis 0); "token": one scale per (token, head) (reduce over head_dim, axis
-    -1). `page_bytes` is the single formula the engine's allocation and the capacity planner
-    both use.
+    Axis "channel": one scale per (head, channel) per page (scales reduce over the page's
+    tokens, axis 0); "token": one scale per (token, head) (reduce over head_dim, axis -1).
     """
+
+    format: str
+    axis: str  # "channel" | "token"
+
+    @property
+    def quantized(self) -> bool:
+        return self.format != "bf16"
+
+    @property
+    def needs_residual(self) -> bool:
+        """A per-channel scale needs the whole page's tokens: the newest page waits."""
+        return self.quantized and self.axis == "channel"
+
+    @property
+    def axis_index(self) -> int:
+        return 0 if self.axis == "channel" else -1
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """The plan's word on one layer's keys and values (formats and axes); the pool's arrays
+    and their bytes are `tenantq.quant.storage.LayerKVStorage`."""
 
     key_format: str
     key_axis: str
     value_format: str
     value_axis: str
 
-    @staticmethod
-    def axis_index(axis_name: str) -> int:
-        return 0 if axis_name == "channel" else -1
+    @property
+    def keys(self) -> KVTensorSpec:
+        return KVTensorSpec(self.key_format, self.key_axis)
 
-    def page_bytes(self, page_tokens: int, kv_heads: int, head_dim: int) -> int:
-        from tenantq.numerics import storage_nbytes
-
-        shape = (page_tokens, kv_heads, head_dim)
-        return storage_nbytes(
-            shape, self.key_format, axis=self.axis_index(self.key_axis)
-        ) + storage_nbytes(shape, self.value_format, axis=self.axis_index(self.value_axis))
-
-    def residual_bytes(self, page_tokens: int, kv_heads: int, head_dim: int) -> int:
-        """Per-sequence bf16 window for the newest, not-yet-full page.
-
-        Only a quantized tensor scaled per channel needs it (its scale needs the whole page's
-        tokens); a per-token tensor is quantized at write time. 2 bytes per bf16 element.
-        """
-        per_tensor = page_tokens * kv_heads * head_dim * 2
-        tensors = ((self.key_format, self.key_axis), (self.value_format, self.value_axis))
-        return sum(per_tensor for fmt, axis in tensors if fmt != "bf16" and axis == "channel")
-
-    def sink_bytes(self, sink_tokens: int, kv_heads: int, head_dim: int) -> int:
-        """Per-sequence bf16 copy of the first `sink_tokens` tokens of each quantized tensor."""
-        per_tensor = sink_tokens * kv_heads * head_dim * 2
-        return sum(per_tensor for fmt in (self.key_format, self.value_format) if fmt != "bf16")
+    @property
+    def values(self) -> KVTensorSpec:
+        return KVTensorSpec(self.value_format, self.value_axis)
 
     @property
     def is_bf16(self) -> bool:
@@ -248,7 +249,6 @@ class QuantPlan:
         """Quantized tensors of `config` and how each is stored; absent paths stay bf16.
 
         `config` may also be the tensor inventory itself (path -> TensorInfo)."""
-        from tenantq.numerics import get_format
 
         out: dict[str, TensorQuant] = {}
         for path, info in _inventory(config).items():
