@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint bench clean mutation
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check platform tests
 	$(VENV)/bin/ruff format --check platform tests
+
+# Mutation testing (mutmut) of numerics/, capacity/, the engine's allocator, paged store and
+# pool, and quant/plan.py against their own tests; prints each score and the survivors.
+# Slow (minutes to hours): not part of `make test`. TARGETS="allocator pool" runs a subset.
+mutation: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[mutation]'
+	$(PY) mutation/run.py $(TARGETS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

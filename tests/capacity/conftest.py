@@ -1,4 +1,4 @@
-"""Shared helpers for the capacity tests: tiny model configs and an in-process CLI runner."""
+"""Shared helpers for the capacity tests: the odd-sized tiny config and an in-process CLI runner."""
 
 from __future__ import annotations
 
@@ -8,24 +8,7 @@ import io
 
 import pytest
 
-from tenantq.model.config import ModelConfig
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    """A 2-layer Llama-shaped config with odd sizes (packing pads, groups run partial)."""
-    fields = dict(
-        model_type="llama",
-        vocab_size=11,
-        hidden_size=8,
-        intermediate_size=13,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=4,
-        max_position_embeddings=256,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+from tenantq.testing import odd_config
 
 
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
@@ -53,4 +36,5 @@ def cli():
 
 @pytest.fixture
 def tiny():
-    return tiny_config
+    """`tiny(**overrides)`: the shared odd-sized config (packing pads, groups run partial)."""
+    return odd_config

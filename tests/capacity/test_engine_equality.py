@@ -88,3 +88,27 @@ def test_memory_report_equals_the_planner(model, plan_name: str) -> None:
             assert got["residual_bytes"] == want["residual_bytes"]
             assert got["sink_bytes"] == want["sink_bytes"]
         assert report.cache_bytes == kv["total_bytes"]
+
+
+def test_float32_engine_stores_unquantized_kv_in_float32_and_the_planner_counts_it() -> None:
+    # A float32 (parity) engine keeps bf16-format pages, residual windows and sinks in float32:
+    # 4 bytes per element, not 2. The planner is told the storage dtype and must agree.
+    from tenantq.model.decoder import init_params
+
+    config = _odd_shape()
+    plan = PLANS["int4 mlp + int8/int4 kv, sinks, bf16 layers"]
+    pool = POOLS[0]
+    report = Engine(config, init_params(config), plan, dtype="float32", **pool).memory_report()
+    args = (config, plan, pool["num_pages"], pool["max_seqs"], pool["page_tokens"])
+    f32 = capacity_kv.kv_pool_bytes(*args, store_dtype="float32")
+    bf16 = capacity_kv.kv_pool_bytes(*args)
+    assert [r["total_bytes"] for r in report.kv_layers] == [r["total_bytes"] for r in f32["layers"]]
+    assert list(report.kv_layers) == f32["layers"]  # every figure, formats included
+    assert report.cache_bytes == f32["total_bytes"]
+    # Layer 1 quantizes (int8 keys per channel: residual; sinks for both tensors): float32
+    # doubles exactly those buffers; layer 0 is a bf16 layer: its float32 pages double.
+    mid32, mid16 = f32["layers"][1], bf16["layers"][1]
+    assert mid32["residual_bytes"] == 2 * mid16["residual_bytes"] > 0
+    assert mid32["sink_bytes"] == 2 * mid16["sink_bytes"] > 0
+    assert mid32["pages_bytes"] == mid16["pages_bytes"]  # quantized pages do not change
+    assert f32["layers"][0]["pages_bytes"] == 2 * bf16["layers"][0]["pages_bytes"]

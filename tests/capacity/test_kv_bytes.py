@@ -112,3 +112,21 @@ def test_gemma3_local_layers_stop_growing_at_the_window():
     assert grown == 8 * (2048 - 128) * page
     # Below the window every layer grows alike: 512 -> 1,024 tokens adds 32 pages in all 48.
     assert at[1024].tenant_bytes_per_chip - at[512].tenant_bytes_per_chip == 48 * 32 * page
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_residual_and_sink_bytes_per_chip_under_tensor_parallelism(tp: int):
+    # Llama-3.1-8B KV (8 KV heads of 128), int8 keys per channel (residual window), int4
+    # values per token, 4 sink tokens, 16-token pages. A chip holds 8/tp heads, so per slot:
+    # residual = 16 tokens x 8/tp heads x 128 x 2 bytes (bf16) for the keys only:
+    # 4,096 B at tp=8, not 32,768 B (the whole model's heads); sinks = 2 tensors x 4 tokens
+    # x 8/tp heads x 128 x 2 bytes: 2,048 B at tp=8.
+    plan = QuantPlan(kv=KVPlan("int8", "channel", "int4", "token", sink_tokens=4))
+    pool = kv_pool_bytes(get_model_config("llama-3.1-8b"), plan, 0, 1, 16, tp)
+    heads = 8 // tp
+    for row in pool["layers"]:
+        assert row["residual_bytes"] == 16 * heads * 128 * 2
+        assert row["sink_bytes"] == 2 * 4 * heads * 128 * 2
+    if tp == 8:
+        assert pool["layers"][0]["residual_bytes"] == 4_096
+        assert pool["layers"][0]["sink_bytes"] == 2_048

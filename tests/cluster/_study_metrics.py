@@ -12,7 +12,10 @@ from pathlib import Path
 
 README = Path(__file__).resolve().parents[2] / "dashboards" / "README.md"
 # A contract row: | `name` | Kind | `tag`, `tag` | `ray_name...` | meaning |
-_ROW = re.compile(r"^\|\s*`(tenantq_[a-z_]+)`\s*\|\s*(Counter|Gauge|Histogram)\s*\|([^|]*)\|")
+_ROW = re.compile(
+    r"^\|\s*`(tenantq_[a-z_]+)`\s*\|\s*(Counter|Gauge|Histogram)\s*\|([^|]*)\|[^|]*\|([^|]*)\|"
+)
+_BOUNDARIES = re.compile(r"boundaries `\[([0-9., ]+)\]`")
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,7 @@ class StudyMetric:
     name: str  # as passed to ray.util.metrics
     kind: str  # Counter | Gauge | Histogram
     tag_keys: tuple[str, ...]
+    boundaries: tuple[float, ...] = ()  # histogram buckets, as documented
 
     @property
     def prometheus_series(self) -> tuple[str, ...]:
@@ -34,6 +38,12 @@ def documented_study_metrics() -> dict[str, StudyMetric]:
     metrics = {}
     for line in README.read_text().splitlines():
         if match := _ROW.match(line):
-            name, kind, tags = match.groups()
-            metrics[name] = StudyMetric(name, kind, tuple(re.findall(r"`([a-z_]+)`", tags)))
+            name, kind, tags, meaning = match.groups()
+            bounds = _BOUNDARIES.search(meaning)
+            metrics[name] = StudyMetric(
+                name,
+                kind,
+                tuple(re.findall(r"`([a-z_]+)`", tags)),
+                tuple(float(b) for b in bounds.group(1).split(",")) if bounds else (),
+            )
     return metrics

@@ -52,6 +52,14 @@ def test_the_contract_table_pins_the_four_study_metrics() -> None:
     assert {n: (m.kind, m.tag_keys) for n, m in documented.items()} == PINNED
 
 
+def test_driver_exports_the_documented_histogram_buckets() -> None:
+    from tenantq.search.metrics import DURATION_BOUNDARIES_S
+
+    documented = documented_study_metrics()["tenantq_trial_duration_s"].boundaries
+    assert len(documented) == 13
+    assert tuple(float(b) for b in DURATION_BOUNDARIES_S) == documented
+
+
 def test_every_query_names_a_documented_or_ray_builtin_metric() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     study_series = {s for m in documented_study_metrics().values() for s in m.prometheus_series}

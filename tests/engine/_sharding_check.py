@@ -20,12 +20,13 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from tenantq.engine import Engine
-from tenantq.engine.sharding import device_bytes, make_mesh, shard_params, split_axis
+from tenantq.engine.sharding import device_bytes, make_mesh, shard_params
 from tenantq.model.config import ModelConfig
 from tenantq.model.decoder import init_params
 from tenantq.model.loader import hf_names
 from tenantq.numerics import QArray, dequantize
 from tenantq.quant.plan import QuantPlan
+from tenantq.quant.storage import tp_split_axis as split_axis
 
 CONFIG = ModelConfig(
     model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -58,6 +59,22 @@ COLUMNS = QuantPlan.from_dict(
 PER_TENSOR = QuantPlan.from_dict(
     {"rules": [{"pattern": r"layers/.*|lm_head", "format": "fp8_e4m3"}]}
 )
+# Planner == engine at tp=4: weight and KV formats that shard with scales, packing, tensor
+# scales, residual windows and sinks; the odd vocabulary is replicated on every device.
+CAPACITY_PLANS = {
+    "int4_g16_kv_int8_int4_sinks": {
+        "rules": [{"pattern": ".*", "format": "int4", "group_size": 16}],
+        "kv": {"key_format": "int8", "key_axis": "channel", "value_format": "int4",
+               "value_axis": "token", "sink_tokens": 3, "bf16_layers": [-1]},
+    },
+    "nvfp4_mxfp4_kv_fp8_nvfp4": {
+        "rules": [{"pattern": "layers/.*", "format": "nvfp4"},
+                  {"pattern": ".*", "format": "mxfp4"}],
+        "kv": {"key_format": "fp8_e4m3", "key_axis": "channel", "value_format": "nvfp4",
+               "value_axis": "token", "sink_tokens": 2},
+    },
+}  # fmt: skip
+CAPACITY_POOL = dict(num_pages=6, max_seqs=3, page_tokens=8, max_seq_tokens=32)
 E4M3_REL = 2.0**-4  # half an ulp of 3 mantissa bits, relative to the value
 E4M3_SUB = 2.0**-10  # half the subnormal step 2^-9, in units of the scale
 
@@ -247,6 +264,21 @@ def main() -> None:
             in_memory = engine(params, PLANS["int4"], tp=2, scale_scope=scope)
             loaded[scope] = bool(np.array_equal(from_disk.logits(tokens), in_memory.logits(tokens)))
     out["from_checkpoint_equal"] = loaded
+
+    # (4) what each device holds, per weight tensor and per KV layer, for the planner test.
+    capacity = {}
+    for vocab in (CONFIG.vocab_size, CONFIG.vocab_size + 2):  # 128 splits over 4; 130 does not
+        config = dataclasses.replace(CONFIG, vocab_size=vocab)
+        weights = init_params(config, seed=0)
+        for name, raw in CAPACITY_PLANS.items():
+            eng = Engine(config, weights, QuantPlan.from_dict(raw), dtype="bfloat16", tp=4,
+                         **CAPACITY_POOL)  # fmt: skip
+            capacity[f"{name}/vocab{vocab}"] = {
+                "weights": {p: sorted(device_bytes(v).values()) for p, v in eng.params.items()},
+                "kv": [sorted(device_bytes(layer).values()) for layer in eng.cache.state],
+                "num_pages": eng.cache.num_pages,
+            }
+    out["capacity_tp4"] = capacity
 
     # (5) bad tp values are ValueErrors that name the valid ones.
     errors = {}

@@ -1,27 +1,11 @@
-"""Tiny models shared by the engine tests (shapes small enough to compile in about a second)."""
+"""Engine-test fixtures: the shared tiny model of `tenantq.testing`."""
 
 from __future__ import annotations
 
 import pytest
 
 from tenantq.model.config import ModelConfig
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    fields = dict(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        eos_token_ids=(2,),
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+from tenantq.testing import tiny_config, tiny_params, tiny_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +21,9 @@ def config() -> ModelConfig:
 
 @pytest.fixture(scope="session")
 def params(config):
-    from tenantq.model.decoder import init_params
+    return tiny_params(config, seed=0)
 
-    return init_params(config, seed=0)
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()

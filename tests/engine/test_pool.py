@@ -8,17 +8,18 @@ import numpy as np
 import pytest
 
 from tenantq.engine import ContiguousCache, Engine
-from tenantq.engine.paged import PagedLayout, TensorSpec
+from tenantq.engine.paged import PagedLayout
 from tenantq.model.decoder import attend
 from tenantq.numerics import dequantize, quantize
-from tenantq.quant.plan import KVPlan, QuantPlan
+from tenantq.quant.plan import KVPlan, LayerKV, QuantPlan
+from tenantq.quant.storage import LayerKVStorage
 
 P, H, D, PAGES, SLOTS = 16, 2, 32, 12, 3
 
 
 def _layout(key_fmt, value_fmt=None, *, sinks=0, key_axis="channel", value_axis="token"):
-    specs = (TensorSpec(key_fmt, key_axis), TensorSpec(value_fmt or key_fmt, value_axis))
-    return PagedLayout(PAGES, P, SLOTS, 4, H, D, sinks, (specs,), "float32")
+    kv = LayerKV(key_fmt, key_axis, value_fmt or key_fmt, value_axis)
+    return PagedLayout(PAGES, SLOTS, 4, (LayerKVStorage(0, kv, P, H, D, sinks),), "float32")
 
 
 def _table(slot: int, end: int, blocks) -> np.ndarray:

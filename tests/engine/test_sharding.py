@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tenantq.engine.sharding import make_mesh, param_spec, quantize_per_shard, split_axis
+from tenantq.engine.sharding import make_mesh, param_spec, quantize_per_shard
 from tenantq.model.config import ModelConfig
 from tenantq.numerics import dequantize, quantize
 from tenantq.quant.plan import TensorQuant
+from tenantq.quant.storage import tp_split_axis as split_axis
 
 CONFIG = ModelConfig(
     model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -232,3 +233,39 @@ def test_bad_tp_errors_on_four_devices(check):
 @pytest.mark.slow
 def test_from_checkpoint_with_tp_matches_in_memory_params(check):
     assert check["from_checkpoint_equal"] == {"global": True, "shard": True}
+
+
+@pytest.mark.slow
+def test_capacity_equals_what_each_of_four_devices_holds(check):
+    # DESIGN: "capacity is arithmetic and must equal the engine's real allocation". At tp=4,
+    # every device holds exactly the planner's per-chip bytes, per weight tensor (shard
+    # shapes, scales, packing, nvfp4 tensor scales, replicated norms and an odd vocabulary)
+    # and per KV layer (pages sharded by KV head, per-page tensor scales replicated, residual
+    # windows and sinks per slot): 4 equal figures, each equal to the planner's.
+    import dataclasses
+
+    from tenantq.capacity.kv import kv_pool_bytes
+    from tenantq.capacity.weights import tensor_bytes
+    from tenantq.quant.plan import QuantPlan
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _sharding_check import CAPACITY_PLANS, CAPACITY_POOL
+
+    assert len(check["capacity_tp4"]) == 4
+    for case, held in check["capacity_tp4"].items():
+        name, vocab = case.split("/vocab")
+        config = dataclasses.replace(CONFIG, vocab_size=int(vocab))
+        plan = QuantPlan.from_dict(CAPACITY_PLANS[name])
+        planned = {t.path: t.bytes_per_chip for t in tensor_bytes(config, plan, tp=4)}
+        assert set(held["weights"]) == set(planned), case
+        for path, per_device in held["weights"].items():
+            assert per_device == [planned[path]] * 4, (case, path)
+        kv = kv_pool_bytes(
+            config, plan, held["num_pages"], CAPACITY_POOL["max_seqs"],
+            CAPACITY_POOL["page_tokens"], tp=4,
+        )  # fmt: skip
+        assert held["num_pages"] == CAPACITY_POOL["num_pages"]
+        for layer, (per_device, row) in enumerate(zip(held["kv"], kv["layers"], strict=True)):
+            assert per_device == [row["total_bytes"]] * 4, (case, layer)
+        if int(vocab) % 4:  # replicated whole: every device holds the whole embedding
+            assert planned["embed"] == tensor_bytes(config, plan, tp=1)[0].bytes_per_chip

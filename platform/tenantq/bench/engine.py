@@ -2,46 +2,38 @@
 
 Every format runs in the same process on the same prompts, so its figures are reported
 as ratios to bf16 measured in this run; compile time is reported apart (the engine's
-stats separate it). The shipped reference model is used when present, else a random
-model of its shape. On CPU, weight-only formats pay for dequantizing inside the matmul
-and are expected to trail bf16; the ratio that matters is the one on the target device.
-The KV part decodes with bf16 weights and each KV format at given contexts: the pool is
-filled with random keys/values through the pool's own write (no quadratic prefill), then
-timed greedy decode steps read every page back, dequantized, as serving would.
+stats separate it). The shipped reference model is used unless `--model` names another.
+On CPU, weight-only formats pay for dequantizing inside the matmul and are expected to
+trail bf16; the ratio that matters is the one on the target device. The KV part decodes
+with bf16 weights and each KV format at given contexts (half the model's context and all
+of it by default): an untimed prefill of random tokens fills the pool, then timed greedy
+decode steps read every page back, dequantized, as serving would. Everything goes through
+the engine's public calls. `TENANTQ_BENCH_SMOKE=1` shrinks the defaults to a tiny random
+model and a few steps (the test suite's smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from tenantq.reference import reference_model_path
+from tenantq.engine import Engine
 
-REFERENCE_MODEL = reference_model_path()
 FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "mxfp4", "nvfp4")
 KV_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "mxfp4", "nvfp4")
-
-
-def random_reference_config():
-    from tenantq.model.config import ModelConfig
-
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=768,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-        name="random-reference-shape",
-    )
+SMOKE_ENV = "TENANTQ_BENCH_SMOKE"
+# Defaults, and the smoke run's (a tiny random model, one short point per format).
+DEFAULTS = dict(formats=",".join(FORMATS), batch_sizes="1,16", prompt_tokens=128,
+                decode_tokens=32, repeats=2, kv_formats=",".join(KV_FORMATS),
+                kv_decode_tokens=8)  # fmt: skip
+SMOKE_DEFAULTS = dict(formats="int4", batch_sizes="1", prompt_tokens=8, decode_tokens=2,
+                      repeats=1, kv_formats="int4", kv_decode_tokens=2)  # fmt: skip
 
 
 def _plan(fmt: str):
@@ -56,12 +48,12 @@ def measure(engine, batch: int, prompt_tokens: int, decode_tokens: int, repeats:
     """(prefill tokens/s, decode tokens/s, compile s) of greedy generation at `batch`."""
     rng = np.random.default_rng(seed)
     prompts = rng.integers(3, engine.config.vocab_size, (batch, prompt_tokens)).tolist()
-    engine.stats.__init__()
+    engine.stats.reset()
     engine.generate(prompts, decode_tokens, stop_tokens=())  # compiles every shape used
     compile_s = engine.stats.compile_s
     best_prefill, best_decode = 0.0, 0.0
     for _ in range(repeats):
-        engine.stats.__init__()
+        engine.stats.reset()
         engine.generate(prompts, decode_tokens, stop_tokens=())
         s = engine.stats
         best_prefill = max(best_prefill, s.prefill_tokens / s.prefill_s)
@@ -77,35 +69,19 @@ def _kv_plan(fmt: str):
 
 def measure_kv(engine, batch: int, context: int, decode_tokens: int, repeats: int, seed: int):
     """(decode tokens/s, compile s) of `decode_tokens` steps ending at `context` tokens."""
-    import jax
-
-    cache, layout = engine.cache, engine.cache.layout
     held = context - decode_tokens
+    if held < 1:
+        raise ValueError(f"context {context} leaves no prompt before {decode_tokens} decode steps")
     rng = np.random.default_rng(seed)
-    kv = rng.standard_normal((batch, held, layout.kv_heads, layout.head_dim), np.float32)
-    positions = np.broadcast_to(np.arange(held, dtype=np.int32), (batch, held))
-    valid = np.ones((batch, held), bool)
-
-    @jax.jit
-    def fill(state, table, positions, valid, kv):
-        for layer in range(len(layout.layers)):
-            state = layout.write(state, layer, table, positions, valid, kv, kv)
-        return state
-
     best, compile_s = 0.0, 0.0
     for attempt in range(repeats + 1):  # the first run compiles every shape it uses
-        prompts = rng.integers(3, engine.config.vocab_size, (batch, 1)).tolist()
-        run, _ = engine.prefill(prompts, reserve_tokens=context - 1)
+        prompts = rng.integers(3, engine.config.vocab_size, (batch, held)).tolist()
+        run, logits = engine.prefill(prompts, reserve_tokens=decode_tokens)
         try:
-            cache.prepare(run.seq_ids, [held] * batch)
-            cache.state = jax.block_until_ready(
-                fill(cache.state, cache.table(run.seq_ids), positions, valid, kv)
-            )
-            run.lengths = np.full(batch, held, np.int64)
-            engine.stats.__init__()
-            tokens = np.zeros(batch, np.int32)
+            engine.stats.reset()  # the prefill that filled the pool is not timed
+            tokens = np.argmax(logits, axis=-1)
             for _ in range(decode_tokens):
-                tokens = np.asarray(engine._decode(run, tokens)[1])[:batch]
+                tokens = np.argmax(engine.decode(run, tokens), axis=-1)
         finally:
             engine.release(run)
         s = engine.stats
@@ -118,7 +94,6 @@ def measure_kv(engine, batch: int, context: int, decode_tokens: int, repeats: in
 
 def run_kv(config, params, kv_formats, batches, contexts, decode_tokens, repeats, dtype):
     """One row per KV format: decode tokens/s per (batch, context), ratios to bf16 KV."""
-    from tenantq.engine import Engine
 
     rows = []
     for fmt in kv_formats:
@@ -145,26 +120,36 @@ def run_kv(config, params, kv_formats, batches, contexts, decode_tokens, repeats
 
 
 def main(argv: list[str]) -> int:
+    smoke = os.environ.get(SMOKE_ENV, "") not in ("", "0")
+    d = SMOKE_DEFAULTS if smoke else DEFAULTS
     parser = argparse.ArgumentParser(prog="python -m tenantq.bench engine", description=__doc__)
     parser.add_argument(
-        "--model", help="HF checkpoint folder (default: the shipped reference model, else random)"
+        "--model",
+        help="HF checkpoint folder (default: the shipped reference model; a tiny random "
+        f"model when {SMOKE_ENV}=1)",
     )
+    parser.add_argument("--formats", default=d["formats"], help="comma-separated weight formats")
     parser.add_argument(
-        "--formats", default=",".join(FORMATS), help="comma-separated weight formats"
+        "--batch-sizes", default=d["batch_sizes"], help="comma-separated batch sizes"
     )
-    parser.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per point (best kept)")
+    parser.add_argument("--prompt-tokens", type=int, default=d["prompt_tokens"])
+    parser.add_argument("--decode-tokens", type=int, default=d["decode_tokens"])
+    parser.add_argument(
+        "--repeats", type=int, default=d["repeats"], help="timed runs per point (best kept)"
+    )
     parser.add_argument(
         "--kv-formats",
-        default=",".join(KV_FORMATS),
+        default=d["kv_formats"],
         help="comma-separated KV formats for the decode-at-context table ('' to skip it)",
     )
     parser.add_argument(
-        "--contexts", default="512,2048", help="comma-separated KV contexts (tokens held)"
+        "--contexts",
+        default=None,
+        help="comma-separated KV contexts in tokens (default: half the model's context, and all)",
     )
-    parser.add_argument("--kv-decode-tokens", type=int, default=8, help="timed decode steps")
+    parser.add_argument(
+        "--kv-decode-tokens", type=int, default=d["kv_decode_tokens"], help="timed decode steps"
+    )
     parser.add_argument(
         "--dtype",
         default="bfloat16",
@@ -175,29 +160,40 @@ def main(argv: list[str]) -> int:
 
     import jax
 
-    from tenantq.engine import Engine
-    from tenantq.model.decoder import init_params
+    from tenantq.model.config import ModelConfig
     from tenantq.model.loader import load_params
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    folder = Path(args.model) if args.model else REFERENCE_MODEL
-    if (folder / "config.json").is_file():
-        from tenantq.model.config import ModelConfig
+    if args.model or not smoke:
+        from tenantq.reference import reference_model_path
 
+        folder = Path(args.model) if args.model else reference_model_path()
         config = ModelConfig.from_file(folder)
         source = str(folder)
         params = load_params(folder, config)
     else:
-        config = random_reference_config()
-        source = "random model, reference shape (no shipped model found)"
-        params = init_params(config, seed=0)
+        from tenantq.testing import tiny_config, tiny_params
+
+        config = tiny_config()
+        source = "tiny random model (tenantq.testing, smoke run)"
+        params = tiny_params(config)
+    context = config.max_position_embeddings
+    if args.contexts is None:
+        contexts = sorted({context // 2, context})
+    else:
+        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+    too_long = [c for c in contexts if c > context]
+    if too_long or args.prompt_tokens + args.decode_tokens > context:
+        raise ValueError(
+            f"contexts {too_long or [args.prompt_tokens + args.decode_tokens]} exceed the "
+            f"model's context of {context} tokens; pass --contexts/--prompt-tokens within it"
+        )
     pool = {"max_seqs": max(batches), "max_seq_tokens": args.prompt_tokens + args.decode_tokens}
 
     rows = []
     started = time.perf_counter()
     kv_formats = [f.strip() for f in args.kv_formats.split(",") if f.strip()]
-    contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     for fmt in formats:
         engine = Engine(config, params, _plan(fmt), dtype=args.dtype, **pool)
         row = {

@@ -4,7 +4,7 @@ Per chip: HBM - weights (per tensor, in the plan's formats) - runtime reserve = 
 A tenant of C tokens holds ceil(kv_tokens_l(C) / page_tokens) pages in every layer plus its
 slot's residual and sink buffers; tenants = floor(pool / tenant bytes). All figures are
 integers computed from the same formulas the engine allocates with (`storage_nbytes`,
-`LayerKV.page_bytes`), so the planner can be checked against the engine to the byte. Under
+`LayerKVStorage`), so the planner can be checked against the engine to the byte. Under
 tensor parallelism every chip holds an equal share, so the per-chip pool is what binds.
 """
 
@@ -15,16 +15,12 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 
 from tenantq.capacity.hardware import Deployment
-from tenantq.capacity.kv import LayerKVBytes, kv_layers, pool_bytes_from_layers, tenant_pages
+from tenantq.capacity.kv import kv_layers, pool_bytes_from_layers, tenant_pages
 from tenantq.capacity.units import exact_bytes, human_bytes
-from tenantq.capacity.weights import (
-    SHARDING_LABELS,
-    WEIGHT_LINE_ORDER,
-    TensorBytes,
-    tensor_bytes,
-)
+from tenantq.capacity.weights import WEIGHT_LINE_ORDER, TensorBytes, sharding_label, tensor_bytes
 from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import QuantPlan
+from tenantq.quant.storage import LayerKVStorage, pool_bytes_left, vocab_replicated
 
 
 @dataclass(frozen=True)
@@ -160,7 +156,7 @@ def budget(
     hbm = deployment.hardware.hbm_bytes
     weights = sum(t.bytes_per_chip for t in tensors)
     reserve = deployment.reserve_bytes_per_chip
-    pool = max(0, hbm - weights - reserve)
+    pool = pool_bytes_left(hbm, weights, reserve)
 
     page_bytes = sum(lay.page_bytes for lay in layers)
     per_token_chip = Fraction(page_bytes, page)
@@ -197,14 +193,14 @@ def budget(
         kv_summary=_kv_summary(plan, config),
         plan_fingerprint=plan.fingerprint(),
         hbm_bytes_per_chip=hbm,
-        weight_lines=_weight_lines(tensors, tp),
+        weight_lines=_weight_lines(tensors, tp, vocab_replicated(config, tp)),
         weights_bytes_per_chip=weights,
         weights_bytes=weights * tp,
         reserve=deployment.reserve.describe(),
         reserve_bytes_per_chip=reserve,
         pool_bytes_per_chip=pool,
         pool_bytes=pool * tp,
-        kv_lines=_kv_lines(layers, pages),
+        kv_lines=_kv_lines(config, layers, pages),
         page_bytes_per_chip=page_bytes,
         kv_bytes_per_token_per_chip=_as_float(per_token_chip),
         kv_bytes_per_token=_as_float(per_token_chip * tp),
@@ -236,7 +232,7 @@ def max_context_for(
 
 # ------------------------------------------------------------------------ helpers
 def _max_context(
-    config: ModelConfig, layers: tuple[LayerKVBytes, ...], page: int, pool: int, n: int
+    config: ModelConfig, layers: tuple[LayerKVStorage, ...], page: int, pool: int, n: int
 ) -> tuple[int, str]:
     """Largest C <= max_position_embeddings with n * tenant_bytes(C) <= pool (monotone in C)."""
 
@@ -258,7 +254,9 @@ def _max_context(
     return lo, "memory"
 
 
-def _weight_lines(tensors: tuple[TensorBytes, ...], tp: int) -> tuple[WeightLine, ...]:
+def _weight_lines(
+    tensors: tuple[TensorBytes, ...], tp: int, vocab_whole: bool
+) -> tuple[WeightLine, ...]:
     out = []
     for name in WEIGHT_LINE_ORDER:
         group = [t for t in tensors if t.line == name]
@@ -277,7 +275,7 @@ def _weight_lines(tensors: tuple[TensorBytes, ...], tp: int) -> tuple[WeightLine
                 tensors=len(group),
                 params=params,
                 formats=_format_mix(group),
-                sharding=SHARDING_LABELS[name] if tp > 1 else "whole (1 chip)",
+                sharding=sharding_label(name, tp, vocab_whole),
                 bytes_per_chip=per_chip,
                 bytes_total=per_chip * tp,
             )
@@ -313,14 +311,18 @@ def _kv_summary(plan: QuantPlan, config: ModelConfig) -> str:
     return text + (f" ({', '.join(extras)})" if extras else "")
 
 
-def _kv_lines(layers: tuple[LayerKVBytes, ...], pages: tuple[int, ...]) -> tuple[KVLine, ...]:
+def _kv_lines(
+    config: ModelConfig, layers: tuple[LayerKVStorage, ...], pages: tuple[int, ...]
+) -> tuple[KVLine, ...]:
     groups: dict[tuple, list[int]] = {}
     for lay, n in zip(layers, pages, strict=True):
+        kind = config.layer_types[lay.layer]
+        kv = lay.kv
         key = (
-            lay.kind,
-            lay.window_tokens,
-            f"{lay.key_format}/{lay.key_axis}" if lay.key_format != "bf16" else "bf16",
-            f"{lay.value_format}/{lay.value_axis}" if lay.value_format != "bf16" else "bf16",
+            kind,
+            config.sliding_window if kind == "sliding" else None,
+            f"{kv.key_format}/{kv.key_axis}" if kv.key_format != "bf16" else "bf16",
+            f"{kv.value_format}/{kv.value_axis}" if kv.value_format != "bf16" else "bf16",
             lay.page_bytes,
             lay.slot_bytes,
             n,
@@ -343,9 +345,11 @@ def _notes(config: ModelConfig, plan: QuantPlan, tp: int, context: int) -> tuple
             f"growing at {config.sliding_window:,} tokens (pool tokens count a page in every "
             "layer, so tenants x context can exceed them)"
         )
-    if config.vocab_size % tp:
-        padded = -(-config.vocab_size // tp) * tp
-        notes.append(f"vocab {config.vocab_size:,} padded to {padded:,} to shard over {tp} chips")
+    if vocab_replicated(config, tp):
+        notes.append(
+            f"vocab {config.vocab_size:,} is not divisible by {tp} chips: embed and lm_head are "
+            "replicated whole on every chip (not padded, not sharded)"
+        )
     unused = plan.unused_rules(config)
     if unused:
         notes.append("plan rules that match no tensor: " + ", ".join(r.pattern for r in unused))

@@ -14,6 +14,9 @@ from fractions import Fraction
 
 from tenantq.capacity.units import GiB, MiB, exact_bytes, human_bytes, parse_bytes, parse_reserve
 
+# The default runtime reserve (10% of HBM, as vLLM) is the one the engine sizes its pool with.
+from tenantq.quant.storage import DEFAULT_RESERVE_FRACTION
+
 GB_S = 10**9  # bandwidth figures are decimal: GB/s
 
 
@@ -82,11 +85,6 @@ def get_hardware(name: str, *, memory_bytes: int | str | None = None) -> Hardwar
         have = human_bytes(HARDWARE[key].hbm_bytes)
         raise ValueError(f"a memory size applies to cpu only; {key} has {have} per chip")
     return HARDWARE[key]
-
-
-# The default runtime reserve: 10% of each chip's memory, the headroom vLLM leaves by default
-# (gpu_memory_utilization=0.9) for activations, the compiler's workspace and the runtime.
-DEFAULT_RESERVE_FRACTION = Fraction(1, 10)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,11 @@
 """Bytes each chip holds for every weight tensor, in the plan's formats, under tensor parallelism.
 
-Sharding follows the Megatron layout the engine uses: q/k/v and gate/up split their output
-columns (by head, by MLP unit), o and down split their input rows; the embedding and an
-untied lm_head split the vocabulary when the chip count divides it and are replicated whole
-otherwise (as the engine's sharding does); norms are replicated on every chip. A chip's
-shard is stored as its own quantized tensor, so its bytes are `storage_nbytes` of the
-shard's shape (scales, zero points, packing padding and nvfp4's tensor scale included, per
-chip).
+Sharding follows `tenantq.quant.storage`'s layout table, the one the engine places arrays
+with (Megatron: q/k/v and gate/up split their output columns, o and down their input rows;
+embed and an untied lm_head split the vocabulary when the chips divide it and are
+replicated whole otherwise; norms are replicated). A chip's shard is stored as its own
+quantized tensor, so its bytes are `storage_nbytes` of the shard's shape (scales, zero
+points, packing padding and nvfp4's tensor scale included, per chip).
 """
 
 from __future__ import annotations
@@ -16,28 +15,25 @@ from functools import lru_cache
 
 from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import QuantPlan
+from tenantq.quant.storage import check_tp, shard_shape, tp_line
 
-# Tensor path suffix -> (budget line, axis split across chips or None = replicated).
-_SHARDING = {
-    "q_proj": ("attention", 1),
-    "k_proj": ("attention", 1),
-    "v_proj": ("attention", 1),
-    "o_proj": ("attention", 0),
-    "q_bias": ("attention", 0),
-    "k_bias": ("attention", 0),
-    "v_bias": ("attention", 0),
-    "gate_proj": ("mlp", 1),
-    "up_proj": ("mlp", 1),
-    "down_proj": ("mlp", 0),
-}
-SHARDING_LABELS = {
-    "embed": "sharded over vocab (whole if chips do not divide it)",
-    "lm_head": "sharded over vocab (whole if chips do not divide it)",
+_SHARDING_LABELS = {
     "attention": "sharded over heads",
     "mlp": "sharded over MLP units",
     "norms": "replicated",
 }
 WEIGHT_LINE_ORDER = ("embed", "lm_head", "attention", "mlp", "norms")
+
+
+def sharding_label(line: str, tp: int, vocab_replicated: bool) -> str:
+    """How budget line `line` is laid out over `tp` chips, in words."""
+    if tp == 1:
+        return "whole (1 chip)"
+    if line in ("embed", "lm_head"):
+        if vocab_replicated:
+            return f"replicated (vocab not divisible by {tp} chips)"
+        return "sharded over vocab"
+    return _SHARDING_LABELS[line]
 
 
 @dataclass(frozen=True)
@@ -57,23 +53,6 @@ class TensorBytes:
         return self.format if self.group_size is None else f"{self.format}/g{self.group_size}"
 
 
-def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
-    """Chips must split attention heads, KV heads and MLP units evenly (no KV replication)."""
-    config.check_tensor_parallel(tp, valid_name="chip counts")
-
-
-def _shard(path: str, shape: tuple[int, ...], tp: int) -> tuple[str, tuple[int, ...]]:
-    name = path.rsplit("/", 1)[-1]
-    if path == "embed":
-        return "embed", (shape[0] // tp, shape[1]) if shape[0] % tp == 0 else shape
-    if path == "lm_head":
-        return "lm_head", (shape[0], shape[1] // tp) if shape[1] % tp == 0 else shape
-    if name in _SHARDING:
-        line, axis = _SHARDING[name]
-        return line, tuple(d // tp if i == axis else d for i, d in enumerate(shape))
-    return "norms", shape  # norms (and anything else 1-d) stay whole on every chip
-
-
 @lru_cache(maxsize=4096)
 def _nbytes(shape: tuple[int, ...], fmt: str, axis: int, group: int | None, sym: bool) -> int:
     from tenantq.numerics import storage_nbytes
@@ -85,16 +64,16 @@ def _nbytes(shape: tuple[int, ...], fmt: str, axis: int, group: int | None, sym:
 
 def tensor_bytes(config: ModelConfig, plan: QuantPlan, tp: int = 1) -> tuple[TensorBytes, ...]:
     """Every tensor the engine holds, with the bytes one of `tp` chips stores for it."""
-    check_tensor_parallel(config, tp)
+    check_tp(config, tp, valid_name="chip counts")
     resolved = plan.resolve(config)
     out = []
     for path, info in config.tensors().items():
-        line, shard_shape = _shard(path, info.shape, tp)
+        shard = shard_shape(path, info.shape, config, tp)
         tq = resolved.get(path)
         if tq is None:
-            fmt, group, nbytes = "bf16", None, _nbytes(shard_shape, "bf16", -1, None, True)
+            fmt, group, nbytes = "bf16", None, _nbytes(shard, "bf16", -1, None, True)
         else:
             fmt, group = tq.format, tq.group_size
-            nbytes = _nbytes(shard_shape, fmt, tq.axis, group, tq.symmetric)
-        out.append(TensorBytes(path, line, info.shape, shard_shape, fmt, group, nbytes))
+            nbytes = _nbytes(shard, fmt, tq.axis, group, tq.symmetric)
+        out.append(TensorBytes(path, tp_line(path), info.shape, shard, fmt, group, nbytes))
     return tuple(out)

@@ -25,10 +25,9 @@ from tenantq.numerics import (
     quantize,
     quantize_with_scale_zero_point,
 )
+from tenantq.quant.plan import KVTensorSpec
+from tenantq.quant.storage import LayerKVStorage
 
-# Residual windows, sinks and bf16-format pages are bf16 in serving; a float32 engine (the
-# parity mode) keeps them in float32 so its cache adds no rounding of its own.
-RESIDUAL_DTYPE = "bfloat16"
 # A token-scaled nvfp4 page fixes its float32 tensor scale when its first tokens are written
 # (later tokens cannot change it without requantizing the page): amax of those tokens times
 # this headroom, so a later token up to 16x larger still fits the E4M3 block scales. E4M3
@@ -56,77 +55,84 @@ def _from_bits(a, dtype):
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """How one tensor (keys or values) of one layer is stored."""
-
-    fmt: str
-    axis: str  # "channel" (scales over a page's tokens) | "token" (scales over head_dim)
-
-    @property
-    def quantized(self) -> bool:
-        return self.fmt != "bf16"
-
-    @property
-    def needs_residual(self) -> bool:
-        return self.quantized and self.axis == "channel"
-
-    @property
-    def axis_index(self) -> int:
-        return 0 if self.axis == "channel" else -1
-
-
-@dataclasses.dataclass(frozen=True)
 class PagedLayout:
     """Static, hashable description of the pool; `CacheLayout` for the runner's step.
 
+    `layers` is each layer's `LayerKVStorage` (formats, axes, page geometry, storage dtype:
+    the description the capacity planner counts from); the arrays are allocated from it.
     The `table` a step receives is int32 [B, 2 + max_pages]: column 0 the sequence's slot
     (residual and sink buffers), column 1 its length after this step, then its block table.
     Padding rows carry slot `max_seqs` and page `num_pages` (out of range: never written).
     """
 
     num_pages: int
-    page_tokens: int
     max_seqs: int
     max_pages: int  # block-table width: pages one sequence may hold
-    kv_heads: int
-    head_dim: int
-    sink_tokens: int
-    layers: tuple[tuple[TensorSpec, TensorSpec], ...]  # (keys, values) per layer
+    layers: tuple[LayerKVStorage, ...]
     dtype: str  # compute dtype of what `read` returns
-    store_dtype: str = RESIDUAL_DTYPE  # unquantized KV storage (bf16; float32 for parity)
+
+    def __post_init__(self) -> None:
+        geometry = {(s.page_tokens, s.kv_heads, s.head_dim, s.sink_tokens, s.store_dtype)
+                    for s in self.layers}  # fmt: skip
+        if len(geometry) != 1:
+            raise ValueError(f"every layer of one pool shares its page geometry, got {geometry}")
+
+    # ---------------------------------------------------------------- geometry (every layer's)
+    @property
+    def page_tokens(self) -> int:
+        return self.layers[0].page_tokens
+
+    @property
+    def kv_heads(self) -> int:
+        return self.layers[0].kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].head_dim
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.layers[0].sink_tokens
+
+    @property
+    def store_dtype(self) -> str:
+        """Unquantized KV storage (bf16-format pages, residuals, sinks): bfloat16; float32
+        in a float32 engine (the parity mode), so its cache adds no rounding of its own."""
+        return self.layers[0].store_dtype
 
     # ---------------------------------------------------------------- state
-    def page_struct(self, spec: TensorSpec) -> QArray:
+    def page_struct(self, spec: KVTensorSpec) -> QArray:
         """Shapes/dtypes of one quantized page (a QArray of ShapeDtypeStructs)."""
         return _page_struct((self.page_tokens, self.kv_heads, self.head_dim), spec)
 
-    def tensor_state(self, spec: TensorSpec) -> dict[str, jax.Array]:
-        """Arrays of one tensor of one layer; every array has the KV-head axis at index 2."""
-        n, p, h, d = self.num_pages, self.page_tokens, self.kv_heads, self.head_dim
-        if not spec.quantized:
-            return {"pages": jnp.zeros((n, p, h, d), _bits_dtype(self.store_dtype))}
-        q = self.page_struct(spec)
-        out = {
-            "pages": jnp.zeros((n, *q.data.shape), _bits_dtype(q.data.dtype)),
-            "scales": jnp.zeros((n, *q.scale.shape), _bits_dtype(q.scale.dtype)),
-        }
-        if q.tensor_scale is not None:
-            out["tensor_scale"] = jnp.ones((n,), q.tensor_scale.dtype)
-        if spec.needs_residual:
-            out["residual"] = jnp.zeros((self.max_seqs, p, h, d), _bits_dtype(self.store_dtype))
-        if self.sink_tokens:
-            shape = (self.max_seqs, self.sink_tokens, h, d)
-            out["sinks"] = jnp.zeros(shape, _bits_dtype(self.store_dtype))
+    def tensor_state(self, storage: LayerKVStorage, spec: KVTensorSpec) -> dict[str, jax.Array]:
+        """Arrays of one tensor of one layer, as `storage.arrays` lists them; every array
+        has the KV-head axis at index 2 (the per-page tensor scale has none: replicated)."""
+        out = {}
+        struct = self.page_struct(spec) if spec.quantized else None
+        for a in storage.arrays(spec):
+            count = self.num_pages if a.per == "page" else self.max_seqs
+            shape = (count, *a.shape)
+            if struct is not None and a.name in ("pages", "scales"):
+                real = struct.data if a.name == "pages" else struct.scale
+                if (tuple(real.shape), jnp.dtype(real.dtype)) != (a.shape, jnp.dtype(a.dtype)):
+                    raise AssertionError(
+                        f"{spec.format} {a.name}: the quantizer stores {real.shape} "
+                        f"{real.dtype}, the KV storage description says {a.shape} {a.dtype}"
+                    )
+            fill = jnp.ones if a.name == "tensor_scale" else jnp.zeros
+            out[a.name] = fill(shape, _bits_dtype(a.dtype))
         return out
 
     def init_state(self) -> tuple[dict[str, dict[str, jax.Array]], ...]:
         return tuple(
-            {"keys": self.tensor_state(k), "values": self.tensor_state(v)} for k, v in self.layers
+            {name: self.tensor_state(lay, spec) for name, spec in lay.tensors}
+            for lay in self.layers
         )
 
     # ---------------------------------------------------------------- jit side
     def write(self, state, layer, table, positions, valid, keys, values):
-        k_spec, v_spec = self.layers[layer]
+        k_spec, v_spec = self.layers[layer].kv.keys, self.layers[layer].kv.values
         new = {
             "keys": self._write_tensor(state[layer]["keys"], k_spec, table, positions, valid, keys),
             "values": self._write_tensor(
@@ -136,7 +142,7 @@ class PagedLayout:
         return state[:layer] + (new,) + state[layer + 1 :]
 
     def read(self, state, layer, table, kv_tokens):
-        k_spec, v_spec = self.layers[layer]
+        k_spec, v_spec = self.layers[layer].kv.keys, self.layers[layer].kv.values
         n_read = -(-kv_tokens // self.page_tokens)
         keys = self._read_tensor(state[layer]["keys"], k_spec, table, n_read)
         values = self._read_tensor(state[layer]["values"], v_spec, table, n_read)
@@ -170,11 +176,11 @@ class PagedLayout:
         """Per-token scales: quantize the new tokens now, scatter them into their pages."""
         x = x.astype(jnp.float32)
         out = {}
-        if spec.fmt == "nvfp4":
+        if spec.format == "nvfp4":
             data, scale, tensor_scale = self._nvfp4_tokens(arrays, page, offset, valid, x)
             out["tensor_scale"] = tensor_scale
         else:
-            q = quantize(x, spec.fmt, axis=-1)
+            q = quantize(x, spec.format, axis=-1)
             data, scale = q.data, q.scale
         out["pages"] = arrays["pages"].at[page, offset].set(_to_bits(data), mode="drop")
         out["scales"] = arrays["scales"].at[page, offset].set(_to_bits(scale), mode="drop")
@@ -212,7 +218,7 @@ class PagedLayout:
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], at.shape)
         window = window.at[rows, at].set(x, mode="drop")
         pages = window.reshape(b * span, p, *x.shape[2:])
-        q = jax.vmap(lambda page: quantize(page, spec.fmt, axis=0))(pages)
+        q = jax.vmap(lambda page: quantize(page, spec.format, axis=0))(pages)
         j = jnp.arange(span)[None, :]
         full = base[:, None] + (j + 1) * p <= end[:, None]
         first = base[:, None] // p + j
@@ -271,9 +277,9 @@ class PagedLayout:
 
 
 @functools.lru_cache(maxsize=256)
-def _page_struct(shape: tuple[int, ...], spec: TensorSpec) -> QArray:
+def _page_struct(shape: tuple[int, ...], spec: KVTensorSpec) -> QArray:
     page = jax.ShapeDtypeStruct(shape, "float32")
-    return jax.eval_shape(lambda x: quantize(x, spec.fmt, axis=spec.axis_index), page)
+    return jax.eval_shape(lambda x: quantize(x, spec.format, axis=spec.axis_index), page)
 
 
 def layout_nbytes(state) -> list[dict[str, int]]:

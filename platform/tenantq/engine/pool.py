@@ -1,51 +1,85 @@
 """Host half of the paged KV pool: sequences, slots, tenants and the block tables.
 
-`PagedPool` is the engine's default `KVCache`. Pages are granted on demand as a sequence
-grows (`prepare` before each step), through `PageAllocator`'s tenant quotas; a refusal is a
+`PagedPool` is the engine's default `KVCache`. Its arrays are allocated from the plan's
+`LayerKVStorage` (the description the capacity planner counts from) and `kv_report` reads
+the bytes back from the real arrays. Pages are granted on demand as a sequence grows
+(`prepare` before each step), through `PageAllocator`'s tenant quotas; a refusal is a
 `PoolExhausted`, a sequence whose pages were taken by another tenant's guarantee raises
-`SequencePreempted` at its next step. Sizes come from the plan's `LayerKV` formulas, the
-same the capacity planner uses, and `kv_report` reads the bytes back from the real arrays.
+`SequencePreempted` at its next step. Unless told its size, the pool takes the memory its
+device has left after the weights and the runtime reserve (`device_memory_bytes`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from fractions import Fraction
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tenantq.engine.allocator import DEFAULT_TENANT, PageAllocator, PoolExhausted
 from tenantq.engine.cache import CacheFull
-from tenantq.engine.paged import PagedLayout, TensorSpec, layout_nbytes
+from tenantq.engine.paged import PagedLayout, layout_nbytes
 from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import QuantPlan
+from tenantq.quant.storage import (
+    DEFAULT_RESERVE_FRACTION,
+    kv_storage,
+    layer_bytes_row,
+    pages_that_fit,
+    pool_bytes_left,
+)
 
-__all__ = ["PagedPool", "PoolExhausted", "SequencePreempted", "pool_layer_bytes"]
+__all__ = [
+    "CPU_MEMORY_FRACTION",
+    "PagedPool",
+    "PoolExhausted",
+    "SequencePreempted",
+    "device_memory_bytes",
+]
+
+# JAX on CPU has no device memory of its own: it shares the host's RAM with the OS and every
+# other process. The engine takes this fraction of physical memory as its "device" (weights
+# and reserve come out of it too); pass `pool_bytes` or `num_pages` to size the pool exactly.
+CPU_MEMORY_FRACTION = Fraction(1, 2)
 
 
 class SequencePreempted(CacheFull):
     """A sequence lost its pages to another tenant's guarantee; release it and retry."""
 
 
-def pool_layer_bytes(
-    config: ModelConfig, plan: QuantPlan, page_tokens: int
-) -> list[tuple[int, int]]:
-    """Per layer (page bytes, per-slot residual + sink bytes), from the plan's formulas."""
-    h, d, sinks = config.num_kv_heads, config.head_dim, plan.kv.sink_tokens
-    out = []
-    for kv in plan.kv_layers(config):
-        slot = kv.residual_bytes(page_tokens, h, d) + kv.sink_bytes(sinks, h, d)
-        out.append((kv.page_bytes(page_tokens, h, d), slot))
-    return out
+def device_memory_bytes(device=None) -> tuple[int, str]:
+    """(bytes, where the figure comes from) of the memory one device offers the engine.
+
+    An accelerator reports its allocator's `bytes_limit` (`Device.memory_stats()`); a CPU
+    device is `CPU_MEMORY_FRACTION` of the host's physical memory.
+    """
+    device = device or jax.local_devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if stats.get("bytes_limit"):
+            return int(stats["bytes_limit"]), f"{device.device_kind} memory (bytes_limit)"
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(physical * CPU_MEMORY_FRACTION), (
+        f"{CPU_MEMORY_FRACTION} of the host's {physical:,} bytes of physical memory (CPU)"
+    )
 
 
 class PagedPool:
     """`KVCache` over one pool of `num_pages` pages of `page_tokens` tokens per layer.
 
-    Options: `page_tokens` (16); `num_pages`, or `pool_bytes` (as many pages as fit once the
-    `max_seqs` slots' residual and sink buffers are paid for); `max_seqs` (16, live
-    sequences, each holding one slot); `max_seq_tokens` (the model's context by default).
-    Without `num_pages`/`pool_bytes`, every slot can hold `max_seq_tokens` tokens.
+    Options: `page_tokens` (16); `max_seqs` (16, live sequences, each holding one slot);
+    `max_seq_tokens` (the model's context by default); and the size, one of
+    - `num_pages`: exactly that many pages in every layer;
+    - `pool_bytes`: as many pages as fit once the `max_seqs` slots' residual and sink
+      buffers are paid for (bytes per device under tensor parallelism);
+    - neither: the device's memory (`device_memory_bytes`) less `weights_bytes` and a 10%
+      reserve, capped at what `max_seqs` sequences of `max_seq_tokens` can use; an error
+      naming the figures when not one such sequence fits.
+    `tp` is the tensor-parallel degree: arrays are allocated whole and sharded by KV head,
+    so each device holds the bytes of `kv_storage(..., tp=tp)`.
     """
 
     def __init__(
@@ -59,14 +93,14 @@ class PagedPool:
         pool_bytes: int | None = None,
         max_seqs: int = 16,
         max_seq_tokens: int | None = None,
+        weights_bytes: int = 0,
+        tp: int = 1,
     ):
         plan = plan or QuantPlan()
-        tokens = int(max_seq_tokens or config.max_position_embeddings)
-        if page_tokens <= 0 or max_seqs <= 0 or tokens <= 0:
-            raise ValueError(
-                f"pool needs page_tokens, max_seqs and max_seq_tokens > 0, got "
-                f"{page_tokens}, {max_seqs}, {tokens}"
-            )
+        _check_count("page_tokens", page_tokens)
+        _check_count("max_seqs", max_seqs)
+        tokens = config.max_position_embeddings if max_seq_tokens is None else max_seq_tokens
+        _check_count("max_seq_tokens", tokens)
         if tokens > config.max_position_embeddings:
             raise ValueError(
                 f"max_seq_tokens={tokens} exceeds the model's context "
@@ -75,28 +109,28 @@ class PagedPool:
         max_pages = -(-tokens // page_tokens)
         if num_pages is not None and pool_bytes is not None:
             raise ValueError("pass num_pages or pool_bytes, not both")
+        store = "float32" if jnp.dtype(dtype) == jnp.float32 else "bfloat16"
+        per_device = kv_storage(config, plan, page_tokens, tp=tp, store_dtype=store)
+        self.sized_by = "num_pages"
         if pool_bytes is not None:
-            num_pages = self.pages_that_fit(config, plan, pool_bytes, page_tokens, max_seqs)
+            if isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int | np.integer):
+                raise ValueError(
+                    f"pool_bytes must be a whole number of bytes, got {pool_bytes!r}; "
+                    "for '2GiB'-style sizes use tenantq.capacity.parse_bytes('2GiB')"
+                )
+            num_pages = pages_that_fit(per_device, int(pool_bytes), max_seqs)
+            self.sized_by = f"pool_bytes={int(pool_bytes):,}"
         elif num_pages is None:
-            num_pages = max_seqs * max_pages
-        if num_pages <= 0:
-            raise ValueError(f"the pool needs at least one page, got num_pages={num_pages}")
-        kv = plan.kv_layers(config)
+            num_pages = self._pages_from_memory(per_device, max_seqs, tokens, weights_bytes)
+        _check_count("num_pages", num_pages)
         self.layout = PagedLayout(
             num_pages=int(num_pages),
-            page_tokens=page_tokens,
             max_seqs=max_seqs,
             max_pages=max_pages,
-            kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            sink_tokens=plan.kv.sink_tokens,
-            layers=tuple(
-                (TensorSpec(k.key_format, k.key_axis), TensorSpec(k.value_format, k.value_axis))
-                for k in kv
-            ),
+            layers=kv_storage(config, plan, page_tokens, store_dtype=store),
             dtype=str(jnp.dtype(dtype)),
-            store_dtype="float32" if jnp.dtype(dtype) == jnp.float32 else "bfloat16",
         )
+        self.storage_per_device = per_device
         self.state = self.layout.init_state()
         self.max_seqs, self.max_seq_tokens, self.page_tokens = max_seqs, tokens, page_tokens
         self.num_pages = int(num_pages)
@@ -107,20 +141,24 @@ class PagedPool:
         self._preempted: set[int] = set()
         self._next_id = 0
 
-    @staticmethod
-    def pages_that_fit(
-        config: ModelConfig, plan: QuantPlan, pool_bytes: int, page_tokens: int, max_seqs: int
-    ) -> int:
-        """Pages (in every layer) that `pool_bytes` buys after the slots' buffers."""
-        per_layer = pool_layer_bytes(config, plan, page_tokens)
-        page = sum(p for p, _ in per_layer)
-        slots = max_seqs * sum(s for _, s in per_layer)
-        if pool_bytes < slots + page:
+    def _pages_from_memory(self, per_device, max_seqs, max_seq_tokens, weights_bytes) -> int:
+        max_pages = -(-max_seq_tokens // per_device[0].page_tokens)
+        memory, source = device_memory_bytes()
+        reserve = int(DEFAULT_RESERVE_FRACTION * memory)
+        pool = pool_bytes_left(memory, weights_bytes, reserve)
+        page = sum(lay.page_bytes for lay in per_device)
+        slots = max_seqs * sum(lay.slot_bytes for lay in per_device)
+        one_sequence = max_pages * page + slots
+        if pool < one_sequence:
             raise ValueError(
-                f"pool_bytes={pool_bytes} cannot hold the {max_seqs} slots' residual/sink "
-                f"buffers ({slots} bytes) and one page ({page} bytes)"
+                f"the KV pool gets {pool:,} bytes ({source}: {memory:,}, less weights "
+                f"{weights_bytes:,} and the {DEFAULT_RESERVE_FRACTION} reserve {reserve:,}), "
+                f"but one sequence of {max_seq_tokens:,} tokens "
+                f"needs {max_pages * page:,} bytes of pages plus {slots:,} of slot buffers; "
+                "lower max_seq_tokens or max_seqs, or pass pool_bytes/num_pages"
             )
-        return (pool_bytes - slots) // page
+        self.sized_by = f"memory: {pool:,} of {source}"
+        return min(max_seqs * max_pages, (pool - slots) // page)
 
     # ---------------------------------------------------------------- tenants
     def add_tenant(self, name: str, guaranteed_pages: int = 0) -> None:
@@ -198,27 +236,18 @@ class PagedPool:
 
     # ---------------------------------------------------------------- bytes
     def kv_report(self) -> list[dict]:
-        """Per layer: formats, pages, and true bytes of data, scales, residual and sinks."""
-        rows = []
-        for layer, (row, (k, v)) in enumerate(
-            zip(layout_nbytes(self.state), self.layout.layers, strict=True)
-        ):
-            pages_bytes = row["data_bytes"] + row["scale_bytes"]
-            rows.append(
-                {
-                    "layer": layer,
-                    "key_format": k.fmt,
-                    "key_axis": k.axis,
-                    "value_format": v.fmt,
-                    "value_axis": v.axis,
-                    "pages": self.num_pages,
-                    **row,
-                    "pages_bytes": pages_bytes,
-                    "total_bytes": pages_bytes + row["residual_bytes"] + row["sink_bytes"],
-                }
-            )
-        return rows
+        """Per layer: formats, pages, and true bytes of data, scales, residual and sinks, read
+        from the real arrays (whole arrays: under tensor parallelism, all devices together)."""
+        return [
+            layer_bytes_row(storage, self.num_pages, **measured)
+            for storage, measured in zip(self.layout.layers, layout_nbytes(self.state), strict=True)
+        ]
 
     @property
     def nbytes(self) -> int:
         return sum(r["total_bytes"] for r in self.kv_report())
+
+
+def _check_count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

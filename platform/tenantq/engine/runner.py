@@ -23,7 +23,7 @@ from flax import nnx
 from tenantq.engine import sharding, steps
 from tenantq.engine.allocator import DEFAULT_TENANT
 from tenantq.engine.cache import ContiguousCache, KVCache
-from tenantq.engine.memory import MemoryReport, memory_report
+from tenantq.engine.memory import MemoryReport, memory_report, tensor_nbytes
 from tenantq.engine.pool import PagedPool
 from tenantq.model.config import ModelConfig
 from tenantq.model.decoder import Decoder, check_supported
@@ -94,9 +94,18 @@ class Engine:
             raise ValueError(
                 f"pass either a cache or cache options, not both: {sorted(pool_options)}"
             )
-        self.cache: KVCache = cache or PagedPool(
-            config, self.plan, dtype=self.dtype.name, **pool_options
-        )
+        self.tp, self.scale_scope = 1 if tp is None else tp, scale_scope
+        if cache is None:
+            weights = (
+                max(sharding.device_bytes(self.params).values())
+                if self.mesh is not None
+                else sum(tensor_nbytes(v) for v in self.params.values())
+            )
+            cache = PagedPool(
+                config, self.plan, dtype=self.dtype.name, weights_bytes=weights, tp=self.tp,
+                **pool_options,
+            )  # fmt: skip
+        self.cache: KVCache = cache
         if isinstance(self.cache, ContiguousCache):
             _check_kv_plan(self.plan, config)
         if self.mesh is not None:
@@ -215,6 +224,24 @@ class Engine:
         """Bytes per weight tensor (true storage: QArray.nbytes) and the cache's bytes."""
         kv_layers = self.cache.kv_report() if hasattr(self.cache, "kv_report") else ()
         return memory_report(self.params, self.cache.nbytes, kv_layers)
+
+    def settings(self) -> dict[str, Any]:
+        """Everything about this engine that changes its results or its memory, as one flat
+        dict of plain values: log it with a run, key caches of its outputs by it."""
+        cache = self.cache
+        paged = isinstance(cache, PagedPool)
+        return {
+            "dtype": self.dtype.name,
+            "tp": self.tp,
+            "scale_scope": self.scale_scope if self.mesh is not None else "global",
+            "cache": "paged" if paged else type(cache).__name__,
+            "kv_store_dtype": cache.layout.store_dtype if paged else self.dtype.name,
+            "page_tokens": cache.page_tokens if paged else None,
+            "pool_pages": cache.num_pages if paged else None,
+            "max_seqs": cache.max_seqs,
+            "max_seq_tokens": cache.max_seq_tokens,
+            "plan_fingerprint": self.plan.fingerprint(),
+        }
 
     def add_tenant(self, name: str, guaranteed_pages: int = 0) -> None:
         """Give `name` a guaranteed share of the pool's pages; it may borrow free pages above

@@ -1,10 +1,11 @@
 """Tensor parallelism: a 1-d device mesh, where every weight and KV-cache array goes on it.
 
-The layout is the one the capacity planner budgets (Megatron): q/k/v and gate/up split
-their output columns, o and down their input rows, embed and an untied lm_head the
-vocabulary, norms replicated, the KV cache by KV head. Arrays are placed with
-`NamedSharding` and jit propagates the rest. A quantized tensor's scales either come from
-the whole tensor ("global") or from each device's slice alone ("shard").
+The layout is `tenantq.quant.storage`'s table, the one the capacity planner budgets
+(Megatron: q/k/v and gate/up split their output columns, o and down their input rows,
+embed and an untied lm_head the vocabulary when tp divides it, norms replicated), and the
+KV cache by KV head. Arrays are placed with `NamedSharding` and jit propagates the rest.
+A quantized tensor's scales either come from the whole tensor ("global") or from each
+device's slice alone ("shard").
 """
 
 from __future__ import annotations
@@ -22,27 +23,16 @@ from tenantq.model.config import ModelConfig
 from tenantq.numerics import QArray, get_format
 from tenantq.quant.apply import quantize_tensor
 from tenantq.quant.plan import QuantPlan, TensorQuant
+from tenantq.quant.storage import check_tp, tp_split_axis
 
 AXIS = "tp"  # the mesh's one axis name
 SCALE_SCOPES = ("global", "shard")
 HEAD_AXIS = 2  # every KV-cache array is [..., ..., kv_heads, ...]
 
-# Tensor name -> the axis split across devices (weights are stored [in, out]).
-_SPLIT_AXIS = {
-    "q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 0,
-    "q_bias": 0, "k_bias": 0, "v_bias": 0,
-    "gate_proj": 1, "up_proj": 1, "down_proj": 0,
-}  # fmt: skip
-
-
-def check_tp(config: ModelConfig, tp: int) -> None:
-    """Devices must split heads, KV heads and MLP units evenly (see ModelConfig)."""
-    config.check_tensor_parallel(tp, valid_name="tp values")
-
 
 def make_mesh(tp: int, config: ModelConfig | None = None) -> Mesh:
     """A 1-d mesh named "tp" over the first `tp` local devices (checked against `config`)."""
-    if not isinstance(tp, int) or tp < 1:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
     if config is not None:
         check_tp(config, tp)
@@ -54,17 +44,6 @@ def make_mesh(tp: int, config: ModelConfig | None = None) -> Mesh:
             f"XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax)"
         )
     return Mesh(np.array(devices[:tp]), (AXIS,), axis_types=(AxisType.Auto,))
-
-
-def split_axis(path: str, config: ModelConfig, tp: int) -> int | None:
-    """The axis of tensor `path` split across `tp` devices, or None when it is replicated.
-
-    The vocabulary is split only when tp divides it (`NamedSharding` needs even shards);
-    otherwise embed/lm_head stay whole on every device.
-    """
-    if path in ("embed", "lm_head"):
-        return (0 if path == "embed" else 1) if config.vocab_size % tp == 0 else None
-    return _SPLIT_AXIS.get(path.rsplit("/", 1)[-1])
 
 
 def _spec(ndim: int, axis: int | None) -> P:
@@ -79,7 +58,7 @@ def param_spec(path: str, value: Any, config: ModelConfig, tp: int):
     same axis when it runs the tensor's full length there (per-channel along an unsharded
     axis) or holds whole groups per shard; a scale of length 1 there is replicated.
     """
-    axis = split_axis(path, config, tp)
+    axis = tp_split_axis(path, config, tp)
     if not isinstance(value, QArray):
         return _spec(len(value.shape), axis)
     if axis is None:
@@ -195,7 +174,7 @@ def shard_params(
     resolved = _resolve(plan, config)
     out: dict[str, Any] = {}
     for path, value in params.items():
-        how, axis = resolved.get(path), split_axis(path, config, tp)
+        how, axis = resolved.get(path), tp_split_axis(path, config, tp)
         if isinstance(value, QArray):
             if scales == "shard" and axis is not None:
                 raise ValueError(

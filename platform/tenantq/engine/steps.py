@@ -62,6 +62,11 @@ class StepStats:
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
 
+    def reset(self) -> None:
+        """Zero every figure (before a measurement)."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default)
+
 
 # (model layout id, cache layout, output, kv_tokens, input shapes) -> compiled executable,
 # least recently used first; bounded so a long study over many layouts does not grow forever.

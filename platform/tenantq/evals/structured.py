@@ -3,8 +3,10 @@
 Every example is a line of held-out Python cut part-way, after up to `context_tokens` tokens
 of the file before it; the model completes the line greedily (up to the first newline) and
 passes when the completed line satisfies its check, whatever its exact spelling:
-- `close_line`: the line is cut before its trailing closing brackets; the completed line must
-  parse (`ast.parse`), so brackets and string literals have to be closed;
+- `close_line`: the line is cut before its trailing closing brackets (moved back to a token
+  boundary, often into a string literal); the completed line must parse (`ast.parse`), so
+  brackets and string literals have to be closed; `close_brackets`: only the cuts that fall
+  exactly before the closing brackets (nothing else left open);
 - `repeat_identifier`: a `return NAME` whose NAME was assigned in the lines just before; the
   completion must start with NAME (an identifier defined earlier, repeated exactly);
 A dict-literal task (`ast.literal_eval` on a completed display) was tried and dropped: the
@@ -61,7 +63,7 @@ def _close_line_cut(line: str) -> str | None:
 def _candidates(task: str, lines: list[str]):
     """(line index, line prefix, expectation) for every line of `lines` usable by `task`."""
     for i, line in enumerate(lines):
-        if task == "close_line":
+        if task in ("close_line", "close_brackets"):
             prefix = _close_line_cut(line)
             if prefix is not None:
                 yield i, prefix, ""
@@ -96,6 +98,8 @@ def build_items(tokenizer, docs: list[str], spec, seed: int) -> list[StructuredI
             ids, line_prefix = _cut_at_token(tokenizer, context, lines[i], len(prefix))
             if task == "repeat_identifier" and len(line_prefix) <= int(expect.split(":")[0]):
                 continue  # the identifier is one token: nothing of it is left to repeat
+            if task == "close_brackets" and len(line_prefix) != len(prefix):
+                continue  # the cut fell inside a token (often a string literal): close_line
             ids = ids[-(spec.context_tokens - 1) :]
             chosen.append(StructuredItem(task, "", [bos, *ids], line_prefix, expect))
             if len(chosen) == spec.per_task:
@@ -149,7 +153,7 @@ def completion_text(generated: Generated, tokenizer) -> str:
 
 def score(item: StructuredItem, generated: Generated, tokenizer) -> bool:
     completion = completion_text(generated, tokenizer)
-    if item.task_name == "close_line":
+    if item.task_name in ("close_line", "close_brackets"):
         try:
             ast.parse((item.line_prefix + completion).strip())
         except SyntaxError:

@@ -46,7 +46,7 @@ class NeedleSpec(_Spec):
 
 
 class StructuredSpec(_Spec):
-    tasks: tuple[Literal["close_line", "repeat_identifier"], ...] = (
+    tasks: tuple[Literal["close_line", "close_brackets", "repeat_identifier"], ...] = (
         "close_line",
         "repeat_identifier",
     )

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from tenantq.model.config import ModelConfig, TensorInfo
 from tenantq.numerics import QArray, quantize
-from tenantq.quant.plan import ACTIVATION_FORMATS, QuantPlan, TensorQuant
+from tenantq.quant.plan import QuantPlan, TensorQuant, check_w8a8
 
 # fn(weight float32 [in, out] (embedding [vocab, hidden]), how, **inputs) -> QArray
 Algorithm = Callable[..., QArray]
@@ -49,20 +49,6 @@ def _round_to_nearest(weight, how: TensorQuant, **_: Any) -> QArray:
     return quantize(
         weight, how.format, axis=how.axis, group_size=how.group_size, symmetric=how.symmetric
     )
-
-
-def check_w8a8(how: TensorQuant) -> None:
-    """W8A8 runs the matmul on stored codes, so a weight needs one scale per output channel."""
-    if how.activations is None:
-        return
-    if how.group_size is not None or not how.symmetric:
-        raise ValueError(
-            f"{how.path}: W8A8 ({how.activations} activations) needs symmetric per-channel "
-            f"weight scales (no group_size), got group_size={how.group_size}, "
-            f"symmetric={how.symmetric}"
-        )
-    if how.format not in ACTIVATION_FORMATS[how.activations]:
-        raise ValueError(f"{how.path}: {how.format} weights cannot pair with {how.activations}")
 
 
 def quantize_tensor(weight, how: TensorQuant, **inputs: Any) -> QArray:

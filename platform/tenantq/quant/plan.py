@@ -15,27 +15,119 @@ import json
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import ValidationError as _PydanticError
 
 from tenantq.model.config import ModelConfig, TensorInfo
+from tenantq.numerics import FORMATS, get_format
 
-FORMAT_NAMES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "mxfp8", "mxfp4", "nvfp4")
+FORMAT_NAMES = tuple(FORMATS)  # the numerics registry's names, in its order
 # Algorithms a rule may name. Only "rtn" is built in; GPTQ/AWQ/SmoothQuant register
 # themselves in tenantq.quant.apply when they land.
 ALGORITHM_NAMES = ("rtn", "gptq", "awq", "smoothquant")
 # W8A8: activations quantized per token at run time; the weight must be in the same family.
 ACTIVATION_FORMATS = {"fp8_e4m3": ("fp8_e4m3", "fp8_e5m2"), "int8": ("int8",)}
+ACTIVATION_NAMES = tuple(ACTIVATION_FORMATS)
 KV_AXES = ("channel", "token")
 # Formats a KV page may use. fp16 is allowed; bf16 is the baseline.
 KV_FORMAT_NAMES = FORMAT_NAMES
 
 
-def _check_format(name: Any, where: str, valid: tuple[str, ...] = FORMAT_NAMES) -> str:
-    if name not in valid:
-        raise ValueError(f"{where}: unknown format {name!r}; valid formats: {', '.join(valid)}")
-    return name
+# ------------------------------------------------------------------------ typed validation
+# Each plan part's fields, types and ranges, once (pydantic, strict: "false" is not a bool,
+# "13" is not a list of layers, 2.0 is not a group size). A failure is one ValueError line
+# naming the field, the value given and what is allowed.
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+class _RuleFields(BaseModel):
+    model_config = _STRICT
+    pattern: StrictStr = Field(description="regex fully matched against tensor paths")
+    format: Literal[FORMAT_NAMES] = Field(description="storage format of matching tensors")
+    group_size: Annotated[StrictInt, Field(gt=0)] | None = Field(
+        None, description="elements per scale group along the quantization axis"
+    )
+    algorithm: Literal[ALGORITHM_NAMES] = Field("rtn", description="quantization algorithm")
+    activations: Literal[ACTIVATION_NAMES] | None = Field(
+        None, description="W8A8: activation format (absent: weight-only)"
+    )
+    symmetric: StrictBool = Field(True, description="false: int zero points")
+
+
+class _LayerFormatFields(BaseModel):
+    model_config = _STRICT
+    layer: StrictInt = Field(description="layer index; negative counts from the end")
+    key_format: Literal[KV_FORMAT_NAMES] = "bf16"
+    value_format: Literal[KV_FORMAT_NAMES] = "bf16"
+
+
+class _KVFields(BaseModel):
+    model_config = _STRICT
+    key_format: Literal[KV_FORMAT_NAMES] = "bf16"
+    key_axis: Literal[KV_AXES] = "channel"
+    value_format: Literal[KV_FORMAT_NAMES] = "bf16"
+    value_axis: Literal[KV_AXES] = "token"
+    sink_tokens: Annotated[StrictInt, Field(ge=0)] = Field(
+        0, description="first tokens of each sequence kept unquantized"
+    )
+    bf16_layers: list[StrictInt] = Field([], description="layers whose KV stays bf16")
+    layer_formats: list[_LayerFormatFields] = Field([], description="per-layer KV formats")
+
+
+class _PlanFields(BaseModel):
+    model_config = _STRICT
+    rules: list[dict[str, Any]] = Field([], description="ordered rules, first match wins")
+    kv: dict[str, Any] = Field({}, description="the KV-cache part")
+
+
+def _validated(model: type[BaseModel], raw: Any, where: str) -> BaseModel:
+    """`raw` checked against `model`; the first problem as one ValueError line."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected an object (a table) of fields, got {raw!r}")
+    try:
+        return model.model_validate(raw)
+    except _PydanticError as err:
+        e = err.errors()[0]
+        loc = ".".join(str(x) for x in e["loc"])
+        parent, _, key = loc.rpartition(".")
+        inside = f"{where}.{parent}" if parent else where
+        if e["type"] == "extra_forbidden":
+            valid = ", ".join(model.model_fields) if not parent else "see the plan format"
+            message = f"{inside}: unknown key {key!r}; valid keys: {valid}"
+        elif e["type"] == "missing":
+            message = f"{inside}: {key!r} is required"
+        elif e["type"] == "literal_error":
+            valid = e["ctx"]["expected"].replace("'", "").replace(" or ", ", ")
+            noun = "format" if key.endswith("format") else key
+            message = f"{where}.{loc}: unknown {noun} {e['input']!r}; valid {noun}s: {valid}"
+        else:
+            allowed = e["msg"][0].lower() + e["msg"][1:]
+            message = f"{where}.{loc}: {e['input']!r} is not allowed; {allowed}"
+        raise ValueError(message) from None
+
+
+def check_w8a8(how: Rule | TensorQuant) -> None:
+    """W8A8 runs the matmul on stored codes: the weight needs one symmetric scale per output
+    channel (no groups) in its activations' family. The one check, for rules and tensors."""
+    if how.activations is None:
+        return
+    where = how.path if isinstance(how, TensorQuant) else f"rule {how.pattern!r}"
+    family = ACTIVATION_FORMATS[how.activations]
+    if how.format not in family:
+        raise ValueError(
+            f"{where}: W8A8 with {how.activations} activations needs weights in "
+            f"{' or '.join(family)}, got {how.format}"
+        )
+    if how.group_size is not None or not how.symmetric:
+        raise ValueError(
+            f"{where}: W8A8 ({how.activations} activations) needs symmetric per-channel "
+            f"weight scales (no group_size), got group_size={how.group_size}, "
+            f"symmetric={how.symmetric}"
+        )
 
 
 @dataclass(frozen=True)
@@ -51,31 +143,17 @@ class Rule:
 
     def __post_init__(self) -> None:
         where = f"rule {self.pattern!r}"
+        _validated(_RuleFields, {f.name: getattr(self, f.name) for f in fields(self)}, where)
         try:
             object.__setattr__(self, "_regex", re.compile(self.pattern))
         except re.error as err:
             raise ValueError(f"{where}: invalid regex ({err})") from None
-        _check_format(self.format, where)
-        if self.group_size is not None and (
-            not isinstance(self.group_size, int) or self.group_size <= 0
-        ):
-            raise ValueError(f"{where}: group_size must be a positive integer or absent")
-        if self.algorithm not in ALGORITHM_NAMES:
-            raise ValueError(
-                f"{where}: unknown algorithm {self.algorithm!r}; "
-                f"valid: {', '.join(ALGORITHM_NAMES)}"
-            )
-        if self.activations is not None:
-            if self.activations not in ACTIVATION_FORMATS:
-                raise ValueError(
-                    f"{where}: activations {self.activations!r} not supported; "
-                    f"valid: {', '.join(ACTIVATION_FORMATS)} (or absent for weight-only)"
-                )
-            if self.format not in ACTIVATION_FORMATS[self.activations]:
-                raise ValueError(
-                    f"{where}: W8A8 with {self.activations} activations needs weights in "
-                    f"{' or '.join(ACTIVATION_FORMATS[self.activations])}, got {self.format}"
-                )
+        check_w8a8(self)
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "rule") -> Rule:
+        """A rule from its JSON/TOML table (unknown keys, wrong types: one-line errors)."""
+        return cls(**_validated(_RuleFields, raw, where).model_dump())
 
     def matches(self, path: str) -> bool:
         return self._regex.fullmatch(path) is not None  # type: ignore[attr-defined]
@@ -107,47 +185,47 @@ class TensorQuant:
 
 
 @dataclass(frozen=True)
-class LayerKV:
-    """How one layer's keys and values are stored in the paged pool.
+class KVTensorSpec:
+    """How one tensor (keys or values) of one layer is stored: its format and scale axis.
 
-    A page of one layer holds keys `[page_tokens, kv_heads, head_dim]` and values of the same
-    shape. Axis "channel": one scale per (head, channel) per page (scales reduce over the
-    page's tokens, axis 0); "token": one scale per (token, head) (reduce over head_dim, axis
-    -1). `page_bytes` is the single formula the engine's allocation and the capacity planner
-    both use.
+    Axis "channel": one scale per (head, channel) per page (scales reduce over the page's
+    tokens, axis 0); "token": one scale per (token, head) (reduce over head_dim, axis -1).
     """
+
+    format: str
+    axis: str  # "channel" | "token"
+
+    @property
+    def quantized(self) -> bool:
+        return self.format != "bf16"
+
+    @property
+    def needs_residual(self) -> bool:
+        """A per-channel scale needs the whole page's tokens: the newest page waits."""
+        return self.quantized and self.axis == "channel"
+
+    @property
+    def axis_index(self) -> int:
+        return 0 if self.axis == "channel" else -1
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """The plan's word on one layer's keys and values (formats and axes); the pool's arrays
+    and their bytes are `tenantq.quant.storage.LayerKVStorage`."""
 
     key_format: str
     key_axis: str
     value_format: str
     value_axis: str
 
-    @staticmethod
-    def axis_index(axis_name: str) -> int:
-        return 0 if axis_name == "channel" else -1
+    @property
+    def keys(self) -> KVTensorSpec:
+        return KVTensorSpec(self.key_format, self.key_axis)
 
-    def page_bytes(self, page_tokens: int, kv_heads: int, head_dim: int) -> int:
-        from tenantq.numerics import storage_nbytes
-
-        shape = (page_tokens, kv_heads, head_dim)
-        return storage_nbytes(
-            shape, self.key_format, axis=self.axis_index(self.key_axis)
-        ) + storage_nbytes(shape, self.value_format, axis=self.axis_index(self.value_axis))
-
-    def residual_bytes(self, page_tokens: int, kv_heads: int, head_dim: int) -> int:
-        """Per-sequence bf16 window for the newest, not-yet-full page.
-
-        Only a quantized tensor scaled per channel needs it (its scale needs the whole page's
-        tokens); a per-token tensor is quantized at write time. 2 bytes per bf16 element.
-        """
-        per_tensor = page_tokens * kv_heads * head_dim * 2
-        tensors = ((self.key_format, self.key_axis), (self.value_format, self.value_axis))
-        return sum(per_tensor for fmt, axis in tensors if fmt != "bf16" and axis == "channel")
-
-    def sink_bytes(self, sink_tokens: int, kv_heads: int, head_dim: int) -> int:
-        """Per-sequence bf16 copy of the first `sink_tokens` tokens of each quantized tensor."""
-        per_tensor = sink_tokens * kv_heads * head_dim * 2
-        return sum(per_tensor for fmt in (self.key_format, self.value_format) if fmt != "bf16")
+    @property
+    def values(self) -> KVTensorSpec:
+        return KVTensorSpec(self.value_format, self.value_axis)
 
     @property
     def is_bf16(self) -> bool:
@@ -168,29 +246,50 @@ class KVPlan:
     layer_formats: tuple[tuple[int, str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        _check_format(self.key_format, "kv.key_format", KV_FORMAT_NAMES)
-        _check_format(self.value_format, "kv.value_format", KV_FORMAT_NAMES)
-        for name in ("key_axis", "value_axis"):
-            if getattr(self, name) not in KV_AXES:
+        raw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("bf16_layers", "layer_formats"):  # tuples here, lists in JSON
+            if isinstance(raw[name], tuple):
+                raw[name] = list(raw[name])
+        raw["layer_formats"] = [
+            dict(zip(("layer", "key_format", "value_format"), e, strict=True))
+            if isinstance(e, tuple | list) and len(e) == 3
+            else e
+            for e in raw["layer_formats"]
+        ] if isinstance(raw["layer_formats"], list) else raw["layer_formats"]  # fmt: skip
+        checked = _validated(_KVFields, raw, "kv")
+        object.__setattr__(self, "bf16_layers", tuple(checked.bf16_layers))
+        object.__setattr__(
+            self,
+            "layer_formats",
+            tuple((e.layer, e.key_format, e.value_format) for e in checked.layer_formats),
+        )
+
+    def check_model(self, config: ModelConfig) -> None:
+        """Layer indices and sink tokens against the model the plan meets (one-line errors)."""
+        n = config.num_layers
+        indices = [("bf16_layers", i) for i in self.bf16_layers]
+        indices += [("layer_formats", e[0]) for e in self.layer_formats]
+        for name, i in indices:
+            if not -n <= i < n:
                 raise ValueError(
-                    f"kv.{name}: {getattr(self, name)!r} is not valid; use 'channel' or 'token'"
+                    f"kv.{name}: layer {i} is out of range for a model of {n} layers; "
+                    f"valid indices are {-n}..{n - 1} (negative counts from the end)"
                 )
-        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
-            raise ValueError(f"kv.sink_tokens must be an integer >= 0, got {self.sink_tokens!r}")
-        object.__setattr__(self, "bf16_layers", tuple(int(i) for i in self.bf16_layers))
-        fixed = []
-        for entry in self.layer_formats:
-            idx, kf, vf = entry
-            _check_format(kf, f"kv.layer_formats[{idx}].key_format", KV_FORMAT_NAMES)
-            _check_format(vf, f"kv.layer_formats[{idx}].value_format", KV_FORMAT_NAMES)
-            fixed.append((int(idx), kf, vf))
-        object.__setattr__(self, "layer_formats", tuple(fixed))
+        context = config.max_position_embeddings
+        if self.sink_tokens > context:
+            raise ValueError(
+                f"kv.sink_tokens: {self.sink_tokens} is more than the model's context of "
+                f"{context} tokens; valid: 0..{context}"
+            )
 
     def for_layer(self, layer: int, num_layers: int) -> LayerKV:
         def norm(i: int) -> int:
             j = i + num_layers if i < 0 else i
             if not 0 <= j < num_layers:
-                raise ValueError(f"kv layer index {i} out of range for {num_layers} layers")
+                raise ValueError(
+                    f"kv layer index {i} is out of range for a model of {num_layers} layers; "
+                    f"valid indices are {-num_layers}..{num_layers - 1}"
+                )
             return j
 
         if layer in {norm(i) for i in self.bf16_layers}:
@@ -212,18 +311,16 @@ class KVPlan:
         return d
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> KVPlan:
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"kv: unknown keys {unknown}; valid keys: {sorted(known)}")
-        d = dict(raw)
-        d["bf16_layers"] = tuple(d.get("bf16_layers", ()))
-        d["layer_formats"] = tuple(
-            (e["layer"], e.get("key_format", "bf16"), e.get("value_format", "bf16"))
-            for e in d.get("layer_formats", ())
+    def from_dict(cls, raw: Any) -> KVPlan:
+        """The KV part from its JSON/TOML table (one-line errors naming the field)."""
+        checked = _validated(_KVFields, raw, "kv")
+        return cls(
+            **checked.model_dump(exclude={"bf16_layers", "layer_formats"}),
+            bf16_layers=tuple(checked.bf16_layers),
+            layer_formats=tuple(
+                (e.layer, e.key_format, e.value_format) for e in checked.layer_formats
+            ),
         )
-        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -248,7 +345,6 @@ class QuantPlan:
         """Quantized tensors of `config` and how each is stored; absent paths stay bf16.
 
         `config` may also be the tensor inventory itself (path -> TensorInfo)."""
-        from tenantq.numerics import get_format
 
         out: dict[str, TensorQuant] = {}
         for path, info in _inventory(config).items():
@@ -283,6 +379,8 @@ class QuantPlan:
         return [r for i, r in enumerate(self.rules) if i not in used]
 
     def kv_layers(self, config: ModelConfig) -> list[LayerKV]:
+        """Each layer's KV formats, once the KV part is checked against `config`."""
+        self.kv.check_model(config)
         return [self.kv.for_layer(i, config.num_layers) for i in range(config.num_layers)]
 
     # ---------------------------------------------------------------- construction
@@ -299,22 +397,17 @@ class QuantPlan:
         return {"rules": [r.to_dict() for r in self.rules], "kv": self.kv.to_dict()}
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> QuantPlan:
+    def from_dict(cls, raw: Any) -> QuantPlan:
+        """A plan from `{"rules": [...], "kv": {...}}`; wrong keys, types and values are
+        one-line ValueErrors naming the field, the value and what is allowed."""
         if not isinstance(raw, dict):
-            raise ValueError("a plan must be an object with 'rules' and 'kv'")
-        unknown = sorted(set(raw) - {"rules", "kv"})
-        if unknown:
-            raise ValueError(f"plan: unknown keys {unknown}; valid keys: ['kv', 'rules']")
-        rules = []
-        for i, r in enumerate(raw.get("rules", [])):
-            known = set(Rule.__dataclass_fields__)
-            bad = sorted(set(r) - known)
-            if bad:
-                raise ValueError(f"plan rule {i}: unknown keys {bad}; valid keys: {sorted(known)}")
-            if "pattern" not in r or "format" not in r:
-                raise ValueError(f"plan rule {i}: needs 'pattern' and 'format'")
-            rules.append(Rule(**r))
-        return cls(rules=tuple(rules), kv=KVPlan.from_dict(raw.get("kv", {})))
+            raise ValueError(
+                f"a plan must be an object with 'rules' (a list) and 'kv' (an object), "
+                f"got {type(raw).__name__}"
+            )
+        checked = _validated(_PlanFields, raw, "plan")
+        rules = tuple(Rule.from_dict(r, f"plan rules[{i}]") for i, r in enumerate(checked.rules))
+        return cls(rules=rules, kv=KVPlan.from_dict(checked.kv))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -346,21 +439,26 @@ class QuantPlan:
     @classmethod
     def load(cls, path: str | Path) -> QuantPlan:
         p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"plan file {p} is a directory; pass a .json or .toml plan file")
         if not p.is_file():
             raise ValueError(f"plan file {p} does not exist")
-        text = p.read_text()
+        suffix = p.suffix.lower()  # PLAN.JSON is a JSON file too
+        if suffix not in (".json", ".toml"):
+            raise ValueError(f"plan file {p}: expected a .json or .toml file")
         try:
-            if p.suffix == ".toml":
+            text = p.read_text()
+            if suffix == ".toml":
                 return cls.from_toml(text)
-            if p.suffix == ".json":
-                return cls.from_json(text)
-        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+            return cls.from_json(text)
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"plan file {p}: cannot parse ({err})") from None
-        raise ValueError(f"plan file {p}: expected a .json or .toml file")
+        except ValueError as err:
+            raise ValueError(f"plan file {p}: {err}") from None
 
     def save(self, path: str | Path) -> None:
         p = Path(path)
-        text = self.to_toml() if p.suffix == ".toml" else self.to_json()
+        text = self.to_toml() if p.suffix.lower() == ".toml" else self.to_json()
         tmp = p.with_name(p.name + ".tmp")
         tmp.write_text(text)
         tmp.replace(p)

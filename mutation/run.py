@@ -1,0 +1,120 @@
+"""Mutation testing of the modules where a silent error costs most (`make mutation`).
+
+Runs mutmut (3.x) over one target of mutation/targets.toml at a time, against that
+target's own test files, and prints the score and every surviving mutant. mutmut expects
+its sources under `src/`; ours live under `platform/`, so each target runs in a staging
+copy (.tenantq-cache/mutation/NAME: src/ = platform/, tests/, pyproject.toml): the working tree is
+never mutated. Survivors listed in mutation/EQUIVALENT.md (each argued there) are left out
+of the score. Exit status 1 when a target scores below --min-score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = ROOT / "mutation"
+STATUS_LINE = re.compile(r"^\s+(\S+__mutmut_\d+): (.+)$")
+DETECTED = {"killed", "timeout", "segfault", "caught by type check"}
+
+
+def equivalent_mutants() -> set[str]:
+    """Mutant names listed in EQUIVALENT.md as '- `name`: why'."""
+    text = (HERE / "EQUIVALENT.md").read_text()
+    return set(re.findall(r"^- `([^`]+__mutmut_\d+)`", text, flags=re.M))
+
+
+def stage(name: str, target: dict, jobs: int) -> Path:
+    where = ROOT / ".tenantq-cache" / "mutation" / name
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    shutil.copytree(ROOT / "platform", where / "src", ignore=skip)
+    shutil.copytree(ROOT / "tests", where / "tests", ignore=skip)
+    shutil.copy2(ROOT / "pyproject.toml", where / "pyproject.toml")
+    lines = [
+        "[mutmut]",
+        "source_paths = src",
+        f"only_mutate = src/{target['source']}",
+        "pytest_add_cli_args_test_selection =",
+        *[f"    {t}" for t in target["tests"]],
+        # Services and multi-minute runs stay out: a mutant is judged by its unit tests.
+        "pytest_add_cli_args =",
+        "    -p",
+        "    no:cacheprovider",
+        "    -m",
+        "    not e2e",
+        # JAX starts threads once it runs: fork each mutant from a server that has only
+        # imported and collected the tests (no JAX backend started yet).
+        "process_isolation = forkserver",
+        "forkserver_warmup = collect",
+    ]
+    (where / "setup.cfg").write_text("\n".join(lines) + "\n")
+    return where
+
+
+def run_target(name: str, target: dict, jobs: int, mutmut: str) -> tuple[int, int, list[str], Path]:
+    where = stage(name, target, jobs)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # Mutants re-run the same jitted functions: share compiled code across processes.
+    env.update(
+        JAX_COMPILATION_CACHE_DIR=str(ROOT / ".tenantq-cache" / "mutation" / "jax-cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
+    print(f"== {name}: mutating {target['source']} against {' '.join(target['tests'])}")
+    cmd = ["nice", "-n", "15", mutmut, "run", "--max-children", str(jobs)]
+    done = subprocess.run(cmd, cwd=where, env=env, capture_output=True, text=True)
+    (where / "mutmut-run.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
+        raise SystemExit(f"mutmut run failed for {name} (exit {done.returncode})")
+    listed = subprocess.run(
+        [mutmut, "results", "--all", "true"], cwd=where, env=env, capture_output=True, text=True
+    ).stdout
+    statuses = dict(m.groups() for line in listed.splitlines() if (m := STATUS_LINE.match(line)))
+    equivalent = equivalent_mutants()
+    judged = {k: v for k, v in statuses.items() if k not in equivalent and v != "skipped"}
+    killed = sum(v in DETECTED for v in judged.values())
+    survivors = sorted(k for k, v in judged.items() if v not in DETECTED)
+    return killed, len(judged), [f"{k} ({judged[k]})" for k in survivors], where
+
+
+def main(argv: list[str] | None = None) -> int:
+    targets = tomllib.loads((HERE / "targets.toml").read_text())["targets"]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("targets", nargs="*", help=f"any of {', '.join(targets)} (default all)")
+    parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
+    parser.add_argument("--min-score", type=float, default=90.0, help="percent (default 90)")
+    args = parser.parse_args(argv)
+    unknown = [t for t in args.targets if t not in targets]
+    if unknown:
+        parser.error(f"unknown target(s) {unknown}; known: {', '.join(targets)}")
+    mutmut = str(Path(sys.executable).with_name("mutmut"))
+    if not Path(mutmut).exists():
+        parser.error("mutmut is not installed: pip install -e '.[mutation]' (make mutation does)")
+    rows, failed = [], False
+    for name in args.targets or list(targets):
+        killed, total, survivors, where = run_target(name, targets[name], args.jobs, mutmut)
+        score = 100.0 * killed / total if total else 100.0
+        failed |= score < args.min_score
+        rows.append((name, killed, total, score))
+        print(f"   {name}: {killed}/{total} killed = {score:.1f}%  (survivors: {len(survivors)})")
+        for s in survivors:
+            print(f"      {s}")
+        if survivors:
+            print(f"   diff of one: cd {where} && mutmut show NAME")
+    print("\ntarget       killed/judged  score")
+    for name, killed, total, score in rows:
+        print(f"{name:<12} {killed:>6}/{total:<6}  {score:5.1f}%")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,286 @@
+"""What one chip stores: the tensor-parallel layout, each layer's KV arrays, the pool arithmetic.
+
+The engine allocates its pool from `LayerKVStorage.arrays` and shards weights with
+`tp_split_axis`; the capacity planner counts bytes from the same two, so planner and engine
+agree to the byte by construction. The storage dtype of unquantized KV (bf16 in serving,
+float32 in the parity engine) is part of the description. Pure Python: no JAX, so the
+planner (and a driver without accelerator libraries) can import it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from tenantq.model.config import ModelConfig
+from tenantq.quant.plan import KVTensorSpec, LayerKV, QuantPlan
+
+# ----------------------------------------------------------------------- tensor parallelism
+# Megatron layout. Tensor name -> (budget line, axis split across chips); weights are stored
+# [in, out], so q/k/v and gate/up split their output columns (by head, by MLP unit), o and
+# down their input rows (the all-reduce follows), the q/k/v biases their one axis.
+# Everything not named here (norms, o_bias) is replicated on every chip.
+TP_LAYOUT: dict[str, tuple[str, int]] = {
+    "q_proj": ("attention", 1),
+    "k_proj": ("attention", 1),
+    "v_proj": ("attention", 1),
+    "o_proj": ("attention", 0),
+    "q_bias": ("attention", 0),
+    "k_bias": ("attention", 0),
+    "v_bias": ("attention", 0),
+    "gate_proj": ("mlp", 1),
+    "up_proj": ("mlp", 1),
+    "down_proj": ("mlp", 0),
+}
+# The vocabulary axis of the embedding [vocab, hidden] and an untied lm_head [hidden, vocab].
+# Split only when the chips divide the vocabulary (even shards, as `NamedSharding` needs);
+# otherwise both tensors are replicated whole on every chip (no padding is added).
+VOCAB_AXIS = {"embed": 0, "lm_head": 1}
+
+
+def check_tp(config: ModelConfig, tp: Any, *, valid_name: str = "tp values") -> int:
+    """`tp` as an int once it is a positive integer that splits heads, KV heads and MLP units
+    evenly (KV heads are sharded, never replicated); the one check the engine and planner use."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp (chips) must be a positive integer, got {tp!r}")
+    config.check_tensor_parallel(tp, valid_name=valid_name)
+    return tp
+
+
+def vocab_replicated(config: ModelConfig, tp: int) -> bool:
+    """True when `tp` chips do not divide the vocabulary, so embed/lm_head stay whole."""
+    return config.vocab_size % tp != 0
+
+
+def tp_line(path: str) -> str:
+    """The budget line of tensor `path`: embed, lm_head, attention, mlp or norms (replicated)."""
+    if path in VOCAB_AXIS:
+        return path
+    entry = TP_LAYOUT.get(path.rsplit("/", 1)[-1])
+    return "norms" if entry is None else entry[0]
+
+
+def tp_split_axis(path: str, config: ModelConfig, tp: int) -> int | None:
+    """The axis of tensor `path` split across `tp` chips, or None when it is replicated."""
+    if path in VOCAB_AXIS:
+        return None if vocab_replicated(config, tp) else VOCAB_AXIS[path]
+    entry = TP_LAYOUT.get(path.rsplit("/", 1)[-1])
+    return None if entry is None else entry[1]
+
+
+def shard_shape(path: str, shape: tuple[int, ...], config: ModelConfig, tp: int) -> tuple[int, ...]:
+    """The shape one of `tp` chips stores of tensor `path` (whole shape when replicated)."""
+    axis = tp_split_axis(path, config, tp)
+    return tuple(d // tp if i == axis else d for i, d in enumerate(shape))
+
+
+def kv_heads_per_chip(config: ModelConfig, tp: int) -> int:
+    """KV heads one of `tp` chips holds (checked: chips divide them)."""
+    return config.num_kv_heads // check_tp(config, tp)
+
+
+# ----------------------------------------------------------------------- KV storage
+# Unquantized KV (bf16-format pages, residual windows, sink copies) is stored in one of these.
+KV_STORE_DTYPES = {"bfloat16": 2, "float32": 4}  # name -> bytes per element
+_SCALE_DTYPES = {"float32": "float32", "e8m0": "uint8", "e4m3": "float8_e4m3fn"}
+
+
+@dataclass(frozen=True)
+class KVArray:
+    """One array of one KV tensor: `shape` per page (per="page") or per sequence slot."""
+
+    name: str  # pages | scales | tensor_scale | residual | sinks
+    per: str  # "page" | "slot"
+    shape: tuple[int, ...]
+    dtype: str  # logical dtype (the engine may hold 8/16-bit floats as their bit patterns)
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass(frozen=True)
+class LayerKVStorage:
+    """One layer's KV storage on one chip: formats and axes, page geometry, storage dtype.
+
+    A page holds keys `[page_tokens, kv_heads, head_dim]` and values of the same shape in the
+    plan's formats (axis "channel": scales over the page's tokens, so the newest, partial
+    page waits in a per-slot residual window of the storage dtype; "token": scales over
+    head_dim, quantized at write time). A quantized tensor keeps an unquantized copy of its
+    first `sink_tokens` tokens per slot. `arrays` is what the pool allocates; every byte
+    figure is read from it.
+    """
+
+    layer: int
+    kv: LayerKV
+    page_tokens: int
+    kv_heads: int  # on this chip
+    head_dim: int
+    sink_tokens: int
+    store_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.store_dtype not in KV_STORE_DTYPES:
+            raise ValueError(
+                f"KV store dtype {self.store_dtype!r} is not modelled; valid: "
+                f"{', '.join(KV_STORE_DTYPES)}"
+            )
+        for name in ("page_tokens", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def tensors(self) -> tuple[tuple[str, KVTensorSpec], tuple[str, KVTensorSpec]]:
+        return (("keys", self.kv.keys), ("values", self.kv.values))
+
+    @property
+    def page_shape(self) -> tuple[int, int, int]:
+        return (self.page_tokens, self.kv_heads, self.head_dim)
+
+    def arrays(self, spec: KVTensorSpec) -> tuple[KVArray, ...]:
+        """The arrays the pool holds for one tensor (keys or values) of this layer."""
+        from tenantq.numerics import get_format, resolve_layout
+
+        store = (self.store_dtype, KV_STORE_DTYPES[self.store_dtype])
+        h, d = self.kv_heads, self.head_dim
+        if not spec.quantized:
+            return (KVArray("pages", "page", self.page_shape, *store),)
+        fmt = get_format(spec.format)
+        lay = resolve_layout(self.page_shape, fmt, axis=spec.axis_index)
+        data = ("uint8", 1) if fmt.packed else (fmt.element_dtype, fmt.element_bits // 8)
+        out = [KVArray("pages", "page", lay.data_shape, *data)]
+        if lay.scale_shape is not None:
+            dtype = _SCALE_DTYPES[fmt.scale_dtype]
+            out.append(KVArray("scales", "page", lay.scale_shape, dtype, fmt.scale_bytes))
+        if fmt.has_tensor_scale:
+            out.append(KVArray("tensor_scale", "page", (), "float32", 4))
+        if spec.needs_residual:
+            out.append(KVArray("residual", "slot", self.page_shape, *store))
+        if self.sink_tokens:
+            out.append(KVArray("sinks", "slot", (self.sink_tokens, h, d), *store))
+        return tuple(out)
+
+    def _sum(self, names: tuple[str, ...]) -> int:
+        return sum(a.nbytes for _, s in self.tensors for a in self.arrays(s) if a.name in names)
+
+    @property
+    def page_data_bytes(self) -> int:
+        """Element bytes of one page, keys and values (packed nibbles as stored)."""
+        return self._sum(("pages",))
+
+    @property
+    def page_scale_bytes(self) -> int:
+        """Scale bytes of one page (block/group scales and nvfp4's tensor scale)."""
+        return self._sum(("scales", "tensor_scale"))
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_data_bytes + self.page_scale_bytes
+
+    @property
+    def residual_bytes(self) -> int:
+        """Per sequence slot: the residual windows of per-channel quantized tensors."""
+        return self._sum(("residual",))
+
+    @property
+    def sink_bytes(self) -> int:
+        """Per sequence slot: the unquantized copy of the first tokens of quantized tensors."""
+        return self._sum(("sinks",))
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.residual_bytes + self.sink_bytes
+
+    def bytes_row(self, num_pages: int, num_slots: int) -> dict[str, Any]:
+        """This layer's report row for a pool of `num_pages` pages and `num_slots` slots."""
+        return layer_bytes_row(
+            self,
+            num_pages,
+            data_bytes=num_pages * self.page_data_bytes,
+            scale_bytes=num_pages * self.page_scale_bytes,
+            residual_bytes=num_slots * self.residual_bytes,
+            sink_bytes=num_slots * self.sink_bytes,
+        )
+
+
+def layer_bytes_row(
+    layer: LayerKVStorage,
+    num_pages: int,
+    *,
+    data_bytes: int,
+    scale_bytes: int,
+    residual_bytes: int,
+    sink_bytes: int,
+) -> dict[str, Any]:
+    """The one per-layer KV report row (planner: counted; engine: read from its arrays)."""
+    pages_bytes = data_bytes + scale_bytes
+    return {
+        "layer": layer.layer,
+        "key_format": layer.kv.key_format,
+        "key_axis": layer.kv.key_axis,
+        "value_format": layer.kv.value_format,
+        "value_axis": layer.kv.value_axis,
+        "pages": num_pages,
+        "page_bytes": layer.page_bytes,
+        "data_bytes": data_bytes,
+        "scale_bytes": scale_bytes,
+        "pages_bytes": pages_bytes,
+        "residual_bytes": residual_bytes,
+        "sink_bytes": sink_bytes,
+        "total_bytes": pages_bytes + residual_bytes + sink_bytes,
+    }
+
+
+def kv_storage(
+    config: ModelConfig,
+    plan: QuantPlan,
+    page_tokens: int,
+    *,
+    tp: int = 1,
+    store_dtype: str = "bfloat16",
+) -> tuple[LayerKVStorage, ...]:
+    """Every layer's KV storage on one of `tp` chips (the KV heads are split across chips)."""
+    if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1:
+        raise ValueError(f"page_tokens must be a positive integer, got {page_tokens!r}")
+    heads = kv_heads_per_chip(config, tp)
+    return tuple(
+        LayerKVStorage(
+            layer=i,
+            kv=kv,
+            page_tokens=page_tokens,
+            kv_heads=heads,
+            head_dim=config.head_dim,
+            sink_tokens=plan.kv.sink_tokens,
+            store_dtype=store_dtype,
+        )
+        for i, kv in enumerate(plan.kv_layers(config))
+    )
+
+
+# ----------------------------------------------------------------------- pool arithmetic
+# The default runtime reserve: 10% of each chip's memory, the headroom vLLM leaves by default
+# (gpu_memory_utilization=0.9) for activations, the compiler's workspace and the runtime.
+DEFAULT_RESERVE_FRACTION = Fraction(1, 10)
+
+
+def pool_bytes_left(memory_bytes: int, weights_bytes: int, reserve_bytes: int) -> int:
+    """The KV pool of one chip: its memory less the weights it holds and the runtime reserve."""
+    return max(0, memory_bytes - weights_bytes - reserve_bytes)
+
+
+def pages_that_fit(layers: tuple[LayerKVStorage, ...], pool_bytes: int, max_seqs: int) -> int:
+    """Pages (one in every layer) that `pool_bytes` buys once `max_seqs` slots' residual and
+    sink buffers are paid for; ValueError naming the figures when not even one page fits."""
+    page = sum(lay.page_bytes for lay in layers)
+    slots = max_seqs * sum(lay.slot_bytes for lay in layers)
+    if pool_bytes < slots + page:
+        raise ValueError(
+            f"a KV pool of {pool_bytes:,} bytes cannot hold the {max_seqs} sequence slots' "
+            f"residual/sink buffers ({slots:,} bytes) and one page in every layer "
+            f"({page:,} bytes); give it more memory or fewer max_seqs"
+        )
+    return (pool_bytes - slots) // page

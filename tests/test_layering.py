@@ -1,0 +1,157 @@
+"""The layering of DESIGN.md, executable: no package imports one the table puts below it.
+
+Every module under platform/tenantq is parsed with `ast`; every `import` and `from ... import`
+counts, including those inside functions (a lazy import is still a dependency), and so does a
+path built into another package's folder (`... / "reference"`). A failure names the file,
+the line and the import, and says what that package may import.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "platform" / "tenantq"
+DESIGN = Path(__file__).resolve().parents[2] / "shared" / "DESIGN.md"
+
+# DESIGN.md's "Rooms" table, top to bottom: a package imports only packages above it. `cli`
+# and `bench` share the bottom row ("all"). `testing` (the shared tiny fixtures, not in the
+# table) sits right below `model`, the only package it uses. Top-level modules
+# (tenantq/__init__.py, tenantq/__main__.py) dispatch to the CLI and count as `cli`.
+ORDER = (
+    "numerics",
+    "model",
+    "testing",
+    "quant",
+    "engine",
+    "capacity",
+    "reference",
+    "evals",
+    "tracking",
+    "workers",
+    "search",
+    "report",
+    ("cli", "bench"),
+)
+LEVEL = {
+    name: level
+    for level, row in enumerate(ORDER)
+    for name in (row if isinstance(row, tuple) else (row,))
+}
+# DESIGN.md: "numerics and capacity import no Ray and no MLflow; engine imports no Optuna";
+# evals is a library of measurements that any driver may call.
+FORBIDDEN_THIRD_PARTY = {
+    "numerics": {"ray", "mlflow", "optuna"},
+    "capacity": {"ray", "mlflow", "optuna"},
+    "engine": {"optuna"},
+    "evals": {"optuna", "ray", "mlflow"},
+}
+
+
+def _package_of(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).parts
+    return parts[0] if len(parts) > 1 else "cli"
+
+
+def _imports(path: Path, root: Path):
+    """(line, dotted module) for every import in the file, relative ones resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module_parts = ["tenantq", *path.relative_to(root).with_suffix("").parts]
+    if module_parts[-1] == "__init__":
+        module_parts = module_parts[:-1]
+        package_parts = module_parts
+    else:
+        package_parts = module_parts[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package_parts[: len(package_parts) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            if module == "tenantq":  # from tenantq import engine: the named subpackages
+                for alias in node.names:
+                    yield node.lineno, f"tenantq.{alias.name}"
+            else:
+                yield node.lineno, module
+        elif (  # Path(__file__).parents[1] / "reference": a reach-in by path is an import too
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Div)
+            and isinstance(node.right, ast.Constant)
+            and node.right.value in LEVEL
+        ):
+            yield node.lineno, f"tenantq.{node.right.value}"
+
+
+def layering_violations(root: Path = PACKAGE) -> list[str]:
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        package = _package_of(path, root)
+        level = LEVEL.get(package)
+        shown = path.relative_to(root.parents[1])
+        if level is None:
+            problems.append(f"{shown}: package {package!r} is not in DESIGN.md's table")
+            continue
+        allowed = [n for n, lv in LEVEL.items() if lv < level]
+        for line, module in _imports(path, root):
+            top = module.split(".")[0]
+            if top in FORBIDDEN_THIRD_PARTY.get(package, ()):
+                problems.append(
+                    f"{shown}:{line}: imports {module}; DESIGN.md: {package} imports no {top}"
+                )
+            if top != "tenantq" or module == "tenantq":
+                continue
+            target = module.split(".")[1]
+            if target == package or target not in LEVEL:
+                continue  # own package, or a top-level module such as tenantq.__main__
+            if LEVEL[target] > level or (LEVEL[target] == level and target != package):
+                if {target, package} == {"cli", "bench"}:
+                    continue  # the bottom row uses everything
+                problems.append(
+                    f"{shown}:{line}: imports {module}; {package} may import only "
+                    f"{', '.join(allowed) or 'nothing of tenantq'} (DESIGN.md's table)"
+                )
+    return problems
+
+
+def test_no_package_imports_one_below_it() -> None:
+    problems = layering_violations()
+    assert not problems, "layering violations:\n" + "\n".join(problems)
+
+
+def test_the_checker_sees_lazy_relative_and_from_imports(tmp_path: Path) -> None:
+    # A checker that missed function-level or relative imports would pass a wrong tree.
+    root = tmp_path / "platform" / "tenantq"
+    for name, body in {
+        "numerics/__init__.py": "",
+        "numerics/codec.py": "def f():\n    from tenantq.engine import Engine\n",
+        "model/__init__.py": "from ..quant import plan\n",
+        "quant/__init__.py": "import ray\n",
+        "engine/__init__.py": "from tenantq import capacity\nimport optuna\n",
+        "capacity/__init__.py": "from tenantq.quant.plan import QuantPlan\nimport mlflow\n",
+        "capacity/presets.py": "import pathlib\nP = pathlib.Path('.') / 'reference'\n",
+    }.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(body)
+    found = "\n".join(layering_violations(root))
+    assert "numerics/codec.py:2: imports tenantq.engine" in found
+    assert "model/__init__.py:1: imports tenantq.quant" in found
+    assert "engine/__init__.py:1: imports tenantq.capacity" in found
+    assert "engine/__init__.py:2: imports optuna" in found
+    assert "capacity/__init__.py:2: imports mlflow" in found
+    assert "capacity/__init__.py:1" not in found  # capacity may use quant
+    assert "capacity/presets.py:2: imports tenantq.reference" in found
+    assert "quant/__init__.py" not in found  # quant may use Ray (DESIGN bans it elsewhere)
+
+
+@pytest.mark.skipif(not DESIGN.is_file(), reason="DESIGN.md lives outside this checkout")
+def test_the_order_matches_design_md() -> None:
+    rows = re.findall(r"^\| `([a-z]+)`(?:, `([a-z]+)`)? \|", DESIGN.read_text(), flags=re.M)
+    design = [r[0] if not r[1] else (r[0], r[1]) for r in rows]
+    assert design == [row for row in ORDER if row != "testing"]
