@@ -4,7 +4,12 @@ On the shipped reference model with the `quick` suite: the first Evaluator compu
 baseline; a second one reads it from the Parquet cache (what a new worker pays). Each plan is
 evaluated twice: first for a new layout (its executables compile), then again with them
 compiled. Every trial prints its gate verdicts, so the figures are for a suite that still
-separates a damaging plan from a harmless one. Last, the top-k + tail KL against exact KL.
+separates a damaging plan from a harmless one. Last, the top-k KL (sampled tail, and the
+one-bin lower bound) against exact KL on the same candidates.
+
+`--grid`: the findings grid (weight formats x KV formats x key axis x sinks x bf16 layers)
+through `experiments/findings/grid-suite.toml`, printed as a Markdown table; it marks plans
+whose perplexity holds (CI within 1%) while a retrieval or structure gate regresses.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+GRID_SUITE = Path(__file__).resolve().parents[3] / "experiments" / "findings" / "grid-suite.toml"
 PHASES = ("quantize", "compile", "baseline", "fidelity", "needles", "structured", "total")
 
 
@@ -44,28 +50,119 @@ def _topk_error(evaluator, plans, ks=(16, 64)) -> list[dict]:
         engine = evaluator.build_engine(plan)
         exact = fidelity.compare(engine, evaluator.fidelity_rows, base)["kl"]
         for k in ks:
-            approx = fidelity.compare(
-                engine, evaluator.fidelity_rows, fidelity.topk_from_exact(base, k)
-            )["kl"]
-            rows.append({
-                "plan": name, "k": k, "kl_mean_exact": float(exact.mean()),
-                "kl_mean_topk": float(approx.mean()),
-                "rel_error_mean": float((exact.mean() - approx.mean()) / exact.mean()),
-                "abs_error_token_max": float(np.abs(exact - approx).max()),
-            })  # fmt: skip
+            topk = fidelity.topk_from_exact(base, k)
+            for tail in ("sampled", "lumped"):
+                approx = fidelity.compare(
+                    engine, evaluator.fidelity_rows, topk, lumped_tail=tail == "lumped"
+                )["kl"]
+                rows.append({
+                    "plan": name, "k": k, "tail": tail, "kl_mean_exact": float(exact.mean()),
+                    "kl_mean_topk": float(approx.mean()),
+                    "rel_error_mean": float((approx.mean() - exact.mean()) / exact.mean()),
+                    "abs_error_token_max": float(np.abs(exact - approx).max()),
+                })  # fmt: skip
     return rows
+
+
+def grid():
+    """(label, plan) pairs: each lever moved alone from bf16, then a few combinations."""
+    from tenantq.quant.plan import KVPlan, QuantPlan, Rule
+
+    def kv(fmt, axis="channel", sinks=0, bf16_layers=()):
+        return KVPlan(key_format=fmt, key_axis=axis, value_format=fmt, sink_tokens=sinks,
+                      bf16_layers=tuple(bf16_layers))  # fmt: skip
+
+    def w(fmt):
+        return () if fmt == "bf16" else (Rule(".*", fmt),)
+
+    cells = [
+        ("W bf16 / KV fp8_e4m3", w("bf16"), kv("fp8_e4m3")),
+        ("W bf16 / KV int8 token keys", w("bf16"), kv("int8", "token")),
+        ("W bf16 / KV int4 channel keys", w("bf16"), kv("int4")),
+        ("W bf16 / KV int4 token keys", w("bf16"), kv("int4", "token")),
+        ("W bf16 / KV int4 token keys, 4 sinks", w("bf16"), kv("int4", "token", 4)),
+        ("W bf16 / KV int4 token keys, bf16 layers 0,-1", w("bf16"),
+         kv("int4", "token", 0, (0, -1))),
+        ("W bf16 / KV mxfp4 channel keys", w("bf16"), kv("mxfp4")),
+        ("W bf16 / KV nvfp4 token keys", w("bf16"), kv("nvfp4", "token")),
+        ("W fp8_e4m3 / KV bf16", w("fp8_e4m3"), kv("bf16")),
+        ("W int4 / KV bf16", w("int4"), kv("bf16")),
+        ("W int4 / KV int4 channel keys", w("int4"), kv("int4")),
+    ]  # fmt: skip
+    return [(label, QuantPlan(rules=rules, kv=kvp)) for label, rules, kvp in cells]
+
+
+def _ci(s: dict, key: str, fmt: str = "+.3f") -> str:
+    return f"{s[key]:{fmt}} [{s[key + '.ci_low']:{fmt}}, {s[key + '.ci_high']:{fmt}}]"
+
+
+def _run_grid(args) -> int:
+    from tenantq.evals import Evaluator, load_suite
+    from tenantq.reference import reference_model_path
+
+    suite = load_suite(args.suite or GRID_SUITE)
+    evaluator = Evaluator(reference_model_path(), suite, cache_dir=args.cache_dir)
+    records = []
+    began = time.perf_counter()
+    for label, plan in grid()[: args.only]:
+        result = evaluator.evaluate(plan)
+        records.append({"plan": label, "plan_json": plan.to_dict(), "summary": result.summary,
+                        "timings_s": result.timings_s})  # fmt: skip
+        if args.out:
+            Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
+    s0 = records[0]["summary"] if records else {}
+    print(
+        f"suite {suite.name} ({suite.split}); bf16 baseline: ppl "
+        f"{s0.get('fidelity.ppl_base', 0):.2f}, needle@1019 "
+        f"{s0.get('needle.acc_base.len1019', 0):.0%}, vartrack@1019 "
+        f"{s0.get('needle_vartrack.acc_base.len1019', 0):.0%}, close_brackets "
+        f"{s0.get('structured.acc_base.close_brackets', 0):.0%}; "
+        f"{time.perf_counter() - began:.0f} s"
+    )
+    print(
+        "| plan | ppl ratio [95% CI] | KL mean | needle Δ [CI] | vartrack Δ [CI] "
+        "| close_brackets Δ [CI] | ppl holds, other gate regresses |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in records:
+        s = r["summary"]
+        holds = s["verdict.fidelity.ppl_ratio"] != "regression"
+        broke = [
+            k.split(".")[1]
+            for k, v in s.items()
+            if k.startswith("verdict.") and "ppl_ratio" not in k and v == "regression"
+        ]
+        flag = f"**yes** ({', '.join(broke)})" if holds and broke else "no"
+        cells = [
+            r["plan"],
+            _ci(s, "fidelity.ppl_ratio", ".4f"),
+            f"{s['fidelity.kl_mean']:.4f}",
+            _ci(s, "needle.acc_delta.len1019"),
+            _ci(s, "needle_vartrack.acc_delta.len1019"),
+            _ci(s, "structured.acc_delta.close_brackets"),
+            flag,
+        ]
+        print("| " + " | ".join(cells) + " |")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tenantq.bench evals", description=__doc__)
-    ap.add_argument("--suite", default="quick")
+    ap.add_argument("--suite", help="suite name or TOML (default: quick; --grid: grid-suite)")
+    ap.add_argument("--grid", action="store_true", help="the findings grid (see _run_grid)")
+    ap.add_argument("--cache-dir", default=".tenantq-cache", help="baseline cache for --grid")
+    ap.add_argument("--out", help="--grid: write every plan's summary and timings as JSON")
+    ap.add_argument("--only", type=int, help="--grid: run only the first N plans")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-topk", action="store_true", help="skip the top-k error measurement")
+    ap.add_argument("--topk-only", action="store_true", help="only the top-k error measurement")
     args = ap.parse_args(argv)
+    if args.grid:
+        return _run_grid(args)
     from tenantq.evals import Evaluator, load_suite
     from tenantq.reference import reference_model_path
 
-    suite = load_suite(args.suite)
+    suite = load_suite(args.suite or "quick")
     out: dict = {"suite": suite.name, "trials": []}
     with tempfile.TemporaryDirectory() as cache:
         began = time.perf_counter()
@@ -78,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         evaluator.baseline()
         out["baseline_cache_read_s"] = round(time.perf_counter() - began - evaluator.load_s, 2)
         plans = _plans()
-        for name, plan in plans.items():
+        for name, plan in {} if args.topk_only else plans.items():
             for state in ("new layout", "compiled"):
                 result = evaluator.evaluate(plan)
                 out["trials"].append({
@@ -92,16 +189,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"suite {out['suite']}: baseline computed in {out['baseline_compute_s']} s; a new "
-          f"evaluator loads in {out['evaluator_load_s']} s and reads the cached baseline in "
-          f"{out['baseline_cache_read_s']} s")  # fmt: skip
-    print(f"{'plan':<36}{'state':<12}" + "".join(f"{p:>11}" for p in PHASES) + "  verdicts")
+    if out["trials"]:
+        print(
+            f"suite {out['suite']}: baseline computed in {out['baseline_compute_s']} s; a new "
+            f"evaluator loads in {out['evaluator_load_s']} s and reads the cached baseline in "
+            f"{out['baseline_cache_read_s']} s"
+        )
+        print(f"{'plan':<36}{'state':<12}" + "".join(f"{p:>11}" for p in PHASES) + "  verdicts")
     for t in out["trials"]:
         verdicts = ", ".join(f"{k.split('.')[0]}:{v}" for k, v in t["verdicts"].items())
-        print(f"{t['plan']:<36}{t['state']:<12}" + "".join(f"{t[p]:>11.2f}" for p in PHASES)
-              + f"  {verdicts}")  # fmt: skip
+        times = "".join(f"{t[p]:>11.2f}" for p in PHASES)
+        print(f"{t['plan']:<36}{t['state']:<12}{times}  {verdicts}")
     for r in out.get("topk_vs_exact", []):
-        print(f"top-{r['k']:<3} {r['plan']:<36} exact KL {r['kl_mean_exact']:.5f}  top-k "
-              f"{r['kl_mean_topk']:.5f}  relative error {r['rel_error_mean']:.2%}  "
-              f"max per-token {r['abs_error_token_max']:.2e}")  # fmt: skip
+        print(
+            f"top-{r['k']:<3} {r['tail']:<8} {r['plan']:<36} exact KL {r['kl_mean_exact']:.5f}"
+            f"  top-k {r['kl_mean_topk']:.5f}  relative error {r['rel_error_mean']:+.2%}"
+            f"  max per-token {r['abs_error_token_max']:.2e}"
+        )
     return 0

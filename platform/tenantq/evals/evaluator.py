@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -216,8 +217,9 @@ class Evaluator:
             engine = self.build_engine(QuantPlan())
             if need_fid:
                 fid = fidelity.compute_baseline(
-                    engine, self.fidelity_rows, exact=exact, top_k=spec.top_k
-                )
+                    engine, self.fidelity_rows, exact=exact, top_k=spec.top_k,
+                    tail_samples=spec.tail_samples, seed=self.suite.seed,
+                )  # fmt: skip
                 fidelity.save_baseline(fid, fid_path)
             if items and gens is None:
                 gens = self._generate(engine, items)
@@ -476,7 +478,7 @@ def _save_generations(gens: list[Generated], items, path: Path) -> None:
         "tokens": pa.array([g.tokens for g in gens], pa.list_(pa.int32())),
         "margins": pa.array([g.margins for g in gens], pa.list_(pa.float64())),
     })  # fmt: skip
-    tmp = path.with_name(f"{path.name}.{id(table)}.tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     pq.write_table(table, tmp)
     tmp.replace(path)
 

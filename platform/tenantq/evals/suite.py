@@ -36,6 +36,9 @@ class FidelitySpec(_Spec):
         32768, gt=0, description="vocabularies up to this size get exact KL; above, top-k + tail"
     )
     top_k: int = Field(64, gt=0, description="baseline tokens kept per position above the limit")
+    tail_samples: int = Field(
+        64, gt=0, description="tokens sampled per position from the rest of the vocabulary"
+    )
 
 
 class NeedleSpec(_Spec):
