@@ -65,3 +65,14 @@ def test_confirmation_drops_rows_that_fail_or_become_dominated() -> None:
 
 def test_empty_front_says_why() -> None:
     assert "no completed trial met every constraint" in render_front([], OBJ)
+
+
+def test_a_row_whose_confirmation_could_not_run_stays_on_search_figures() -> None:
+    rows = front_rows([_trial(0, 16, 0.0, "a"), _trial(1, 40, 0.002, "b")], OBJ)
+    by = {r.trial: r for r in rows}
+    by[0].confirmed, by[0].confirmed_feasible = {"fidelity.kl_mean": (0.0, 0.0, 0.0)}, True
+    by[1].confirmed_error = "ValueError: suite file broken"
+    kept = _confirmed_front(rows, OBJ)
+    assert [r.trial for r in kept] == [1, 0]
+    text = render_front(kept, OBJ)
+    assert "confirmation could not run" in text and "suite file broken" in text

@@ -22,7 +22,8 @@ def test_cpu_worker_owns_its_cores_and_limits_threads() -> None:
 
 def test_gpu_worker_requests_gpus() -> None:
     opts = worker_options(WorkersSpec(kind="gpu", gpus_per_worker=8))
-    assert opts["num_gpus"] == 8 and "runtime_env" not in opts
+    assert opts["num_gpus"] == 8
+    assert opts["runtime_env"]["env_vars"] == {"JAX_PLATFORMS": "cuda"}  # not the driver's cpu
 
 
 def test_tpu_worker_requests_the_chips_of_one_host() -> None:
@@ -31,6 +32,6 @@ def test_tpu_worker_requests_the_chips_of_one_host() -> None:
     one = WorkersSpec(kind="tpu", tpu_topology="2x4", tpu_accelerator_type="TPU-V6E")
     opts = worker_options(one)
     assert opts["resources"]["TPU"] == 8
-    assert "runtime_env" not in opts  # a TPU worker's JAX opens the TPU
+    assert opts["runtime_env"]["env_vars"] == {"JAX_PLATFORMS": "tpu"}  # not the driver's cpu
     four = WorkersSpec(kind="tpu", tpu_topology="4x4", tpu_accelerator_type="TPU-V6E")
     assert worker_options(four)["resources"]["TPU"] == 4

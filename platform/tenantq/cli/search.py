@@ -38,8 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The driver never opens an accelerator; only workers do (DESIGN.md).
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # The driver never opens an accelerator; only workers do (DESIGN.md). Set, not defaulted:
+    # on a TPU host a driver holding the TPU would lock its own worker out.
+    os.environ["JAX_PLATFORMS"] = "cpu"
     from pathlib import Path
 
     from tenantq.search.driver import SearchDriver, prepare, study_exists

@@ -645,7 +645,8 @@ class SearchDriver:
     def _confirm(self, pool, rows: list[FrontRow]) -> list[FrontRow]:
         """Re-evaluate the front on the held-out confirmation suite (the winner's curse)."""
         done: dict[str, Any] = dict(self.study.user_attrs.get(CONFIRMED_ATTR, {}))
-        todo = [r for r in rows if str(r.trial) not in done]
+        todo = [r for r in rows if "summary" not in done.get(str(r.trial), {})]
+        errors: dict[int, str] = {}
         while todo or pool.in_flight:
             while todo and pool.idle:
                 r = todo.pop(0)
@@ -655,8 +656,8 @@ class SearchDriver:
             for finished in pool.wait(POLL_S):
                 self._record(finished)
             for number, finished in list(self._confirmations.items()):
-                if finished.error is not None:
-                    done[str(number)] = {"error": f"{finished.error}"}
+                if finished.error is not None:  # shown, not stored: a resume tries again
+                    errors[number] = f"{type(finished.error).__name__}: {finished.error}"
                 else:
                     res = finished.result
                     done[str(number)] = {
@@ -673,6 +674,7 @@ class SearchDriver:
                 r.confirmed = {m: quality_with_ci(got["summary"], m) for m in r.quality}
                 r.confirmed_feasible = all(v <= 0 for v in got["constraints"].values())
                 r.confirmed_verdicts = verdict_text(got["summary"])
+            r.confirmed_error = errors.get(r.trial, "")
         return _confirmed_front(rows, self.spec.objectives)
 
     def _export(self, rows: list[FrontRow]) -> list[Path]:
@@ -718,13 +720,15 @@ class SearchDriver:
 
 
 def _confirmed_front(rows: list[FrontRow], objectives) -> list[FrontRow]:
-    """Rows still shippable and non-dominated when judged on their confirmed figures."""
-    keep = [r for r in rows if r.confirmed_feasible is not False and r.confirmed]
+    """Rows still shippable and non-dominated when judged on their confirmed figures; a row
+    whose confirmation could not run stays, judged on its search-time figures."""
+    keep = [r for r in rows if r.confirmed_feasible is not False]
 
     def vector(r: FrontRow) -> list[float]:
         out = []
         for o in objectives:
-            v = float(r.tenants) if o.metric == CAPACITY_METRIC else r.confirmed[o.metric][0]
+            figures = r.confirmed or r.quality
+            v = float(r.tenants) if o.metric == CAPACITY_METRIC else figures[o.metric][0]
             out.append(-v if o.direction == "maximize" else v)
         return out
 

@@ -28,6 +28,7 @@ class FrontRow:
     confirmed: dict[str, tuple[float, float | None, float | None]] = field(default_factory=dict)
     confirmed_feasible: bool | None = None
     confirmed_verdicts: str = ""
+    confirmed_error: str = ""
 
 
 def quality_with_ci(
@@ -93,7 +94,7 @@ def render_front(rows: list[FrontRow], objectives: list[ObjectiveSpec]) -> str:
     if not rows:
         return "Pareto front: empty (no completed trial met every constraint)"
     metrics = [o.metric for o in objectives if o.metric != CAPACITY_METRIC]
-    confirmed = any(r.confirmed for r in rows)
+    confirmed = any(r.confirmed or r.confirmed_error for r in rows)
     head = ["trial", "tenants"]
     for m in metrics:
         head.append(f"{m} [CI]")
@@ -122,4 +123,7 @@ def render_front(rows: list[FrontRow], objectives: list[ObjectiveSpec]) -> str:
     verdicts = [f"  trial {r.trial}: {r.verdicts}" for r in rows if r.verdicts]
     if verdicts:
         lines += ["", "verdicts:", *verdicts]
+    failed = [f"  trial {r.trial}: {r.confirmed_error}" for r in rows if r.confirmed_error]
+    if failed:
+        lines += ["", "confirmation could not run (search-time figures shown):", *failed]
     return "\n".join(lines)

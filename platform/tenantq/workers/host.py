@@ -55,9 +55,13 @@ def worker_options(spec: Any) -> dict[str, Any]:
         _, resources = get_tpu_worker_resources(spec.tpu_topology, spec.tpu_accelerator_type)
         opts["resources"] = {k: v for k, v in resources.items() if k != "CPU"}
         opts["num_cpus"] = resources.get("CPU", 1)
+        # The driver runs with JAX_PLATFORMS=cpu and a local raylet passes its environment on:
+        # a device worker names its platform itself.
+        opts["runtime_env"] = {"env_vars": {"JAX_PLATFORMS": "tpu"}}
     elif spec.kind == "gpu":
         opts["num_gpus"] = spec.gpus_per_worker
         opts["num_cpus"] = 1
+        opts["runtime_env"] = {"env_vars": {"JAX_PLATFORMS": "cuda"}}
     else:
         opts["num_cpus"] = spec.cpus_per_worker
         opts["runtime_env"] = {"env_vars": cpu_worker_env(spec.cpus_per_worker)}
