@@ -288,10 +288,12 @@ class SearchDriver:
 
         from tenantq.workers import WorkerPool
 
+        # Under `ray job submit` Ray sets RAY_ADDRESS: join that cluster, do not start one.
+        address = self.address or os.environ.get("RAY_ADDRESS")
         if not ray.is_initialized():
             self._started_ray = True
-            if self.address:
-                ray.init(address=self.address, namespace="tenantq", log_to_driver=False)
+            if address:
+                ray.init(address=address, namespace="tenantq", log_to_driver=False)
             else:
                 cpus = self.workers * self.spec.workers.cpus_per_worker
                 ray.init(
