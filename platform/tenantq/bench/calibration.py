@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -220,7 +221,7 @@ def synthetic_8b(args) -> dict:
                                     smoothed=True)  # fmt: skip
             jax.block_until_ready(q.data)
             row[algorithm] = round(time.perf_counter() - start, 2)
-            print(f"  8B {name} [{n}x{m}] {algorithm}: {row[algorithm]} s", flush=True)
+            print(f"  8B {name} [{n}x{m}] {algorithm}: {row[algorithm]} s", file=sys.stderr)
         out["linears"][name] = row
     out["per_layer_s"] = {a: round(sum(r[a] for r in out["linears"].values()), 1)
                           for a in ALGORITHMS}  # fmt: skip
