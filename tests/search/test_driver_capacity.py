@@ -185,3 +185,30 @@ def test_resume_after_killing_the_driver(tmp_path) -> None:
     )
     numbers = [int(r.data.tags["tenantq.trial"]) for r in nested]
     assert sorted(numbers) == sorted({t.number for t in finished})  # one run per trial, no repeats
+
+
+@pytest.mark.slow
+def test_resume_requeues_a_trial_a_dead_driver_left_running(tmp_path) -> None:
+    """A trial left RUNNING with a heartbeat that stopped (its driver died): --resume waits out
+    the grace period, Optuna fails it and re-queues the same parameters, which then complete."""
+    from tenantq.search.driver import GRACE_PERIOD_S, make_sampler, make_storage
+    from tenantq.search.space import suggest
+
+    spec, text = _spec(tmp_path, trials=2)
+    SearchDriver(spec, text, progress=False, out_dir=tmp_path / "o").run()
+    # The "dead driver": asks a trial, gives it parameters and one heartbeat, then stops.
+    storage = make_storage(spec.study.storage, spec.study.max_trial_retries)
+    study = optuna.load_study(study_name="cap", storage=storage, sampler=make_sampler(spec))
+    orphan = study.ask()
+    params = suggest(orphan, spec.space, prepare(spec, text).config)
+    storage.record_heartbeat(orphan._trial_id)
+    began = time.monotonic()
+    spec3, text3 = _spec(tmp_path, trials=3)
+    SearchDriver(spec3, text3, resume=True, progress=False, out_dir=tmp_path / "o").run()
+    assert time.monotonic() - began >= GRACE_PERIOD_S  # not failed while it could be alive
+    trials = _study(tmp_path).trials
+    S = optuna.trial.TrialState
+    assert trials[orphan.number].state == S.FAIL
+    retry = [t for t in trials if t.system_attrs.get("failed_trial") == orphan.number]
+    assert len(retry) == 1 and retry[0].state == S.COMPLETE and retry[0].params == params
+    assert sum(t.state == S.COMPLETE for t in trials) == 3
