@@ -117,3 +117,14 @@ def test_panels_use_the_datasource_variable_and_do_not_overlap() -> None:
             for y in range(g["y"], g["y"] + g["h"]):
                 assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
                 cells[(x, y)] = panel["title"]
+
+
+def test_local_prometheus_config_scrapes_the_local_clusters_metrics_port() -> None:
+    import yaml
+
+    config = yaml.safe_load((DASHBOARD.parent / "prometheus-local.yml").read_text())
+    (job,) = config["scrape_configs"]
+    (static,) = job["static_configs"]
+    script = (DASHBOARD.parents[1] / "cluster" / "local.sh").read_text()
+    default_port = re.search(r'METRICS_PORT="\$\{TENANTQ_RAY_METRICS_PORT:-(\d+)\}"', script)
+    assert static["targets"] == [f"127.0.0.1:{default_port.group(1)}"]
