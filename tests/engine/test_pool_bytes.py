@@ -48,5 +48,5 @@ def test_pool_bytes_pays_for_the_slot_buffers(config, page_tokens: int, max_seqs
 
 def test_pool_bytes_too_small_for_the_slots_names_both_figures(config) -> None:
     # 16 slots of 768 B are 12,288 B: no page can be bought with 10,000 B.
-    with pytest.raises(ValueError, match=r"pool_bytes=10000 .* \(12288 bytes\) and one page"):
+    with pytest.raises(ValueError, match=r"10,000 bytes .* \(12,288 bytes\) and one page"):
         PagedPool(config, INT8_WITH_SINKS, page_tokens=4, max_seqs=16, pool_bytes=10_000)
