@@ -67,12 +67,17 @@ def _summarize(logits):
 
 @partial(jax.jit, static_argnums=(1, 2))
 def _top_k_tail(logp, k, samples, key):
-    """Top-k ids and log-probs, the tail's log-mass, and `samples` tail draws per position."""
+    """Top-k ids and log-probs, the tail's log-mass, and `samples` tail draws per position.
+
+    Draws are inverse-CDF samples (one cumulative sum over the vocabulary per position), so
+    memory stays at one [b, s, V] array however many samples are drawn."""
     topk_logp, topk_ids = jax.lax.top_k(logp, k)
     outside = _mask_out(logp, topk_ids)
     tail = jax.nn.logsumexp(outside, axis=-1)
-    draws = jax.random.categorical(key, outside, axis=-1, shape=(samples, *logp.shape[:2]))
-    draws = jnp.moveaxis(draws, 0, -1).astype(jnp.int32)
+    cdf = jnp.cumsum(jnp.exp(outside - tail[..., None]), axis=-1)
+    u = jax.random.uniform(key, (*logp.shape[:2], samples)) * cdf[..., -1:]
+    find = jax.vmap(jax.vmap(partial(jnp.searchsorted, side="right")))
+    draws = jnp.minimum(find(cdf, u), logp.shape[-1] - 1).astype(jnp.int32)
     return topk_ids.astype(jnp.int32), topk_logp, tail, draws, jnp.take_along_axis(logp, draws, -1)
 
 
