@@ -4,8 +4,9 @@
 raises, and keeps a dead actor in rotation; a search needs both (a failed trial is told to
 Optuna by number; a lost host is replaced). So this pool keeps `ref -> (key, worker)` itself
 and leaves the rest to Ray: actor restarts and task retries (`max_restarts`,
-`max_task_retries`) re-run a trial whose worker died; only when Ray gives up (an
-`RayActorError`) is the worker replaced here, a bounded number of times.
+`max_task_retries`) re-run a trial whose worker died; only when Ray gives up (a `RayError`
+other than the trial's own `RayTaskError`) is the worker replaced here, a bounded number of
+times.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class WorkerPool:
                 raise WorkerStartError(
                     f"worker {self._names[slot]} did not load within {timeout_s:.0f} s"
                 ) from None
-            except ray.exceptions.RayActorError as err:
+            except ray.exceptions.RayError as err:
                 raise WorkerStartError(
                     f"worker {self._names[slot]} failed to start: {_cause(err)}"
                 ) from None
@@ -168,11 +169,11 @@ class WorkerPool:
                 done.result = ray.get(ref)
             except ray.exceptions.RayTaskError as err:
                 done.error = _cause(err)
-            except (
-                ray.exceptions.RayActorError,
-                ray.exceptions.WorkerCrashedError,
-                ray.exceptions.NodeDiedError,
-            ) as err:
+            except ray.exceptions.RayError as err:
+                # The infrastructure failed, not the plan: the actor or its node died
+                # (RayActorError, NodeDiedError), Ray's memory monitor killed it
+                # (OutOfMemoryError), or its object was lost. The worker is replaced and the
+                # trial re-queued, bounded.
                 done.error, done.worker_lost = err, True
             done.elapsed_s = time.perf_counter() - start
             if done.worker_lost:
