@@ -92,10 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("targets", nargs="*", help=f"any of {', '.join(targets)} (default all)")
     parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
     parser.add_argument("--min-score", type=float, default=90.0, help="percent (default 90)")
+    parser.add_argument(
+        "--tests", nargs="+", help="run these test files instead of the target's own (one target)"
+    )
     args = parser.parse_args(argv)
     unknown = [t for t in args.targets if t not in targets]
     if unknown:
         parser.error(f"unknown target(s) {unknown}; known: {', '.join(targets)}")
+    if args.tests:
+        if len(args.targets) != 1:
+            parser.error("--tests needs exactly one target")
+        targets[args.targets[0]]["tests"] = args.tests
     mutmut = str(Path(sys.executable).with_name("mutmut"))
     if not Path(mutmut).exists():
         parser.error("mutmut is not installed: pip install -e '.[mutation]' (make mutation does)")
