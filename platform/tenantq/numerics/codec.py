@@ -327,19 +327,16 @@ def _true_divide(numerator, denominator) -> jax.Array:
 
     XLA's algebraic simplifier rewrites a division by a broadcast (a constant such as
     qmax, or one scale per group) into a multiplication by its reciprocal, which is off
-    by one ulp for about half of all inputs (21 / 7 gives 3.0000002). Materialising the
-    divisor at full shape behind an optimization barrier keeps a real division.
+    by one ulp for about half of all inputs (21 / 7 gives 3.0000002). A divisor selected
+    per element by a data-dependent predicate is no broadcast, so the division stays;
+    where the numerator is NaN the quotient is NaN with either divisor, so the select
+    changes no result, and it fuses into the division without materialising anything.
     """
     numerator = jnp.asarray(numerator, jnp.float32)
     denominator = jnp.asarray(denominator, jnp.float32)
     shape = jnp.broadcast_shapes(numerator.shape, denominator.shape)
     numerator = jnp.broadcast_to(numerator, shape)
-    # The select ties the divisor to the numerator, so that under vmap it is batched too
-    # (an unbatched divisor is broadcast again after the barrier), and the barrier holds a
-    # data-dependent operand (XLA drops a barrier whose operands are all constants).
-    full = jnp.where(jnp.isnan(numerator), denominator, denominator)
-    numerator, full = jax.lax.optimization_barrier((numerator, full))
-    return numerator / full
+    return numerator / jnp.where(jnp.isnan(numerator), jnp.float32(1.0), denominator)
 
 
 def _amax(x: jax.Array, layout: Layout) -> jax.Array:
