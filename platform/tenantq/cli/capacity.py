@@ -1,8 +1,10 @@
 """`tenantq capacity`: the memory budget of a deployment, line by line, and the tenants it holds.
 
 One plan: `--weights`/`--kv` (every tensor / every KV layer in one format) or `--plan FILE`.
-`--compare` prints several weights x KV format pairs side by side. Bad input raises
-ValueError; the dispatcher prints it as one line and exits 2.
+`--compare` prints several weights x KV format pairs side by side. Each argument is typed
+and checked while parsing (one line naming it, exit 2: cli/_args.py); what only the model,
+the plan or the budget can judge raises ValueError naming the argument, which the
+dispatcher prints as one line with exit 2.
 """
 
 from __future__ import annotations

@@ -111,8 +111,9 @@ def quantize_with_scale_zero_point(
     `scale` (and `zero_point`) are what `compute_scale_zero_point` returns for the same
     fmt/axis/group_size, or anything broadcastable to the scale's shape (a static
     per-tensor or per-head scale): float32 for fp8/int, uint8 E8M0 codes for MX, an
-    `NVFP4Scale` (or a (block, tensor) pair) for nvfp4. A group whose scale is NaN
-    (E8M0 0xFF) stores zeros. Eager calls reject other non-positive or non-finite scales.
+    `NVFP4Scale` (or a (block, tensor) pair) for nvfp4. Inside jit a group whose scale is
+    NaN (E8M0 0xFF) stores zeros, which is how `quantize` marks non-finite groups; eager
+    calls reject non-positive or non-finite scales and the code 0xFF.
     """
     spec = get_format(fmt)
     x = _float_input(x, spec)
@@ -126,10 +127,9 @@ def quantize_with_scale_zero_point(
 
 def nvfp4_tensor_scale(amax) -> jax.Array:
     """nvfp4's float32 tensor scale G = amax / (448 * 6), or 1 where that is not a normal
-    positive float32 (zero or tiny amax) ; NaN amax gives 1 too (callers mark bad data)."""
+    positive float32 (zero or tiny amax; also inf/NaN amax, which callers mark as bad)."""
     amax = jnp.asarray(amax, jnp.float32)
-    scale = _true_divide(amax, NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)
-    return jnp.where(_usable(scale), scale, jnp.float32(1.0))
+    return _or_one(_true_divide(amax, NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX))
 
 
 def dequantize(q: QArray) -> jax.Array:
@@ -327,19 +327,16 @@ def _true_divide(numerator, denominator) -> jax.Array:
 
     XLA's algebraic simplifier rewrites a division by a broadcast (a constant such as
     qmax, or one scale per group) into a multiplication by its reciprocal, which is off
-    by one ulp for about half of all inputs (21 / 7 gives 3.0000002). Materialising the
-    divisor at full shape behind an optimization barrier keeps a real division.
+    by one ulp for about half of all inputs (21 / 7 gives 3.0000002). A divisor selected
+    per element by a data-dependent predicate is no broadcast, so the division stays;
+    where the numerator is NaN the quotient is NaN with either divisor, so the select
+    changes no result, and it fuses into the division without materialising anything.
     """
     numerator = jnp.asarray(numerator, jnp.float32)
     denominator = jnp.asarray(denominator, jnp.float32)
     shape = jnp.broadcast_shapes(numerator.shape, denominator.shape)
     numerator = jnp.broadcast_to(numerator, shape)
-    # The select ties the divisor to the numerator, so that under vmap it is batched too
-    # (an unbatched divisor is broadcast again after the barrier), and the barrier holds a
-    # data-dependent operand (XLA drops a barrier whose operands are all constants).
-    full = jnp.where(jnp.isnan(numerator), denominator, denominator)
-    numerator, full = jax.lax.optimization_barrier((numerator, full))
-    return numerator / full
+    return numerator / jnp.where(jnp.isnan(numerator), jnp.float32(1.0), denominator)
 
 
 def _amax(x: jax.Array, layout: Layout) -> jax.Array:
