@@ -14,6 +14,7 @@ from tenantq.model.config import ModelConfig, TensorInfo
 _LAZY = {
     "Decoder": "tenantq.model.decoder",
     "init_params": "tenantq.model.decoder",
+    "forward": "tenantq.model.decoder",
     "load_params": "tenantq.model.loader",
     "iter_checkpoint": "tenantq.model.loader",
     "Tokenizer": "tenantq.model.tokenizer",
