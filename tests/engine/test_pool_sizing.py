@@ -79,3 +79,12 @@ def test_settings_name_everything_that_changes_results_or_memory(config, params)
     other = Engine(config, params, dtype="bfloat16", num_pages=6, max_seqs=2, page_tokens=8)
     changed = {k for k, v in other.settings().items() if engine.settings()[k] != v}
     assert changed == {"dtype", "kv_store_dtype", "plan_fingerprint"}
+
+
+def test_pool_bytes_is_a_ceiling_with_slot_buffers(config) -> None:
+    # int8 KV with sinks: each slot holds a residual window and sink copies besides the pages;
+    # they come out of pool_bytes too, so the pool never holds more than it was given.
+    plan = QuantPlan(kv=KVPlan("int8", "channel", "int8", "token", sink_tokens=4))
+    pool = PagedPool(config, plan, page_tokens=4, max_seqs=2, pool_bytes=10_000)
+    page = sum(lay.page_bytes for lay in kv_storage(config, plan, 4))
+    assert pool.nbytes <= 10_000 < pool.nbytes + page
