@@ -16,16 +16,9 @@ from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import KVPlan, QuantPlan, Rule
 from tenantq.reference import reference_model_path
 
-REFERENCE = reference_model_path()
-
 
 def _reference_shape() -> ModelConfig:
-    if (REFERENCE / "config.json").is_file():
-        return ModelConfig.from_file(REFERENCE)
-    return ModelConfig(
-        model_type="llama", vocab_size=2048, hidden_size=256, intermediate_size=768,
-        num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32, max_position_embeddings=2048,
-    )  # fmt: skip
+    return ModelConfig.from_file(reference_model_path())  # the shipped model's shape
 
 
 def _odd_shape() -> ModelConfig:

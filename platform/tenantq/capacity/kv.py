@@ -16,17 +16,8 @@ from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import QuantPlan
 from tenantq.quant.storage import LayerKVStorage, kv_storage
 
-
-def kv_layers(
-    config: ModelConfig,
-    plan: QuantPlan,
-    page_tokens: int,
-    tp: int = 1,
-    *,
-    store_dtype: str = "bfloat16",
-) -> tuple[LayerKVStorage, ...]:
-    """Per-layer KV storage (page, residual and sink bytes) on one of `tp` chips."""
-    return kv_storage(config, plan, page_tokens, tp=tp, store_dtype=store_dtype)
+# Per-layer KV storage (page, residual and sink bytes) on one of `tp` chips: the engine's.
+kv_layers = kv_storage
 
 
 def pages_per_sequence(

@@ -81,6 +81,12 @@ class PageAllocator:
     def add_tenant(self, name: str, guaranteed_pages: int = 0) -> None:
         if name in self._tenants and name != DEFAULT_TENANT:
             raise ValueError(f"tenant {name!r} already exists")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a tenant name must be a non-empty string, got {name!r}")
+        if isinstance(guaranteed_pages, bool) or not isinstance(guaranteed_pages, int):
+            raise ValueError(
+                f"guaranteed_pages must be a whole number of pages, got {guaranteed_pages!r}"
+            )
         if guaranteed_pages < 0:
             raise ValueError(f"guaranteed_pages must be >= 0, got {guaranteed_pages}")
         promised = sum(t.guaranteed_pages for n, t in self._tenants.items() if n != name)

@@ -32,6 +32,29 @@ from tenantq.quant.apply import apply_plan
 from tenantq.quant.plan import QuantPlan
 
 _MIN_BUCKET = 16  # smallest padded sequence / KV window, in tokens
+# Compute dtypes the engine runs: bfloat16 as a server does, float32 for parity with a
+# reference implementation. (float64 would need JAX's x64 mode; integer dtypes are formats,
+# chosen per tensor by the plan.)
+COMPUTE_DTYPES = ("bfloat16", "float32")
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+    """`dtype` as a numpy dtype if it is one the engine computes in; else a ValueError."""
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in COMPUTE_DTYPES:
+        hint = ""
+        if resolved is not None and resolved.kind in "iub":
+            hint = " (integer formats are chosen per tensor by the plan, e.g. int8 rules)"
+        elif resolved is not None and resolved.name == "float64":
+            hint = " (JAX computes float64 only in x64 mode; float32 is the parity dtype)"
+        raise ValueError(
+            f"dtype {dtype!r} is not a compute dtype the engine runs; valid: "
+            f"{', '.join(COMPUTE_DTYPES)}{hint}"
+        )
+    return resolved
 
 
 @dataclasses.dataclass
@@ -72,7 +95,11 @@ class Engine:
         check_supported(config)
         self.config = config
         self.plan = plan or QuantPlan()
-        self.dtype = jnp.dtype(dtype)
+        self.dtype = compute_dtype(dtype)
+        if scale_scope not in sharding.SCALE_SCOPES:
+            raise ValueError(
+                f"scale_scope={scale_scope!r}; valid: {', '.join(sharding.SCALE_SCOPES)}"
+            )
         # tp=N: quantize (scale_scope "global" or per "shard") and place on a tp-device mesh.
         self.mesh = None if tp is None else sharding.make_mesh(tp, config)
         if self.mesh is not None:
@@ -133,7 +160,7 @@ class Engine:
         per_shard = tp is not None and scale_scope == "shard"  # quantized per shard later
         params = load_quantized(
             path, config, None if per_shard else plan,
-            dtype=jnp.float32 if per_shard else jnp.dtype(dtype),
+            dtype=jnp.float32 if per_shard else compute_dtype(dtype),
         )  # fmt: skip
         return cls(
             config, params, plan, dtype=dtype, tokenizer=load_tokenizer(path), tp=tp,
@@ -143,7 +170,7 @@ class Engine:
     # ------------------------------------------------------------------ public calls
     def logits(self, token_ids) -> np.ndarray:
         """Float32 logits [batch, seq, vocab] of a full prefill; ragged rows are zero-padded."""
-        rows = _as_rows(token_ids)
+        rows = self._rows(token_ids, "token_ids")
         width = max(len(r) for r in rows)
         out = np.zeros((len(rows), width, self.config.vocab_size), np.float32)
         for start, chunk in self._chunks(rows):
@@ -156,11 +183,10 @@ class Engine:
         self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]
     ) -> list[np.ndarray]:
         """Per-token log-probabilities (float32) of each continuation given its prompt."""
-        if len(prompts) != len(continuations):
-            raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
-        prompts, conts = _as_rows(prompts), [list(map(int, c)) for c in continuations]
-        if any(not p for p in prompts):
-            raise ValueError("every prompt needs at least one token to condition on")
+        prompts = self._rows(prompts, "prompts")
+        conts = self._rows(continuations, "continuations", allow_empty=True)
+        if len(prompts) != len(conts):
+            raise ValueError(f"{len(prompts)} prompts but {len(conts)} continuations")
         rows = [p + c for p, c in zip(prompts, conts, strict=True)]
         out: list[np.ndarray] = []
         for start, chunk in self._chunks(rows):
@@ -181,9 +207,18 @@ class Engine:
     ) -> list[list[int]]:
         """Greedy continuation of each prompt: up to `max_new_tokens` new ids per prompt,
         ending before the first stop token (default: the config's eos ids)."""
-        stops = set(self.config.eos_token_ids if stop_tokens is None else stop_tokens)
+        _check_whole("max_new_tokens", max_new_tokens)
+        if stop_tokens is None:
+            stops = set(self.config.eos_token_ids)
+        elif isinstance(stop_tokens, str) or not isinstance(stop_tokens, Sequence | set):
+            raise ValueError(
+                f"stop_tokens must be a list of token ids (or None for the model's eos ids), "
+                f"got {stop_tokens!r}; for one stop token write [{stop_tokens!r}]"
+            )
+        else:
+            stops = set(self._rows([list(stop_tokens)], "stop_tokens", allow_empty=True)[0])
         results: list[list[int]] = []
-        for _, chunk in self._chunks(_as_rows(prompts)):
+        for _, chunk in self._chunks(self._rows(prompts, "prompts")):
             results.extend(self._generate_chunk(chunk, max_new_tokens, stops, tenant))
         return results
 
@@ -199,7 +234,8 @@ class Engine:
         `reserve_tokens` is how far each sequence may later grow by decoding (checked
         against the context now); the paged pool grants pages as tokens arrive, for `tenant`.
         """
-        rows = _as_rows(prompts)
+        rows = self._rows(prompts, "prompts")
+        _check_whole("reserve_tokens", reserve_tokens)
         batch = self._allocate(rows, reserve_tokens, tenant)
         try:
             logits = self._forward(
@@ -257,6 +293,9 @@ class Engine:
         return self._require_tokenizer().decode(list(ids))
 
     # ------------------------------------------------------------------ internals
+    def _rows(self, token_ids, what: str, *, allow_empty: bool = False) -> list[list[int]]:
+        return token_rows(token_ids, self.config.vocab_size, what, allow_empty=allow_empty)
+
     def _require_tokenizer(self):
         if self.tokenizer is None:
             raise ValueError(
@@ -346,8 +385,12 @@ class Engine:
         return max(min(tokens, self.cache.max_seq_tokens), 1)
 
     def _decode(self, batch: Batch, tokens: Sequence[int]):
+        tokens = self._rows([tokens], "tokens", allow_empty=True)[0]
         if len(tokens) != len(batch.seq_ids):
-            raise ValueError(f"{len(tokens)} tokens for {len(batch.seq_ids)} sequences")
+            raise ValueError(
+                f"tokens: {len(tokens)} ids for {len(batch.seq_ids)} sequences; give one per "
+                "sequence of the batch"
+            )
         if (batch.lengths >= batch.capacity).any():
             raise ValueError(
                 f"sequences have used the {batch.capacity.min()} tokens allocated to them; "
@@ -387,17 +430,62 @@ class Engine:
             self.release(batch)
 
 
-def _as_rows(token_ids) -> list[list[int]]:
+def token_rows(
+    token_ids, vocab_size: int, what: str = "token_ids", *, allow_empty: bool = False
+) -> list[list[int]]:
+    """Rows of token ids checked on the host: integers in [0, vocab_size), one row per
+    sequence (a flat list or 1-d array is one row). A bad id is a ValueError naming the
+    row, the position, the id and the vocabulary size: an id the model clamps or wraps
+    would silently corrupt every figure measured with it."""
     if isinstance(token_ids, np.ndarray | jax.Array):
-        arr = np.asarray(token_ids)
-        if arr.ndim != 2:
-            raise ValueError(f"token ids must be [batch, seq], got shape {arr.shape}")
-        rows = arr.astype(np.int64).tolist()
+        array = np.asarray(token_ids)
+        if array.ndim == 1:
+            array = array[None]
+        if array.ndim != 2:
+            raise ValueError(f"{what} must be [batch, seq] token ids, got shape {array.shape}")
+        rows = list(array)
+    elif isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+        raise ValueError(
+            f"{what} must be a list of token-id lists (or one flat list of ids), got "
+            f"{type(token_ids).__name__}"
+        )
+    elif token_ids and all(isinstance(t, int | np.integer) for t in token_ids):
+        rows = [token_ids]  # one flat list of ids: one sequence
     else:
-        rows = [list(map(int, r)) for r in token_ids]
-    if not rows or any(not r for r in rows):
-        raise ValueError("need at least one sequence, each with at least one token")
-    return rows
+        rows = list(token_ids)
+    if not rows:
+        raise ValueError(f"{what}: need at least one sequence")
+    out = []
+    for r, row in enumerate(rows):
+        if isinstance(row, str | bytes) or not isinstance(row, Sequence | np.ndarray):
+            raise ValueError(f"{what}: row {r} is {row!r}, not a list of token ids")
+        if not len(row) and not allow_empty:
+            raise ValueError(f"{what}: row {r} is empty; every sequence needs a token")
+        allowed = f"ids are integers in 0..{vocab_size - 1} (vocab_size={vocab_size})"
+        if isinstance(row, np.ndarray):
+            if row.dtype.kind not in "iu":
+                raise ValueError(f"{what}: row {r} holds {row.dtype} values; {allowed}")
+            bad = np.flatnonzero((row < 0) | (row >= vocab_size))
+            first = int(bad[0]) if bad.size else None
+        else:
+            for i, t in enumerate(row):
+                if isinstance(t, bool) or not isinstance(t, int | np.integer):
+                    raise ValueError(
+                        f"{what}: row {r}, position {i}: {t!r} is not a token id; {allowed}"
+                    )
+            first = next((i for i, t in enumerate(row) if not 0 <= t < vocab_size), None)
+        if first is not None:
+            raise ValueError(
+                f"{what}: row {r}, position {first}: id {int(row[first])} is outside the "
+                f"vocabulary; {allowed}"
+            )
+        out.append([int(t) for t in row])
+    return out
+
+
+def _check_whole(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
 
 
 def _check_kv_plan(plan: QuantPlan, config: ModelConfig) -> None:

@@ -239,8 +239,8 @@ def kv_storage(
     config: ModelConfig,
     plan: QuantPlan,
     page_tokens: int,
-    *,
     tp: int = 1,
+    *,
     store_dtype: str = "bfloat16",
 ) -> tuple[LayerKVStorage, ...]:
     """Every layer's KV storage on one of `tp` chips (the KV heads are split across chips)."""

@@ -38,19 +38,9 @@ def tiny_config(**overrides: Any) -> ModelConfig:
 
 def odd_config(**overrides: Any) -> ModelConfig:
     """A 2-layer Llama-shaped config with odd sizes (vocab 11, width 8, MLP 13, head_dim 4)."""
-    fields: dict[str, Any] = dict(
-        model_type="llama",
-        vocab_size=11,
-        hidden_size=8,
-        intermediate_size=13,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=4,
-        max_position_embeddings=256,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    odd = dict(vocab_size=11, hidden_size=8, intermediate_size=13, num_heads=2, num_kv_heads=1,
+               head_dim=4, max_position_embeddings=256)  # fmt: skip
+    return tiny_config(**{**odd, **overrides})
 
 
 def tiny_params(config: ModelConfig | None = None, seed: int = 0) -> dict[str, Any]:
