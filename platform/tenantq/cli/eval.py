@@ -25,6 +25,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--suite", default="quick", help="quick, standard, long or a suite .toml")
     p.add_argument("--split", choices=("search", "confirm"), help="override the suite's split")
     p.add_argument("--cache-dir", default=".tenantq-cache", help="baseline cache folder")
+    p.add_argument(
+        "--pool-bytes", type=int, help="size the engine's KV pool like a deployment (bytes)"
+    )
     p.add_argument("--out", help="folder for examples.parquet and summary.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -43,7 +46,11 @@ def run(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else reference_model_path()
     if not model.is_dir():
         raise ValueError(f"--model {model} is not a checkpoint folder")
-    evaluator = Evaluator(model, suite, cache_dir=args.cache_dir, progress=not args.no_progress)
+    options = {"pool_bytes": args.pool_bytes} if args.pool_bytes else None
+    evaluator = Evaluator(
+        model, suite, cache_dir=args.cache_dir, engine_options=options,
+        progress=not args.no_progress,
+    )  # fmt: skip
     result = evaluator.evaluate(plan)
     if args.out:
         out = Path(args.out)

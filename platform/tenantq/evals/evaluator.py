@@ -237,8 +237,18 @@ class Evaluator:
 
     # ------------------------------------------------------------------ evaluate
     def evaluate(self, plan) -> EvalResult:
-        from tenantq.engine import PoolExhausted
+        """Every task of the suite for `plan`; a pool too small for the suite is a ValueError."""
+        from tenantq.engine import CacheFull
 
+        try:
+            return self._evaluate(plan)
+        except CacheFull as err:
+            raise ValueError(
+                f"the suite does not fit the engine's KV pool under this plan ({err}); give "
+                "the pool more bytes (engine_options pool_bytes / --pool-bytes)"
+            ) from None
+
+    def _evaluate(self, plan) -> EvalResult:
         began = time.perf_counter()
         timings = dict.fromkeys(PHASES, 0.0)
         timings["load"] = self.load_s if self._evaluations == 0 else 0.0
@@ -301,8 +311,6 @@ class Evaluator:
                     self._pass_fail(items, base_pass, passes, base_gens, gens, rows, "task")
                 )
             bar.update(1)
-        except PoolExhausted as err:
-            raise ValueError(f"the plan does not fit the engine's KV pool: {err}") from None
         finally:
             bar.close()
         timings["compile"] = engine.stats.compile_s

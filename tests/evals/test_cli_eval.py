@@ -1,0 +1,58 @@
+"""`tenantq eval`: figures as JSON, and bad input as one line on stderr with exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tenantq.cli import main
+
+TINY = "[fidelity]\nrows = 2\nrow_tokens = 64\n{extra}"
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tenantq eval: error:") and "\n" not in err, err
+    return err
+
+
+def test_missing_plan_is_one_line(capsys, tmp_path) -> None:
+    err = _one_line_error(capsys, ["eval", "--plan", str(tmp_path / "none.json")])
+    assert "does not exist" in err
+
+
+def test_unreadable_dataset_is_one_line(capsys, tmp_path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    suite = tmp_path / "s.toml"
+    suite.write_text(TINY.format(extra=f'source = "{bad}"\n'))
+    err = _one_line_error(
+        capsys, ["eval", "--suite", str(suite), "--cache-dir", str(tmp_path), "--no-progress"]
+    )
+    assert "unreadable" in err and "bad.jsonl" in err
+
+
+def test_plan_that_does_not_fit_is_one_line(capsys, tmp_path) -> None:
+    suite = tmp_path / "s.toml"
+    suite.write_text(TINY.format(extra=""))
+    # 4 KiB cannot hold one 16-token page of all 4 layers' bf16 K and V plus the slots' buffers
+    err = _one_line_error(capsys, [
+        "eval", "--suite", str(suite), "--cache-dir", str(tmp_path), "--pool-bytes", "4096",
+        "--no-progress",
+    ])  # fmt: skip
+    assert "pool" in err
+
+
+@pytest.mark.slow
+def test_json_summary_of_the_baseline_against_itself(capsys, tmp_path) -> None:
+    suite = tmp_path / "s.toml"
+    suite.write_text(TINY.format(extra=""))
+    out = tmp_path / "out"
+    argv = ["eval", "--suite", str(suite), "--cache-dir", str(tmp_path), "--json",
+            "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["fidelity.kl_mean"] == 0.0 and summary["fidelity.tokens"] == 2 * 63
+    assert (out / "examples.parquet").is_file() and (out / "summary.json").is_file()
