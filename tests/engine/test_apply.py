@@ -64,6 +64,7 @@ def test_algorithm_seam_dispatches_by_rule_name(config, params, monkeypatch):
         return quantize(weight, how.format, axis=how.axis, group_size=how.group_size)
 
     plan = QuantPlan(rules=(Rule("layers/0/mlp/up_proj", "int4", algorithm="gptq"),))
+    monkeypatch.delitem(apply_mod._ALGORITHMS, "gptq")  # tenantq.quant.gptq registers the real one
     with pytest.raises(ValueError, match="algorithm 'gptq' is not available; registered: rtn"):
         apply_plan(params, plan, config)
     monkeypatch.setitem(apply_mod._ALGORITHMS, "gptq", fake_gptq)
