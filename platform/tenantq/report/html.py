@@ -1,0 +1,227 @@
+"""Writes the study report: one self-contained HTML file and a static image of each figure.
+
+plotly.js is embedded once in the HTML, so the file opens with no network. Static images go
+through kaleido, which drives a local Chrome/Chromium (Debian `chromium` is found on PATH);
+with `static="auto"` a machine without one gets the HTML and a one-line note instead.
+The files are written under a temporary name and renamed, so a failure leaves no half report.
+"""
+
+from __future__ import annotations
+
+import html
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tenantq.report import figures
+from tenantq.report.study import StudyRecord
+
+STATIC_FORMATS = ("png", "svg")
+
+
+@dataclass
+class ReportOutcome:
+    html_path: Path
+    images: list[Path] = field(default_factory=list)
+    figures: list[str] = field(default_factory=list)  # names of the figures drawn
+    skipped: dict[str, str] = field(default_factory=dict)  # figure -> why it is absent
+    static_note: str = ""
+
+
+def load_profile(study: StudyRecord, profile: str | Path | None):
+    """The sensitivity table (Parquet or Arrow IPC) given, or named by the study's spec."""
+    import pyarrow.feather as feather
+    import pyarrow.parquet as pq
+
+    if profile is None and study.spec_text:
+        space = tomllib.loads(study.spec_text).get("space", {})
+        profile = space.get("profile") if space.get("kind") == "sensitivity" else None
+    if profile is None:
+        return None
+    p = Path(profile)
+    if not p.is_file():
+        raise ValueError(f"sensitivity profile {p} does not exist; pass --profile PATH")
+    table = pq.read_table(p) if p.suffix == ".parquet" else feather.read_table(p)
+    need = {"tensor", "format", "kl_mean"}
+    if not need <= set(table.column_names):
+        raise ValueError(
+            f"sensitivity profile {p}: needs columns {sorted(need)}, has {table.column_names}"
+        )
+    return table
+
+
+def build_figures(study: StudyRecord, trial: int | None = None, profile=None):
+    """(name, title, figure or None, why absent) for every section of the report."""
+    chosen = study.choose_trial(trial)
+    bf16 = study.bf16
+    out = []
+    out.append(("pareto", "Pareto front", figures.pareto_figure(study), "no completed trial"))
+    if chosen is None:
+        out += [
+            ("capacity", "Capacity waterfall", None, "no completed trial"),
+            ("needles", "Needle grid", None, "no completed trial"),
+        ]
+    else:
+        out.append(
+            (
+                "capacity",
+                f"Capacity waterfall: trial {chosen.number} beside bf16",
+                figures.waterfall_figure(chosen, bf16),
+                "the chosen trial has no budget.json",
+            )
+        )
+        out.append(
+            (
+                "needles",
+                f"Needle grid: bf16 and trial {chosen.number}",
+                figures.needle_figure(chosen),
+                "the suite has no needle task (no needle rows in examples.parquet)",
+            )
+        )
+    out.append(
+        (
+            "sensitivity",
+            "Per-tensor sensitivity",
+            figures.sensitivity_figure(profile),
+            "no sensitivity profile (a `sensitivity` space's spec names one; or --profile)",
+        )
+    )
+    out.append(
+        (
+            "flips",
+            "Flips per task",
+            figures.flips_figure(study),
+            "no pass/fail task in the suite (fidelity only)",
+        )
+    )
+    out.append(("timeline", "Trial timeline", figures.timeline_figure(study), "no trial"))
+    return chosen, out
+
+
+def write_report(
+    study: StudyRecord,
+    out_dir: str | Path,
+    *,
+    trial: int | None = None,
+    profile: str | Path | None = None,
+    static: str = "auto",
+) -> ReportOutcome:
+    """Write `report.html` and `figures/NAME.{png,svg}` under `out_dir`."""
+    if static not in (*STATIC_FORMATS, "auto", "none"):
+        raise ValueError(f"--static must be one of png, svg, auto, none; got {static!r}")
+    from plotly.offline import get_plotlyjs
+
+    out = Path(out_dir)
+    table = load_profile(study, profile)
+    chosen, sections = build_figures(study, trial, table)
+    outcome = ReportOutcome(html_path=out / "report.html")
+    body = [_header(study, chosen)]
+    drawn = []
+    for name, title, fig, why in sections:
+        body.append(f'<h2 id="{name}">{html.escape(title)}</h2>')
+        if fig is None:
+            body.append(f'<p class="absent">Not drawn: {html.escape(why)}.</p>')
+            outcome.skipped[name] = why
+            continue
+        body.append(
+            f'<div class="figure" data-figure="{name}">'
+            + fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"fig-{name}")
+            + "</div>"
+        )
+        if name == "pareto":
+            body.append(_front_table(study))
+        drawn.append((name, fig))
+        outcome.figures.append(name)
+    page = (
+        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
+        f"<title>tenantq report: {html.escape(study.name)}</title>"
+        f"<style>{_CSS}</style>"
+        f'<script type="text/javascript">{get_plotlyjs()}</script>'
+        "</head><body>" + "\n".join(body) + "</body></html>"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = outcome.html_path.with_suffix(".html.tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(outcome.html_path)
+    outcome.images, outcome.static_note = _write_static(drawn, out / "figures", static)
+    return outcome
+
+
+def _write_static(drawn, folder: Path, static: str) -> tuple[list[Path], str]:
+    if static == "none" or not drawn:
+        return [], ""
+    fmt = "png" if static == "auto" else static
+    import plotly.io as pio
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{name}.{fmt}" for name, _ in drawn]
+    tmps = [p.with_name(p.stem + ".tmp." + fmt) for p in paths]
+    try:
+        # One browser session for all figures (kaleido >= 1): seconds, not seconds per figure.
+        pio.write_images(
+            [fig for _, fig in drawn], tmps, format=fmt, width=[_width(f) for _, f in drawn]
+        )
+    except Exception as err:  # kaleido found no Chrome/Chromium, or it would not start
+        for t in tmps:
+            t.unlink(missing_ok=True)
+        note = f"static images not written: {type(err).__name__}: {str(err).splitlines()[0]}"
+        if static == "auto":
+            return [], note + " (install chromium, or pass --static none)"
+        raise ValueError(note) from err
+    for t, p in zip(tmps, paths, strict=True):
+        t.replace(p)
+    return paths, ""
+
+
+def _width(fig) -> int:
+    return int(fig.layout.width or 1100)
+
+
+def _header(study: StudyRecord, chosen) -> str:
+    done = len(study.completed)
+    failed = sum(t.failed for t in study.trials)
+    front = sum(t.on_front for t in study.completed)
+    p = study.params
+    rows = [
+        ("study", study.name),
+        ("experiment", f"{study.experiment} ({study.tracking_uri})"),
+        ("parent run", study.parent_run_id),
+        ("trials", f"{len(study.trials)} logged: {done} complete, {failed} failed"),
+        ("front", f"{front} trial(s) tagged tenantq.pareto"),
+        ("objectives", p.get("objectives", "-")),
+        (
+            "deployment",
+            f"{p.get('deployment.hardware', '?')} x{p.get('deployment.chips', '?')}, "
+            f"memory {p.get('deployment.memory') or 'profile'}, "
+            f"{p.get('deployment.context_tokens', '?')} tokens per tenant",
+        ),
+        ("model", f"{p.get('model.path', '?')} (identity {p.get('model.identity', '?')})"),
+        ("suite", p.get("eval.suite", "-")),
+        ("chosen trial", "-" if chosen is None else f"{chosen.number}: {chosen.plan_summary()}"),
+    ]
+    cells = "".join(
+        f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows
+    )
+    return f"<h1>tenantq study {html.escape(study.name)}</h1><table class='meta'>{cells}</table>"
+
+
+def _front_table(study: StudyRecord) -> str:
+    rows = figures.front_table_rows(study)
+    if not rows:
+        return "<p class='absent'>No trial is tagged tenantq.pareto (the study did not finish).</p>"
+    head = list(dict.fromkeys(k for r in rows for k in r))
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    trs = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(r.get(h, '-'))}</td>" for h in head) + "</tr>"
+        for r in rows
+    )
+    return f"<h3>The front's plans</h3><table class='front'><tr>{th}</tr>{trs}</table>"
+
+
+_CSS = """
+body { font-family: sans-serif; margin: 2em; }
+table { border-collapse: collapse; margin: 1em 0; }
+th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top;
+         white-space: pre-wrap; font-size: 13px; }
+.absent { color: #777; font-style: italic; }
+"""

@@ -1,0 +1,264 @@
+"""A study read back from MLflow alone: the parent run, its nested trial runs and their artifacts.
+
+The report never asks the driver or Optuna; everything comes from the tracking store at any
+URI, in the layout `tenantq.tracking` writes (dashboards/README.md): a parent run tagged
+`tenantq.kind=study`, nested runs tagged `tenantq.kind=trial` with the flattened plan as params,
+metrics with `.ci_low`/`.ci_high`, and artifacts loaded only when a figure needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+PARENT_TAG = "mlflow.parentRunId"
+CAPACITY_METRIC = "tenants"  # the objective the driver computes (tenantq.search.spec)
+TENANTS_KEY = "capacity.tenants"
+
+
+@dataclass
+class TrialRecord:
+    """One nested trial run as MLflow holds it."""
+
+    number: int
+    run_id: str
+    status: str  # MLflow run status: FINISHED, FAILED, ...
+    params: dict[str, str]
+    metrics: dict[str, float]
+    tags: dict[str, str]
+    logged_ms: int  # when the driver logged the run (a trial's run is created at its end)
+    client: Any = field(repr=False, default=None)
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "FAILED"
+
+    @property
+    def tenants(self) -> float | None:
+        return self.metrics.get(TENANTS_KEY)
+
+    @property
+    def on_front(self) -> bool:
+        return self.tags.get("tenantq.pareto") == "true"
+
+    @property
+    def shippable(self) -> bool:
+        return self.tags.get("tenantq.shippable") == "true"
+
+    @property
+    def duplicate_of(self) -> int | None:
+        d = self.tags.get("tenantq.duplicate_of")
+        return int(d) if d else None
+
+    @property
+    def fingerprint(self) -> str:
+        return self.params.get("plan.fingerprint", "")
+
+    @property
+    def is_bf16(self) -> bool:
+        """Every weight class and both KV formats in bf16: the baseline every delta is against."""
+        weights = [v for k, v in self.params.items() if k.startswith("weights.")]
+        return (
+            bool(weights)
+            and all(v in ("bf16", "absent") for v in weights)
+            and self.params.get("kv.key_format") == "bf16"
+            and self.params.get("kv.value_format") == "bf16"
+        )
+
+    @property
+    def is_baseline(self) -> bool:
+        """A baseline: tagged so, or a uniform plan (one weight format, one KV format)."""
+        if self.tags.get("tenantq.baseline") == "true":
+            return True
+        weights = {v for k, v in self.params.items() if k.startswith("weights.") and v != "absent"}
+        kv = {self.params.get("kv.key_format"), self.params.get("kv.value_format")}
+        return len(weights) == 1 and len(kv) == 1 and self.params.get("kv.bf16_layers") == "none"
+
+    def plan_summary(self) -> str:
+        """The flattened plan on a few lines (for hover text and tables)."""
+        w = ", ".join(
+            f"{k.removeprefix('weights.')}={v}"
+            for k, v in sorted(self.params.items())
+            if k.startswith("weights.")
+        )
+        p = self.params
+        kv = (
+            f"K {p.get('kv.key_format', '?')}/{p.get('kv.key_axis', '?')}, "
+            f"V {p.get('kv.value_format', '?')}/{p.get('kv.value_axis', '?')}, "
+            f"sinks {p.get('kv.sink_tokens', '?')}, bf16 layers {p.get('kv.bf16_layers', '?')}"
+        )
+        return f"weights: {w}\nKV: {kv}"
+
+    def metric_ci(self, metric: str) -> tuple[float, float | None, float | None] | None:
+        if metric not in self.metrics:
+            return None
+        return (
+            self.metrics[metric],
+            self.metrics.get(f"{metric}.ci_low"),
+            self.metrics.get(f"{metric}.ci_high"),
+        )
+
+    def artifact_names(self) -> set[str]:
+        return {a.path for a in self.client.list_artifacts(self.run_id)}
+
+    def artifact_json(self, name: str) -> Any | None:
+        text = self._artifact_bytes(name)
+        return None if text is None else json.loads(text)
+
+    def artifact_table(self, name: str):
+        """A Parquet artifact as a pyarrow Table, or None when the run has none."""
+        import pyarrow.parquet as pq
+
+        if name not in self.artifact_names():
+            return None
+        with tempfile.TemporaryDirectory() as tmp:
+            local = self.client.download_artifacts(self.run_id, name, tmp)
+            return pq.read_table(local)
+
+    def _artifact_bytes(self, name: str) -> bytes | None:
+        if name not in self.artifact_names():
+            return None
+        with tempfile.TemporaryDirectory() as tmp:
+            return Path(self.client.download_artifacts(self.run_id, name, tmp)).read_bytes()
+
+
+@dataclass
+class StudyRecord:
+    """The parent run of one study and its trials, in trial order."""
+
+    tracking_uri: str
+    experiment: str
+    name: str
+    parent_run_id: str
+    params: dict[str, str]
+    metrics: dict[str, float]
+    trials: list[TrialRecord]
+    client: Any = field(repr=False, default=None)
+
+    @cached_property
+    def spec_text(self) -> str:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                local = self.client.download_artifacts(self.parent_run_id, "spec.toml", tmp)
+            except Exception:  # an older study without the spec artifact
+                return ""
+            return Path(local).read_text()
+
+    @property
+    def objectives(self) -> list[tuple[str, str]]:
+        """(direction, metric) in the spec's order, from the parent's `objectives` param."""
+        out = []
+        for part in self.params.get("objectives", "").split(","):
+            words = part.split()
+            if len(words) == 2:
+                out.append((words[0], words[1]))
+        return out
+
+    @property
+    def quality_metrics(self) -> list[str]:
+        """The quality objectives, or every metric with CI bounds when the parent lacks them."""
+        named = [m for _, m in self.objectives if m != CAPACITY_METRIC]
+        if named:
+            return named
+        seen = {
+            k[: -len(".ci_high")] for t in self.trials for k in t.metrics if k.endswith(".ci_high")
+        }
+        return sorted(m for m in seen if not m.startswith("confirmed."))
+
+    @property
+    def completed(self) -> list[TrialRecord]:
+        return [t for t in self.trials if not t.failed and t.tenants is not None]
+
+    @property
+    def bf16(self) -> TrialRecord | None:
+        return next((t for t in self.completed if t.is_bf16), None)
+
+    def choose_trial(self, number: int | None = None) -> TrialRecord | None:
+        """Trial `number`, else the shippable front trial with the most tenants (then the front,
+        then any completed non-bf16 trial)."""
+        if number is not None:
+            for t in self.trials:
+                if t.number == number:
+                    if t.failed:
+                        raise ValueError(f"--trial {number} failed; choose a completed trial")
+                    return t
+            have = ", ".join(str(t.number) for t in self.completed) or "none"
+            raise ValueError(f"--trial {number} is not in study {self.name!r}; completed: {have}")
+        pools = (
+            [t for t in self.completed if t.on_front and t.shippable and not t.is_bf16],
+            [t for t in self.completed if t.on_front and not t.is_bf16],
+            [t for t in self.completed if not t.is_bf16],
+            self.completed,
+        )
+        for pool in pools:
+            if pool:
+                return max(pool, key=lambda t: (t.tenants or 0, -t.number))
+        return None
+
+
+def experiment_names(client) -> list[str]:
+    return sorted(e.name for e in client.search_experiments())
+
+
+def load_study(tracking_uri: str, experiment: str, study: str | None = None) -> StudyRecord:
+    """Read a study from MLflow; a missing experiment or study is a one-line ValueError naming
+    the ones that exist. Without `study`, the experiment's latest study run is read."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        names = ", ".join(experiment_names(client)) or "none"
+        raise ValueError(
+            f"no experiment {experiment!r} in {tracking_uri}; experiments there: {names}"
+        )
+    parents = client.search_runs(
+        [exp.experiment_id],
+        filter_string="tags.`tenantq.kind` = 'study'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1000,
+    )
+    if study is not None:
+        parents = [p for p in parents if p.data.params.get("study.name") == study]
+    if not parents:
+        found = client.search_runs(
+            [exp.experiment_id], filter_string="tags.`tenantq.kind` = 'study'", max_results=1000
+        )
+        names = ", ".join(sorted({p.data.params.get("study.name", "?") for p in found})) or "none"
+        what = f"study {study!r}" if study else "study run (tags.tenantq.kind = 'study')"
+        raise ValueError(f"experiment {experiment!r} has no {what}; studies there: {names}")
+    parent = parents[0]
+    runs = client.search_runs(
+        [exp.experiment_id],
+        filter_string=f"tags.`{PARENT_TAG}` = '{parent.info.run_id}'",
+        max_results=50000,
+    )
+    trials = [
+        TrialRecord(
+            number=int(r.data.tags.get("tenantq.trial", -1)),
+            run_id=r.info.run_id,
+            status=r.info.status,
+            params=dict(r.data.params),
+            metrics=dict(r.data.metrics),
+            tags=dict(r.data.tags),
+            logged_ms=int(r.info.start_time or 0),
+            client=client,
+        )
+        for r in runs
+        if r.data.tags.get("tenantq.kind") == "trial"
+    ]
+    trials.sort(key=lambda t: t.number)
+    return StudyRecord(
+        tracking_uri=tracking_uri,
+        experiment=experiment,
+        name=parent.data.params.get("study.name", parent.info.run_name or ""),
+        parent_run_id=parent.info.run_id,
+        params=dict(parent.data.params),
+        metrics=dict(parent.data.metrics),
+        trials=trials,
+        client=client,
+    )
