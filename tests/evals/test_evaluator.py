@@ -63,6 +63,10 @@ def test_baseline_against_itself_is_no_change(small) -> None:
     assert all(g.constraint <= 0 for g in result.gates.values())
     assert s["verdict.needle.acc_delta.len256"] == "no detectable change"
     assert result.examples.num_rows == 4 + 8 + 8
+    # one baseline margin per generated token: needles generate exactly their 5 digits
+    rows = result.examples.to_pylist()
+    assert all(len(r["baseline_margins"]) == 5 for r in rows if r["task"] == "needle")
+    assert all(r["margin"] == min(r["baseline_margins"]) for r in rows if r["task"] == "needle")
     assert set(result.timings_s) >= {"load", "quantize", "compile", "baseline", "fidelity",
                                      "needles", "structured", "total"}  # fmt: skip
     # MLflow metric names: letters, digits and _ - . / only

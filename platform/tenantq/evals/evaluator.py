@@ -368,6 +368,7 @@ class Evaluator:
                 "kl": float(kl_seq[i]), "top1_agree": float(agree_seq[i]),
                 "margin": float(base.margin[i].mean()), "candidate_margin": float("nan"),
                 "flip": "", "baseline_tokens": [], "candidate_tokens": [],
+                "baseline_margins": [],
             })  # fmt: skip
         return out
 
@@ -414,6 +415,7 @@ class Evaluator:
                 "candidate_margin": float(min(gc.margins)) if gc.margins else float("nan"),
                 "flip": _flip(b, c),
                 "baseline_tokens": gb.tokens, "candidate_tokens": gc.tokens,
+                "baseline_margins": gb.margins,
             })  # fmt: skip
         return out
 
@@ -473,6 +475,7 @@ _EXAMPLE_SCHEMA = pa.schema([
     ("kl", pa.float64()), ("top1_agree", pa.float64()), ("margin", pa.float64()),
     ("candidate_margin", pa.float64()), ("flip", pa.string()),
     ("baseline_tokens", pa.list_(pa.int32())), ("candidate_tokens", pa.list_(pa.int32())),
+    ("baseline_margins", pa.list_(pa.float64())),
 ])  # fmt: skip
 
 
