@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from tenantq.evals import sensitivity
@@ -26,8 +27,9 @@ def test_each_unit_quantizes_exactly_one_thing(config):
         f"layers/1/mlp/{n}_proj" for n in ("down", "gate", "up")
     ]
     kv = sensitivity.units(config, "fp8_e4m3", kv=True)
-    assert [u.tensor for u in kv] == ["layers/0/kv/keys", "layers/0/kv/values",
-                                      "layers/1/kv/keys", "layers/1/kv/values"]  # fmt: skip
+    assert [(u.tensor, u.tensor_class) for u in kv] == [
+        ("kv/0", "keys"), ("kv/0", "values"), ("kv/1", "keys"), ("kv/1", "values")
+    ]  # fmt: skip
     layers = [kv[1].plan.kv.for_layer(i, 2) for i in range(2)]
     assert (layers[0].key_format, layers[0].value_format) == ("bf16", "fp8_e4m3")
     assert layers[1].is_bf16
@@ -65,3 +67,11 @@ def test_kv_profile_on_the_reference_model_is_cached(tmp_path, monkeypatch, caps
     np.testing.assert_allclose([r["kl_mean"] for r in printed], [r["kl_mean"] for r in rows])
     text = sensitivity.matrix_text(table)
     assert text.splitlines()[0].split() == ["layer", "keys", "values"]
+    # The search's sensitivity space reads this table as written (kv/{i} rows rank layers).
+    from tenantq.model.config import ModelConfig
+    from tenantq.search.space import SensitivityProfile
+
+    pq_path = tmp_path / "kv.parquet"
+    pq.write_table(table, pq_path)
+    profile = SensitivityProfile.load(pq_path, ModelConfig.from_file(reference_model_path()))
+    assert sorted(profile.kv_layer_order) == [0, 1, 2, 3]

@@ -34,7 +34,7 @@ UNIT_KINDS = ("tensor", "block")
 CACHE_VERSION = 1
 SCHEMA = pa.schema(
     [
-        ("tensor", pa.string()),  # a tensor path, a block (layers/3/mlp), or layers/3/kv/keys
+        ("tensor", pa.string()),  # a tensor path, a block (layers/3/mlp), or kv/3 (a KV layer)
         ("format", pa.string()),
         ("kl_mean", pa.float64()),  # mean over windows of the per-token KL (nats)
         ("kl_ci_low", pa.float64()),
@@ -133,7 +133,9 @@ def units(config: ModelConfig, fmt: str, *, by: str = "tensor", kv: bool = False
         for i in range(config.num_layers):
             for part, formats in (("keys", (i, fmt, "bf16")), ("values", (i, "bf16", fmt))):
                 plan = QuantPlan(kv=KVPlan(layer_formats=(formats,)))
-                out.append(Unit(f"layers/{i}/kv/{part}", i, part, "kv", plan))
+                # "kv/{i}" is how the search's sensitivity space names a KV layer; keys and
+                # values are two rows of it (tensor_class), the search takes the larger.
+                out.append(Unit(f"kv/{i}", i, part, "kv", plan))
         return out
     if fmt not in FORMAT_NAMES or fmt == "bf16":
         raise ValueError(f"format {fmt!r} is not a quantized weight format; valid: "
