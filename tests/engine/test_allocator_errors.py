@@ -37,6 +37,14 @@ def test_bad_calls_name_what_is_wrong() -> None:
         alloc.add_tenant("a", 1)
     with pytest.raises(ValueError, match="guaranteed_pages must be >= 0, got -1"):
         alloc.add_tenant("b", -1)
+    for name in ("", None, 3):
+        with pytest.raises(
+            ValueError, match=f"a tenant name must be a non-empty string, got {name!r}"
+        ):
+            alloc.add_tenant(name, 1)
+    for pages in (True, 1.5, "2"):
+        with pytest.raises(ValueError, match="guaranteed_pages must be a whole number of pages"):
+            alloc.add_tenant("c", pages)
     alloc.open(1, "a")
     with pytest.raises(ValueError, match="sequence 1 is already open"):
         alloc.open(1)
