@@ -39,7 +39,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
+
+    # MLflow draws a progress bar per artifact download; the report reads dozens.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
     from tenantq.report import load_study, write_report
 

@@ -46,19 +46,24 @@ def pareto_figure(study: StudyRecord) -> go.Figure | None:
                 go.Scatter(
                     x=[t.tenants for t in group],
                     y=ys,
-                    mode="markers",
+                    mode="markers+text",
+                    text=[str(t.number) for t in group],
+                    textposition="top right",
                     name="shippable" if shippable else "not shippable",
                     legendgroup=str(shippable),
                     showlegend=col == 1,
                     marker={
                         "color": SHIPPABLE_COLOR if shippable else NOT_SHIPPABLE_COLOR,
                         "size": [16 if t.on_front else 10 for t in group],
-                        "symbol": [_symbol(t) for t in group],
-                        "line": {"width": 1, "color": "black"},
+                        "symbol": ["diamond" if t.is_baseline else "circle" for t in group],
+                        "line": {
+                            "width": [3 if t.on_front else 1 for t in group],
+                            "color": "black",
+                        },
                     },
                     error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo},
-                    text=[_hover(t, metric) for t in group],
-                    hovertemplate="%{text}<extra></extra>",
+                    hovertext=[_hover(t, metric) for t in group],
+                    hoverinfo="text",
                 ),
                 row=1,
                 col=col,
@@ -66,18 +71,12 @@ def pareto_figure(study: StudyRecord) -> go.Figure | None:
         fig.update_xaxes(title_text="tenants", row=1, col=col)
         fig.update_yaxes(title_text=metric, row=1, col=col)
     fig.update_layout(
-        title="Pareto front: tenants vs quality (star = on the front, diamond = baseline; "
-        "bars = 95% CI)",
+        title="Pareto front: tenants vs quality (large, thick outline = on the front; "
+        "diamond = baseline; bars = 95% CI; labels = trial numbers)",
         height=450,
         width=max(600, 480 * len(metrics)),
     )
     return fig
-
-
-def _symbol(t: TrialRecord) -> str:
-    if t.on_front:
-        return "star"
-    return "diamond" if t.is_baseline else "circle"
 
 
 def _ci_width(t: TrialRecord, metric: str, bound: str) -> float:
@@ -155,7 +154,7 @@ def waterfall_figure(chosen: TrialRecord, bf16: TrialRecord | None) -> go.Figure
                     f"{abs(v) / MIB:.2f} MiB" if m != "total" else ""
                     for v, m in zip(values, ["a", "r", "r", "total", "r", "total"], strict=True)
                 ],
-                textposition="outside",
+                textposition="auto",
                 hovertext=[
                     f"{b['hbm_bytes_per_chip']:,} B per chip ({b['hardware']}, {b['chips']} chip)",
                     f"{b['weights_bytes_per_chip']:,} B: {b['weights_summary']}",
@@ -377,7 +376,9 @@ def timeline_figure(study: StudyRecord) -> go.Figure | None:
     duplicates answered from the study on their own lane."""
     if not study.trials:
         return None
-    t0 = min(t.logged_ms for t in study.trials) / 1000.0
+    t0 = min(
+        t.logged_ms / 1000.0 - t.metrics.get("time.worker_elapsed_s", 0.0) for t in study.trials
+    )
     failed_fps: dict[str, int] = {}
     bars: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for t in study.trials:
@@ -397,7 +398,7 @@ def timeline_figure(study: StudyRecord) -> go.Figure | None:
         bars[kind].append(
             {
                 "lane": lane,
-                "start": max(end_s - elapsed, 0.0),
+                "start": end_s - elapsed,
                 "width": max(elapsed, 0.5),  # a failure or a duplicate takes no worker time
                 "label": label,
                 "hover": f"trial {label}, {kind}, {elapsed:.1f} s on {lane}"
@@ -425,7 +426,7 @@ def timeline_figure(study: StudyRecord) -> go.Figure | None:
     subtitle = ", ".join(f"{lane}: {share:.0%} busy" for lane, share in sorted(busy.items()))
     fig.update_layout(
         title=f"Trial timeline per worker ({subtitle})" if subtitle else "Trial timeline",
-        xaxis_title="seconds since the first trial was logged",
+        xaxis_title="seconds since the first trial started",
         barmode="overlay",
         height=250 + 40 * len({b["lane"] for items in bars.values() for b in items}),
     )

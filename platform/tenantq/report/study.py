@@ -32,6 +32,7 @@ class TrialRecord:
     tags: dict[str, str]
     logged_ms: int  # when the driver logged the run (a trial's run is created at its end)
     client: Any = field(repr=False, default=None)
+    _downloaded: dict[str, bytes] = field(repr=False, default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -102,8 +103,12 @@ class TrialRecord:
             self.metrics.get(f"{metric}.ci_high"),
         )
 
-    def artifact_names(self) -> set[str]:
+    @cached_property
+    def _artifacts(self) -> set[str]:
         return {a.path for a in self.client.list_artifacts(self.run_id)}
+
+    def artifact_names(self) -> set[str]:
+        return self._artifacts
 
     def artifact_json(self, name: str) -> Any | None:
         text = self._artifact_bytes(name)
@@ -111,19 +116,21 @@ class TrialRecord:
 
     def artifact_table(self, name: str):
         """A Parquet artifact as a pyarrow Table, or None when the run has none."""
+        import io
+
         import pyarrow.parquet as pq
 
-        if name not in self.artifact_names():
-            return None
-        with tempfile.TemporaryDirectory() as tmp:
-            local = self.client.download_artifacts(self.run_id, name, tmp)
-            return pq.read_table(local)
+        data = self._artifact_bytes(name)
+        return None if data is None else pq.read_table(io.BytesIO(data))
 
     def _artifact_bytes(self, name: str) -> bytes | None:
         if name not in self.artifact_names():
             return None
-        with tempfile.TemporaryDirectory() as tmp:
-            return Path(self.client.download_artifacts(self.run_id, name, tmp)).read_bytes()
+        if name not in self._downloaded:
+            with tempfile.TemporaryDirectory() as tmp:
+                local = self.client.download_artifacts(self.run_id, name, tmp)
+                self._downloaded[name] = Path(local).read_bytes()
+        return self._downloaded[name]
 
 
 @dataclass
