@@ -1,0 +1,97 @@
+"""Real studies for the report tests, made by the search platform's own driver.
+
+Ray local, real HostWorkers on the shipped reference model, Optuna and MLflow on sqlite in a
+tmp dir; the suite (report_suite.toml) is the smallest that feeds every figure. Three studies
+in one MLflow store and one Optuna storage: `report` (3 trials: the baselines bf16, fp8/fp8
+and int4/bf16), `failing` (GPTQ without calibration statistics: every quantized trial raises in
+the worker) and `single` (1 trial). Built once per session: 3-8 minutes on 2 shared cores.
+TENANTQ_REPORT_STUDIES=DIR reuses (or builds once into) DIR, for iterating on these tests.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SUITE = Path(__file__).with_name("report_suite.toml")
+SPEC = """
+model = "reference"
+[deployment]
+hardware = "cpu"
+memory = "9830KiB"
+context_tokens = 256
+[space]
+weight_formats = ["bf16", "fp8_e4m3", "int4"]
+group_size = 64
+key_formats = ["bf16", "fp8_e4m3", "int8"]
+value_formats = ["bf16", "fp8_e4m3"]
+bf16_first_layers = [0, 1]
+bf16_last_layers = [0]
+[[objectives]]
+metric = "tenants"
+direction = "maximize"
+[[objectives]]
+metric = "fidelity.kl_mean"
+direction = "minimize"
+[[objectives]]
+metric = "needle.acc_delta.len256"
+direction = "maximize"
+[eval]
+suite = "{suite}"
+cache_dir = "{tmp}/cache"
+[calibration]
+algorithm = "{algorithm}"
+[sampler]
+kind = "nsga2"
+seed = 1
+population_size = 4
+[study]
+name = "{name}"
+trials = {trials}
+storage = "sqlite:///{tmp}/optuna.db"
+[workers]
+count = 2
+cpus_per_worker = 1
+[tracking]
+uri = "sqlite:///{tmp}/mlflow.db"
+experiment = "{name}"
+"""
+
+
+@dataclass(frozen=True)
+class Studies:
+    root: Path
+    tracking_uri: str
+    optuna_url: str
+
+
+def run_study(tmp: Path, name: str, trials: int, algorithm: str = "rtn") -> None:
+    from tenantq.search.driver import SearchDriver
+    from tenantq.search.spec import parse_spec
+
+    text = SPEC.format(tmp=tmp, suite=SUITE, name=name, trials=trials, algorithm=algorithm)
+    spec = parse_spec(tomllib.loads(text))
+    SearchDriver(spec, text, progress=False, out_dir=tmp / "runs" / name).run()
+
+
+@pytest.fixture(scope="session")
+def studies(tmp_path_factory) -> Studies:
+    import ray
+
+    reuse = os.environ.get("TENANTQ_REPORT_STUDIES")
+    tmp = Path(reuse) if reuse else tmp_path_factory.mktemp("studies")
+    if reuse and (tmp / "mlflow.db").is_file():
+        return Studies(tmp, f"sqlite:///{tmp}/mlflow.db", f"sqlite:///{tmp}/optuna.db")
+    tmp.mkdir(parents=True, exist_ok=True)
+    ray.init(num_cpus=2, include_dashboard=False, namespace="tenantq", log_to_driver=False)
+    try:
+        run_study(tmp, "report", trials=3)
+        run_study(tmp, "failing", trials=3, algorithm="gptq")
+        run_study(tmp, "single", trials=1)
+    finally:
+        ray.shutdown()
+    return Studies(tmp, f"sqlite:///{tmp}/mlflow.db", f"sqlite:///{tmp}/optuna.db")
