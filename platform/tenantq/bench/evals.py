@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -157,6 +158,28 @@ def _render_grid(records: list[dict], header: str) -> str:
     return "\n".join(lines)
 
 
+_SMOKE_SUITE = """
+resamples = 200
+[fidelity]
+rows = 2
+row_tokens = 64
+[[needles]]
+lengths = [128]
+per_length = 2
+[structured]
+tasks = ["close_brackets"]
+per_task = 2
+context_tokens = 64
+max_new_tokens = 4
+"""
+
+
+def _write_smoke_suite() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="tenantq-bench-evals-")) / "smoke.toml"
+    path.write_text(_SMOKE_SUITE)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tenantq.bench evals", description=__doc__)
     ap.add_argument("--suite", help="suite name or TOML (default: quick; --grid: grid-suite)")
@@ -171,10 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.grid:
         return _run_grid(args)
+    from tenantq.bench.engine import SMOKE_ENV
     from tenantq.evals import Evaluator, load_suite
     from tenantq.reference import reference_model_path
 
-    suite = load_suite(args.suite or "quick")
+    plans = _plans()
+    if os.environ.get(SMOKE_ENV, "") not in ("", "0") and not args.suite:
+        # smoke run (the test that every benchmark runs): a tiny suite and one plan
+        suite, plans = load_suite(_write_smoke_suite()), dict(list(plans.items())[:1])
+    else:
+        suite = load_suite(args.suite or "quick")
     out: dict = {"suite": suite.name, "trials": []}
     with tempfile.TemporaryDirectory() as cache:
         began = time.perf_counter()
@@ -186,7 +215,6 @@ def main(argv: list[str] | None = None) -> int:
         out["evaluator_load_s"] = round(evaluator.load_s, 2)
         evaluator.baseline()
         out["baseline_cache_read_s"] = round(time.perf_counter() - began - evaluator.load_s, 2)
-        plans = _plans()
         for name, plan in {} if args.topk_only else plans.items():
             for state in ("new layout", "compiled"):
                 result = evaluator.evaluate(plan)
