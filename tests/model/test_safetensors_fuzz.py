@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import ml_dtypes
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tenantq.model.loader import iter_file
@@ -113,7 +113,9 @@ def test_fuzzed_file_loads_correctly_or_fails_naming_the_file(tmp_path, specs, m
         loaded = dict(iter_file(path))
     except ValueError as err:
         assert "fuzz.safetensors" in str(err), str(err)
+        event(f"refused after {mutation[0]}")
         return
+    event(f"loaded after {mutation[0]}")
     want = _independent_decode(raw)
     assert set(loaded) == set(want)
     for name, value in want.items():

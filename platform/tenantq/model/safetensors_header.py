@@ -1,13 +1,11 @@
-"""A safetensors header, validated completely before any tensor data is read.
+"""A safetensors header, validated completely before any tensor data is mapped.
 
-The data itself is read by the `safetensors` library (`safe_open`, one tensor at a time),
-which validates headers too. This module exists for the messages: the library's errors
-name neither the file nor, for several faults, the tensor ("invalid offset", "header too
-large"), and never say what would be right. Here every fault names the file, the tensor
-and the rule it breaks, following the format's rules (github.com/huggingface/safetensors,
-README "Format"): an 8-byte little-endian header length, a JSON object of
-`{name: {dtype, shape, data_offsets}}` (plus an optional `__metadata__` of strings), and
-a byte buffer that the tensors cover exactly, without holes or overlaps.
+Every fault names the file, the tensor and the rule it breaks, following the format
+(github.com/huggingface/safetensors, README "Format"): an 8-byte little-endian header
+length, a JSON object of `{name: {dtype, shape, data_offsets}}` (plus an optional
+`__metadata__` of strings), and a byte buffer that the tensors cover exactly, without holes
+or overlaps. The `safetensors` library checks the same rules but its messages name neither
+the file nor, for several faults ("invalid offset", "header too large"), the tensor.
 """
 
 from __future__ import annotations
