@@ -37,6 +37,7 @@ ENGINE_CALLS = [
     ("id -1", lambda e: e.logits([[1], [5, -1]]), ["row 1, position 1", "id -1", "0..63"]),
     ("id 2**40", lambda e: e.logits([[2**40]]), ["position 0", f"id {2**40}", "0..63"]),
     ("float id", lambda e: e.logits([[1, 2.0]]), ["position 1", "2.0", "not a token id"]),
+    ("float id, flat", lambda e: e.logits([1, 2.0]), ["row 0, position 1", "2.0", "0..63"]),
     ("float array", lambda e: e.logits(np.ones((1, 3))), ["float64", "integers in 0..63"]),
     ("3-d array", lambda e: e.logits(np.ones((1, 2, 3), int)), ["[batch, seq]", "(1, 2, 3)"]),
     ("string", lambda e: e.logits("hello"), ["token_ids", "list of token-id lists", "str"]),

@@ -449,7 +449,7 @@ def token_rows(
             f"{what} must be a list of token-id lists (or one flat list of ids), got "
             f"{type(token_ids).__name__}"
         )
-    elif token_ids and all(isinstance(t, int | np.integer) for t in token_ids):
+    elif token_ids and not any(isinstance(t, Sequence | np.ndarray) for t in token_ids):
         rows = [token_ids]  # one flat list of ids: one sequence
     else:
         rows = list(token_ids)
