@@ -145,7 +145,7 @@ def test_resume_after_killing_the_driver(tmp_path) -> None:
     """SIGKILL the driver process mid-study; --resume finishes it with every completed trial
     kept as it was and none run twice (one MLflow run per trial number)."""
     spec_path = tmp_path / "cap.toml"
-    spec_path.write_text(SPEC_TEXT.format(tmp=tmp_path, trials=40, sampler="random"))
+    spec_path.write_text(SPEC_TEXT.format(tmp=tmp_path, trials=16, sampler="random"))
     cmd = [sys.executable, "-m", "tenantq", "search", str(spec_path), "--no-progress"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(
@@ -159,7 +159,7 @@ def test_resume_after_killing_the_driver(tmp_path) -> None:
             complete = _study(tmp_path).get_trials(states=(optuna.trial.TrialState.COMPLETE,))
         except Exception:  # the study is not created yet
             continue
-        if len(complete) >= 5:
+        if len(complete) >= 3:
             break
     assert proc.poll() is None, "the driver finished before it could be killed"
     proc.send_signal(signal.SIGKILL)
@@ -167,7 +167,7 @@ def test_resume_after_killing_the_driver(tmp_path) -> None:
     killed = {
         t.number: t.datetime_complete for t in _study(tmp_path).trials if t.state.is_finished()
     }
-    assert len(killed) >= 5
+    assert len(killed) >= 3
     done = subprocess.run(cmd + ["--resume"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     trials = _study(tmp_path).trials
@@ -176,7 +176,7 @@ def test_resume_after_killing_the_driver(tmp_path) -> None:
         assert trials[number].datetime_complete == when  # kept, not re-run
     finished = [t for t in trials if t.state in (states.COMPLETE, states.FAIL)]
     retries = [t for t in trials if "failed_trial" in t.system_attrs]
-    assert len(finished) - len(retries) == 40
+    assert len(finished) - len(retries) == 16
     assert not [t for t in trials if t.state == states.RUNNING]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     exp = client.get_experiment_by_name("cap")
