@@ -21,6 +21,10 @@ demo: $(STAMP)
 	@# The quickstart study: tenants vs quality on the reference model, 2 CPU workers; a second
 	@# `make demo` resumes the finished study and prints its front again.
 	JAX_PLATFORMS=cpu $(VENV)/bin/tenantq search experiments/quickstart.toml --resume-or-start
+	JAX_PLATFORMS=cpu $(VENV)/bin/tenantq report --experiment quickstart --out reports/quickstart
+	@echo "report: reports/quickstart/report.html"
+	@echo "MLflow UI:        $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000"
+	@echo "optuna-dashboard: $(VENV)/bin/optuna-dashboard sqlite:///optuna.db --host 127.0.0.1 --port 8080"
 
 # pytest exits 5 when it collected nothing: say so plainly instead of failing obscurely.
 test: $(STAMP)
