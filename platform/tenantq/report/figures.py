@@ -71,8 +71,7 @@ def pareto_figure(study: StudyRecord) -> go.Figure | None:
         fig.update_xaxes(title_text="tenants", row=1, col=col)
         fig.update_yaxes(title_text=metric, row=1, col=col)
     fig.update_layout(
-        title="Pareto front: tenants vs quality (large, thick outline = on the front; "
-        "diamond = baseline; bars = 95% CI; labels = trial numbers)",
+        title="Pareto front (thick outline: on the front; diamond: baseline; bars: 95% CI)",
         height=450,
         width=max(600, 480 * len(metrics)),
     )
