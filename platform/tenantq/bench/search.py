@@ -6,6 +6,7 @@ same plans in the same order. The bf16 baseline is computed once beforehand and 
 each run's cache (it is a one-off per model and suite, not a per-trial cost), while each run
 starts with an empty XLA compilation cache, so the 2-worker run gains nothing from the first.
 Steady-state rate = trials / (last trial's end - first trial's start), from Optuna's records.
+`TENANTQ_BENCH_SMOKE=1` shrinks the defaults to one worker, two trials and a tiny suite.
 """
 
 from __future__ import annotations
@@ -20,6 +21,20 @@ import tomllib
 from pathlib import Path
 
 PHASES = ("load", "quantize", "compile", "fidelity", "needles", "structured")
+SMOKE_ENV = "TENANTQ_BENCH_SMOKE"  # the test suite's smoke run: one worker, a tiny suite
+# Fidelity on 2 windows of 64 tokens and one gate: seconds per trial (smoke run only).
+SMOKE_SUITE = """seed = 0
+split = "search"
+resamples = 200
+[fidelity]
+rows = 2
+row_tokens = 64
+[[gates]]
+metric = "fidelity.kl_mean"
+tolerance = 0.05
+higher_is_better = false
+"""
+DEFAULT_SPEC = Path(__file__).resolve().parents[3] / "experiments" / "quickstart.toml"
 EVAL_PHASES = ("fidelity", "needles", "structured")
 
 
@@ -59,6 +74,9 @@ def run_one(base: dict, workers: int, trials: int, suite: str, warm: Path, root:
     study = optuna.load_study(study_name=spec.study.name, storage=spec.study.storage)
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     measured = [t for t in done if "duplicate_of" not in t.user_attrs]
+    if not done:
+        errors = {t.user_attrs.get("error", "") for t in study.trials}
+        raise RuntimeError(f"bench search: no trial completed with {workers} worker(s): {errors}")
     steady_s = (
         max(t.datetime_complete for t in done) - min(t.datetime_start for t in done)
     ).total_seconds()
@@ -78,20 +96,30 @@ def run_one(base: dict, workers: int, trials: int, suite: str, warm: Path, root:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m tenantq.bench search", description=__doc__)
-    p.add_argument("--spec", default="experiments/quickstart.toml")
-    p.add_argument("--trials", type=int, default=6)
-    p.add_argument("--suite", default="quick")
-    p.add_argument("--workers", default="1,2", help="worker counts to compare")
+    smoke = os.environ.get(SMOKE_ENV) == "1"
+    p.add_argument("--spec", default=str(DEFAULT_SPEC))
+    p.add_argument("--trials", type=int, default=2 if smoke else 6)
+    p.add_argument("--suite", default=None, help="suite name or TOML (default: quick)")
+    p.add_argument("--workers", default="1" if smoke else "1,2", help="worker counts")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tenantq.search.spec import parse_spec
 
     base = tomllib.loads(Path(args.spec).read_text())
+    if smoke and args.suite is None:  # the tiny suite measures fidelity only
+        base["objectives"] = [
+            {"metric": "tenants", "direction": "maximize"},
+            {"metric": "fidelity.kl_mean", "direction": "minimize"},
+        ]
     spec = parse_spec(base, args.spec)
     counts = [int(x) for x in args.workers.split(",")]
     with tempfile.TemporaryDirectory(prefix="tenantq-bench-search-") as tmp:
         root = Path(tmp)
+        if args.suite is None and smoke:
+            args.suite = str(root / "smoke_suite.toml")
+            Path(args.suite).write_text(SMOKE_SUITE)
+        args.suite = args.suite or "quick"
         warm = root / "warm"
         baseline_s = _warm_baseline(spec.model_path(), args.suite, warm)
         rows = [run_one(base, w, args.trials, args.suite, warm, root) for w in counts]
