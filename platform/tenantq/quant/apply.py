@@ -162,3 +162,8 @@ def load_quantized(
             params[path] = quantize_tensor(np.asarray(array, dtype=np.float32), how)
         del array
     return params
+
+
+# The calibrated algorithms register themselves on import; importing them once the registry
+# above exists makes them available to every caller of this module.
+from tenantq.quant import awq, gptq, smoothquant  # noqa: E402, F401, I001
