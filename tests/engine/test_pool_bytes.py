@@ -50,3 +50,11 @@ def test_pool_bytes_too_small_for_the_slots_names_both_figures(config) -> None:
     # 16 slots of 768 B are 12,288 B: no page can be bought with 10,000 B.
     with pytest.raises(ValueError, match=r"10,000 bytes .* \(12,288 bytes\) and one page"):
         PagedPool(config, INT8_WITH_SINKS, page_tokens=4, max_seqs=16, pool_bytes=10_000)
+
+
+def test_slots_plus_one_page_is_the_smallest_pool(config) -> None:
+    # At (4, 4): four slots of 768 B and one page of 448 B = 3,520 B is the least that works.
+    pool = PagedPool(config, INT8_WITH_SINKS, page_tokens=4, max_seqs=4, pool_bytes=3_520)
+    assert (pool.num_pages, pool.nbytes) == (1, 3_520)
+    with pytest.raises(ValueError, match=r"3,519 bytes .* \(3,072 bytes\) and one page"):
+        PagedPool(config, INT8_WITH_SINKS, page_tokens=4, max_seqs=4, pool_bytes=3_519)
