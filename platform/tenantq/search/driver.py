@@ -601,6 +601,14 @@ class SearchDriver:
 
             arts["budget.txt"] = render_budget(ctx["budget"])
             arts["budget.json"] = ctx["budget"].to_dict()
+        # Who ran it and whether it is one of the enqueued baselines, for every outcome (the
+        # report's timeline and Pareto markers read these tags).
+        attrs = getattr(ctx.get("trial"), "user_attrs", None) or {}
+        tags = dict(tags)
+        if attrs.get("baseline"):
+            tags.setdefault("tenantq.baseline", "true")
+        if ctx.get("worker") is not None:
+            tags.setdefault("tenantq.worker", str(ctx["worker"]))
         run_id = self.tracker.log_trial(
             number,
             params=ctx.get("params", {}),
