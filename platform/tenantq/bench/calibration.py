@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -20,6 +21,11 @@ import numpy as np
 
 FORMATS = (("int4", 128), ("int8", None), ("nvfp4", None), ("mxfp4", None))
 ALGORITHMS = ("rtn", "gptq", "awq", "smoothquant")
+# Under this variable (the suite's smoke test) the defaults shrink to a few short windows, one
+# format and a 3-point AWQ grid: every step still runs, in seconds instead of minutes.
+SMOKE_ENV = "TENANTQ_BENCH_SMOKE"
+SMOKE_DEFAULTS = dict(sequences=4, seq_tokens=64, held_out=2, kl_rows=2, kl_tokens=64,
+                      awq_grid=3)  # fmt: skip
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -38,7 +44,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--synthetic-8b", action="store_true", help="time an 8B-shaped layer")
     p.add_argument("--synthetic-tokens", type=int, default=2048, help="tokens in its Gram")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    smoke = bool(os.environ.get(SMOKE_ENV))
+    if smoke:
+        p.set_defaults(**SMOKE_DEFAULTS)
     args = p.parse_args(argv)
+    args.formats = FORMATS[:1] if smoke else FORMATS
     if min(args.sequences, args.seq_tokens, args.held_out, args.kl_rows, args.awq_grid) <= 0:
         p.error("counts must be positive")
     return args
@@ -127,7 +137,7 @@ def reference(args) -> dict:
         return stats.paired_bootstrap(np.zeros_like(kl_seq), kl_seq, resamples=2000)
 
     quality = []
-    for fmt, group in FORMATS:
+    for fmt, group in args.formats:
         results = {}
         for algorithm in ALGORITHMS:
             plan = _plan(algorithm, fmt, group)
