@@ -249,17 +249,26 @@ def sensitivity_figure(profile_table) -> go.Figure | None:
     if profile_table is None:
         return None
     by_format: dict[str, dict[tuple[int, str], float]] = defaultdict(dict)
-    for tensor, fmt, kl in zip(
+    names = profile_table.schema.names
+    # A KV layer has two rows, keys and values, told apart by `tensor_class` (one cell each).
+    kv_parts = (
+        profile_table.column("tensor_class").to_pylist()
+        if "tensor_class" in names
+        else [None] * profile_table.num_rows
+    )
+    for tensor, fmt, kl, part in zip(
         profile_table.column("tensor").to_pylist(),
         profile_table.column("format").to_pylist(),
         profile_table.column("kl_mean").to_pylist(),
+        kv_parts,
         strict=True,
     ):
         m = _TENSOR_PATH.fullmatch(tensor)
         if m:
             by_format[fmt][(int(m.group(1)), f"{m.group(2)}/{m.group(3)}")] = float(kl)
         elif tensor.startswith("kv/"):
-            by_format[fmt][(int(tensor.split("/")[1]), "kv cache")] = float(kl)
+            label = f"kv/{part}" if part in ("keys", "values") else "kv cache"
+            by_format[fmt][(int(tensor.split("/")[1]), label)] = float(kl)
     if not by_format:
         return None
     formats = sorted(by_format)
