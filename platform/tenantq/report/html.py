@@ -30,24 +30,14 @@ class ReportOutcome:
 
 def load_profile(study: StudyRecord, profile: str | Path | None):
     """The sensitivity table (Parquet or Arrow IPC) given, or named by the study's spec."""
-    import pyarrow.feather as feather
-    import pyarrow.parquet as pq
-
     if profile is None and study.spec_text:
         space = tomllib.loads(study.spec_text).get("space", {})
         profile = space.get("profile") if space.get("kind") == "sensitivity" else None
     if profile is None:
         return None
-    p = Path(profile)
-    if not p.is_file():
-        raise ValueError(f"sensitivity profile {p} does not exist; pass --profile PATH")
-    table = pq.read_table(p) if p.suffix == ".parquet" else feather.read_table(p)
-    need = {"tensor", "format", "kl_mean"}
-    if not need <= set(table.column_names):
-        raise ValueError(
-            f"sensitivity profile {p}: needs columns {sorted(need)}, has {table.column_names}"
-        )
-    return table
+    from tenantq.search.space import read_profile_table
+
+    return read_profile_table(profile)
 
 
 def build_figures(study: StudyRecord, trial: int | None = None, profile=None):

@@ -212,6 +212,25 @@ def _allowed(choices: list | range, value: Any) -> bool:
     return value in choices
 
 
+def read_profile_table(path: str | Path):
+    """The table `tenantq sensitivity` writes (Parquet, or Arrow IPC for any other suffix),
+    checked for the columns every reader needs: tensor, format, kl_mean."""
+    import pyarrow.feather as feather
+    import pyarrow.parquet as pq
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"sensitivity profile {p} does not exist; give a file `tenantq "
+                         "sensitivity --out` wrote")  # fmt: skip
+    table = pq.read_table(p) if p.suffix == ".parquet" else feather.read_table(p)
+    need = {"tensor", "format", "kl_mean"}
+    if not need <= set(table.column_names):
+        raise ValueError(
+            f"sensitivity profile {p}: needs columns {sorted(need)}, has {table.column_names}"
+        )
+    return table
+
+
 # ---------------------------------------------------------------- sensitivity profile
 @dataclass(frozen=True)
 class SensitivityProfile:
@@ -224,18 +243,8 @@ class SensitivityProfile:
     def load(cls, path: str | Path, config: ModelConfig) -> SensitivityProfile:
         """Read the table `tenantq sensitivity` writes (Parquet or Arrow IPC) with columns
         tensor, format, kl_mean; a tensor's sensitivity is its largest kl_mean over formats."""
-        import pyarrow.feather as feather
-        import pyarrow.parquet as pq
-
         p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"sensitivity profile {p} does not exist")
-        table = pq.read_table(p) if p.suffix == ".parquet" else feather.read_table(p)
-        need = {"tensor", "format", "kl_mean"}
-        if not need <= set(table.column_names):
-            raise ValueError(
-                f"sensitivity profile {p}: needs columns {sorted(need)}, has {table.column_names}"
-            )
+        table = read_profile_table(p)
         worst: dict[str, float] = {}
         for tensor, kl in zip(
             table.column("tensor").to_pylist(), table.column("kl_mean").to_pylist(), strict=True
