@@ -1,0 +1,193 @@
+"""Search efficiency on a finite space: the space, its exhaustive quality cache, the front.
+
+A finite structured space (MLP format x attention format x KV format and key axis) on the
+quickstart deployment, every plan built by `space.plan_from_params` and counted by
+`capacity.budget` exactly as the driver does. One exhaustive pass measures each distinct
+plan's quality once and caches it on disk by plan fingerprint (one JSON file per plan,
+written atomically, so a killed pass resumes); samplers are then compared on the cache alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tenantq.search.spec import SpaceSpec, Spec
+
+MLP_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4")
+ATTN_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4")
+# KV choice = "format/key axis"; values always per token (DESIGN.md), keys as named.
+KV_CHOICES = (
+    "bf16",
+    "fp8_e4m3/channel",
+    "fp8_e4m3/token",
+    "int4/channel",
+    "int4/token",
+    "nvfp4/token",
+    "mxfp4/token",
+)
+AXES = {"mlp": MLP_FORMATS, "attn": ATTN_FORMATS, "kv": KV_CHOICES}
+QUALITY_METRIC = "fidelity.kl_mean"
+SUITE_PATH = Path(__file__).resolve().parent / "efficiency_suite.toml"
+DEFAULT_SPEC = Path(__file__).resolve().parents[3] / "experiments" / "quickstart.toml"
+
+
+@dataclass(frozen=True)
+class SpacePoint:
+    """One plan of the finite space: its choice per axis, fingerprint and exact tenants."""
+
+    choice: tuple[str, str, str]  # (mlp, attn, kv)
+    fingerprint: str
+    tenants: int
+    plan_json: str
+
+
+def efficiency_space(spec: Spec) -> SpaceSpec:
+    """The spec's structured space narrowed to the three searched axes (no bf16 edge layers,
+    no sinks, no bf16 KV layers; embed and lm_head stay bf16)."""
+    kv_formats = sorted({c.split("/")[0] for c in KV_CHOICES})
+    return spec.space.model_copy(
+        update={
+            "kind": "structured",
+            "weight_formats": list(dict.fromkeys(MLP_FORMATS + ATTN_FORMATS)),
+            "embed_formats": ["bf16"],
+            "uniform_weights": False,
+            "bf16_first_layers": [0],
+            "bf16_last_layers": [0],
+            "key_formats": kv_formats,
+            "value_formats": kv_formats,
+            "key_axes": ["channel", "token"],
+            "sink_tokens": [0],
+            "kv_bf16_layers": ["none"],
+        }
+    )
+
+
+def space_params(choice: tuple[str, str, str], config) -> dict[str, Any]:
+    """The structured space's parameters for one (mlp, attn, kv) choice."""
+    mlp, attn, kv = choice
+    key_format, _, key_axis = kv.partition("/")
+    params: dict[str, Any] = {
+        "w.attn_qkv": attn,
+        "w.attn_o": attn,
+        "w.mlp_gate_up": mlp,
+        "w.mlp_down": mlp,
+        "w.embed": "bf16",
+        "bf16_first_layers": 0,
+        "bf16_last_layers": 0,
+        "kv.key_format": key_format,
+        "kv.key_axis": key_axis or "channel",
+        "kv.value_format": key_format,
+        "kv.sink_tokens": 0,
+        "kv.bf16_layers": "none",
+    }
+    if "lm_head" in config.tensors():
+        params["w.lm_head"] = "bf16"
+    return params
+
+
+def build_points(spec_path: str | Path = DEFAULT_SPEC) -> tuple[list[SpacePoint], Any]:
+    """Every plan of the space on `spec_path`'s deployment; returns (points, prepared spec)."""
+    from tenantq.capacity import budget
+    from tenantq.search.driver import prepare
+    from tenantq.search.space import plan_from_params
+    from tenantq.search.spec import load_spec
+
+    base = load_spec(spec_path)
+    spec = base.model_copy(update={"space": efficiency_space(base)})
+    prep = prepare(spec, Path(spec_path).read_text())
+    points = []
+    for mlp in MLP_FORMATS:
+        for attn in ATTN_FORMATS:
+            for kv in KV_CHOICES:
+                choice = (mlp, attn, kv)
+                plan = plan_from_params(
+                    spec.space,
+                    space_params(choice, prep.config),
+                    prep.config,
+                    algorithm=spec.calibration.algorithm,
+                )
+                b = budget(
+                    prep.capacity_config, plan, prep.deployment, spec.deployment.context_tokens
+                )
+                points.append(SpacePoint(choice, plan.fingerprint(), b.tenants, plan.to_json()))
+    return points, prep
+
+
+# ---------------------------------------------------------------- the quality cache
+def cache_path(cache_dir: Path, fingerprint: str) -> Path:
+    return Path(cache_dir) / f"{fingerprint}.json"
+
+
+def read_cache(cache_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """fingerprint -> cached record, for every complete record under `cache_dir`."""
+    out = {}
+    for p in sorted(Path(cache_dir).glob("*.json")):
+        try:
+            record = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # a damaged record is measured again, never trusted
+        if record.get("fingerprint") == p.stem and QUALITY_METRIC in record.get("summary", {}):
+            out[p.stem] = record
+    return out
+
+
+def write_record(cache_dir: Path, record: dict[str, Any]) -> Path:
+    """Write one plan's record atomically (temp file in the same folder, then rename)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    target = cache_path(cache_dir, record["fingerprint"])
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f, sort_keys=True)
+    os.replace(tmp, target)
+    return target
+
+
+def exhaustive_pass(
+    points: list[SpacePoint],
+    model_path: Path,
+    cache_dir: Path,
+    *,
+    suite: str | Path = SUITE_PATH,
+    log=print,
+) -> dict[str, dict[str, Any]]:
+    """Measure every distinct plan not yet cached with one Evaluator (one bf16 baseline)."""
+    from tenantq.evals import Evaluator
+    from tenantq.quant.plan import QuantPlan
+
+    cache_dir = Path(cache_dir)
+    done = read_cache(cache_dir)
+    todo: dict[str, SpacePoint] = {}
+    for p in points:
+        if p.fingerprint not in done:
+            todo.setdefault(p.fingerprint, p)
+    log(f"{len(done)} plans cached, {len(todo)} to measure")
+    if not todo:
+        return done
+    evaluator = Evaluator(model_path, suite, cache_dir=cache_dir / "baseline")
+    for i, p in enumerate(todo.values(), 1):
+        began = time.perf_counter()
+        result = evaluator.evaluate(QuantPlan.from_json(p.plan_json))
+        summary = {k: v for k, v in result.summary.items() if isinstance(v, int | float | str)}
+        record = {
+            "fingerprint": p.fingerprint,
+            "choice": list(p.choice),
+            "tenants": p.tenants,
+            "plan": p.plan_json,
+            "summary": summary,
+            "timings_s": dict(result.timings_s),
+            "dataset_hash": evaluator.dataset_hash,
+            "model": evaluator.identity,
+        }
+        write_record(cache_dir, record)
+        done[p.fingerprint] = record
+        log(
+            f"[{i}/{len(todo)}] {'/'.join(p.choice)} tenants={p.tenants} "
+            f"kl={summary[QUALITY_METRIC]:.5f} {time.perf_counter() - began:.1f}s"
+        )
+    return done
