@@ -106,6 +106,10 @@ def make_sampler(spec: Spec):
         choices = parameter_choices(spec.space, *_space_inputs(spec))
         grid = {k: list(v) for k, v in choices.items()}
         return optuna.samplers.GridSampler(grid, seed=s.seed)
+    if s.kind == "capacity_aware":
+        from tenantq.search.capacity_aware import sampler_for_spec
+
+        return sampler_for_spec(spec)
     return optuna.samplers.RandomSampler(seed=s.seed)
 
 

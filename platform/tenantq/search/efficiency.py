@@ -10,12 +10,15 @@ written atomically, so a killed pass resumes); samplers are then compared on the
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from tenantq.search.spec import SpaceSpec, Spec
 
@@ -191,3 +194,146 @@ def exhaustive_pass(
             f"kl={summary[QUALITY_METRIC]:.5f} {time.perf_counter() - began:.1f}s"
         )
     return done
+
+
+# ---------------------------------------------------------------- front, coverage, hypervolume
+COVERAGE_SLACK = 0.25  # the issue's definition: quality within 25% of the best at that level
+KL_FLOOR = 1e-4  # hypervolume axis is log10(max(KL, floor)); bf16's KL is exactly 0
+SAMPLERS = ("random", "nsga2", "tpe", "capacity_aware")
+MAX_ASKS_PER_EVALUATION = 50  # a sampler that only repeats measured plans is stopped here
+
+
+def pareto_front(points: list[tuple[int, float]]) -> dict[int, float]:
+    """Tenant level -> loss of the non-dominated (tenants up, loss down) points."""
+    front: dict[int, float] = {}
+    best = float("inf")
+    for tenants, loss in sorted(points, key=lambda p: (-p[0], p[1])):
+        if loss < best:
+            front[tenants] = loss
+            best = loss
+    return front
+
+
+def front_coverage(
+    found: list[tuple[int, float]], front: dict[int, float], slack: float = COVERAGE_SLACK
+) -> float:
+    """Share of `front`'s tenant levels that some found point reaches: at least that many
+    tenants with loss at most (1 + slack) x the front's loss there."""
+    if not front:
+        raise ValueError("front coverage needs a non-empty exhaustive front")
+    reached = sum(
+        any(t >= level and q <= (1 + slack) * best for t, q in found)
+        for level, best in front.items()
+    )
+    return reached / len(front)
+
+
+def hypervolume(found: list[tuple[int, float]], reference: tuple[float, float]) -> float:
+    """Area dominated by `found` in (tenants, log10 KL) up to `reference` (tenants, log10 KL),
+    by Optuna's own exact hypervolume (`optuna._hypervolume.compute_hypervolume`, the one
+    `plot_hypervolume_history` uses; it minimizes, so tenants enter negated)."""
+    from optuna._hypervolume import compute_hypervolume
+
+    losses = np.array([[-t, math.log10(max(q, KL_FLOOR))] for t, q in found], float)
+    ref = np.array([-reference[0], reference[1]], float)
+    inside = losses[np.all(losses < ref, axis=1)] if len(losses) else losses
+    if len(inside) == 0:
+        return 0.0
+    return float(compute_hypervolume(inside, ref))
+
+
+def hv_reference(all_points: list[tuple[int, float]]) -> tuple[float, float]:
+    """0 tenants and 0.1 decade above the space's worst KL: every plan lies inside."""
+    return 0.0, math.log10(max(max(q for _, q in all_points), KL_FLOOR)) + 0.1
+
+
+# ---------------------------------------------------------------- sampler comparison
+@dataclass(frozen=True)
+class Landscape:
+    """The space with every plan's measured loss (from the cache): what samplers search."""
+
+    points: tuple[SpacePoint, ...]
+    loss: dict[str, float]  # fingerprint -> QUALITY_METRIC
+
+    @classmethod
+    def from_cache(cls, points: list[SpacePoint], cache: dict[str, dict]) -> Landscape:
+        missing = sorted({p.fingerprint for p in points} - set(cache))
+        if missing:
+            raise ValueError(
+                f"{len(missing)} of the space's plans have no cached quality (first "
+                f"{missing[0]}); run the exhaustive pass (--measure) first"
+            )
+        return cls(tuple(points), {p.fingerprint: cache[p.fingerprint]["summary"][QUALITY_METRIC]
+                                   for p in points})  # fmt: skip
+
+    def all_points(self) -> list[tuple[int, float]]:
+        unique = {p.fingerprint: (p.tenants, self.loss[p.fingerprint]) for p in self.points}
+        return list(unique.values())
+
+
+def axis_params(choice: tuple[str, str, str]) -> dict[str, str]:
+    return dict(zip(AXES, choice, strict=True))
+
+
+def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: Spec):
+    """The sampler the driver would build for `kind` (its own `make_sampler`), or the
+    capacity-aware one over the landscape's candidates."""
+    from tenantq.search.capacity_aware import Candidate, CapacityAwareSampler
+    from tenantq.search.driver import make_sampler
+
+    if kind == "capacity_aware":
+        candidates = [
+            Candidate(axis_params(p.choice), p.tenants, p.fingerprint) for p in landscape.points
+        ]
+        return CapacityAwareSampler(candidates, quality_index=1, seed=seed)
+    sampler = spec.sampler.model_copy(update={"kind": kind, "seed": seed})
+    return make_sampler(spec.model_copy(update={"sampler": sampler}))
+
+
+def run_sampler(sampler, landscape: Landscape, budget: int) -> tuple[list[tuple[int, float]], int]:
+    """Ask/tell until `budget` distinct plans are measured; a plan already measured is answered
+    from the study without counting (as the driver does). Returns (found points, asks)."""
+    import optuna
+
+    by_choice = {p.choice: p for p in landscape.points}
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    measured: dict[str, tuple[int, float]] = {}
+    asks = 0
+    while len(measured) < budget and asks < MAX_ASKS_PER_EVALUATION * budget:
+        trial = study.ask()
+        asks += 1
+        choice = tuple(trial.suggest_categorical(a, list(v)) for a, v in AXES.items())
+        p = by_choice[choice]
+        value = (p.tenants, landscape.loss[p.fingerprint])
+        measured.setdefault(p.fingerprint, value)
+        study.tell(trial, list(value))
+    return list(measured.values()), asks
+
+
+def compare(
+    landscape: Landscape,
+    spec: Spec,
+    budgets: tuple[int, ...] = (10, 20, 25, 40),
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4),
+    samplers: tuple[str, ...] = SAMPLERS,
+) -> list[dict[str, Any]]:
+    """One row per (sampler, budget, seed): coverage, hypervolume ratio, asks."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    everything = landscape.all_points()
+    front = pareto_front(everything)
+    ref = hv_reference(everything)
+    hv_all = hypervolume(everything, ref)
+    rows = []
+    for kind in samplers:
+        for budget in budgets:
+            for seed in seeds:
+                sampler = make_comparison_sampler(kind, seed, landscape, spec)
+                found, asks = run_sampler(sampler, landscape, budget)
+                rows.append({
+                    "sampler": kind, "budget": budget, "seed": seed, "evaluated": len(found),
+                    "asks": asks, "coverage": front_coverage(found, front),
+                    "hv_ratio": hypervolume(found, ref) / hv_all,
+                })  # fmt: skip
+    return rows

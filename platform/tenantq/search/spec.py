@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tenantq.quant.plan import ALGORITHM_NAMES, FORMAT_NAMES, KV_AXES
 
 REFERENCE_MODEL = "reference"  # the shipped checkpoint (tenantq.reference.reference_model_path)
-SAMPLERS = ("nsga2", "tpe", "gp", "random", "grid")
+SAMPLERS = ("nsga2", "tpe", "gp", "random", "grid", "capacity_aware")
 SPACE_KINDS = ("structured", "per_tensor", "sensitivity")
 KV_BF16_LAYER_CHOICES = ("none", "first", "last", "first_last")
 # The capacity objective the driver computes itself (exact, no accelerator).
@@ -147,6 +147,9 @@ class CalibrationSpec(_Strict):
 
 
 class SamplerSpec(_Strict):
+    """capacity_aware: enumerates a finite space (tenants exact per plan) and measures the plan
+    predicted to improve the front most (tenantq.search.capacity_aware)."""
+
     kind: Literal[SAMPLERS] = "nsga2"  # type: ignore[valid-type]
     seed: int = 0
     population_size: int | None = Field(None, ge=2, description="NSGA-II population")
