@@ -136,3 +136,55 @@ def test_run_sampler_does_not_count_repeats():
     found, asks = run_sampler(sampler, land, 2)
     assert len(found) == 1 and asks == 100
     assert math.isclose(found[0][1], 0.0)
+
+
+TINY_SPEC = {
+    "model": "reference",
+    "deployment": {"hardware": "cpu", "memory": "9830KiB", "context_tokens": 256},
+    "space": {"weight_formats": ["bf16", "int4"], "uniform_weights": True, "group_size": 64,
+              "embed_formats": ["bf16"], "bf16_first_layers": [0], "bf16_last_layers": [0],
+              "key_formats": ["bf16", "int4"], "key_axes": ["channel"],
+              "value_formats": ["bf16"], "sink_tokens": [0], "kv_bf16_layers": ["none"]},
+    "sampler": {"kind": "capacity_aware", "seed": 0},
+    "study": {"name": "tiny", "trials": 4, "baselines": False},
+}  # fmt: skip
+
+
+def test_capacity_aware_spec_runs_through_make_sampler_and_ask_tell():
+    # 2 weight formats x 2 key formats = 4 plans on the quickstart deployment (tenants from
+    # capacity.budget). The loop is the driver's: suggest -> plan_from_params -> fingerprint.
+    from tenantq.capacity import budget
+    from tenantq.search.driver import make_sampler, prepare
+    from tenantq.search.space import plan_from_params, suggest
+    from tenantq.search.spec import parse_spec
+
+    spec = parse_spec(TINY_SPEC)
+    assert spec.sampler.kind == "capacity_aware"
+    sampler = make_sampler(spec)
+    assert isinstance(sampler, CapacityAwareSampler) and len(sampler.candidates) == 4
+    prep = prepare(spec, "")
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    seen, tenants_seen = [], []
+    for _ in range(4):
+        trial = study.ask()
+        params = suggest(trial, spec.space, prep.config)
+        plan = plan_from_params(spec.space, params, prep.config)
+        tenants = budget(prep.capacity_config, plan, prep.deployment, 256).tenants
+        kl = 0.02 * (params["w.linear"] == "int4") + 0.005 * (params["kv.key_format"] == "int4")
+        seen.append(plan.fingerprint())
+        tenants_seen.append(tenants)
+        study.tell(trial, [tenants, kl])
+    assert len(set(seen)) == 4  # four asks, four distinct plans: none re-proposed
+    assert tenants_seen[0] == max(c.tenants for c in sampler.candidates)  # nothing known: most
+
+
+def test_capacity_aware_spec_errors():
+    from tenantq.search.driver import make_sampler
+    from tenantq.search.spec import parse_spec
+
+    only_capacity = dict(TINY_SPEC, objectives=[{"metric": "tenants", "direction": "maximize"}])
+    with pytest.raises(ValueError, match="needs a quality objective"):
+        make_sampler(parse_spec(only_capacity))
+    big = dict(TINY_SPEC, space={"kind": "structured"})  # the default structured space: millions
+    with pytest.raises(ValueError, match="enumerates the space, which has .* plans"):
+        make_sampler(parse_spec(big))
