@@ -7,6 +7,7 @@ each run's cache (it is a one-off per model and suite, not a per-trial cost), wh
 starts with an empty XLA compilation cache, so the 2-worker run gains nothing from the first.
 Steady-state rate = trials / (last trial's end - first trial's start), from Optuna's records.
 `TENANTQ_BENCH_SMOKE=1` shrinks the defaults to one worker, two trials and a tiny suite.
+`--efficiency` compares samplers on the cached 168-plan space instead (tenantq.search.efficiency).
 """
 
 from __future__ import annotations
@@ -94,7 +95,47 @@ def run_one(base: dict, workers: int, trials: int, suite: str, warm: Path, root:
     }
 
 
+def efficiency_main(argv: list[str]) -> int:
+    """Sampler front coverage and hypervolume on the cached finite space; `--measure` first
+    runs (or resumes) the exhaustive pass that fills the cache."""
+    p = argparse.ArgumentParser(prog="python -m tenantq.bench search --efficiency")
+    p.add_argument("--efficiency", action="store_true")
+    p.add_argument("--spec", default=str(DEFAULT_SPEC), help="deployment for the tenant count")
+    p.add_argument("--cache-dir", default=".tenantq-cache/efficiency", help="quality cache")
+    p.add_argument("--measure", action="store_true", help="measure plans missing from the cache")
+    p.add_argument("--budgets", default="10,20,25,40", help="evaluations per run")
+    p.add_argument("--seeds", default="0,1,2,3,4")
+    p.add_argument("--samplers", default="random,nsga2,tpe,capacity_aware")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from tenantq.search import efficiency as eff
+
+    points, prep = eff.build_points(args.spec)
+    if args.measure:
+        eff.exhaustive_pass(points, prep.model_path, Path(args.cache_dir), log=print)
+    land = eff.Landscape.from_cache(points, eff.read_cache(args.cache_dir))
+    rows = eff.compare(
+        land, prep.spec, tuple(int(b) for b in args.budgets.split(",")),
+        tuple(int(s) for s in args.seeds.split(",")), tuple(args.samplers.split(",")),
+    )  # fmt: skip
+    summary = eff.summarize(rows)
+    front = eff.pareto_front(land.all_points())
+    if args.json:
+        print(json.dumps({"front": front, "summary": summary, "runs": rows}, indent=2))
+        return 0
+    print(
+        f"search efficiency: {len(points)} plans ({len(land.loss)} distinct fingerprints), "
+        f"{len({p.tenants for p in points})} tenant levels, exhaustive front of {len(front)} "
+        f"levels; quality = {eff.QUALITY_METRIC} from {args.cache_dir}"
+    )
+    print(eff.render_table(summary))
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if "--efficiency" in argv:
+        return efficiency_main(argv)
     p = argparse.ArgumentParser(prog="python -m tenantq.bench search", description=__doc__)
     smoke = os.environ.get(SMOKE_ENV) == "1"
     p.add_argument("--spec", default=str(DEFAULT_SPEC))

@@ -337,3 +337,50 @@ def compare(
                     "hv_ratio": hypervolume(found, ref) / hv_all,
                 })  # fmt: skip
     return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean, min and max over seeds per (sampler, budget)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["sampler"], r["budget"]), []).append(r)
+    out = []
+    for (kind, budget), rs in groups.items():
+        cov = [r["coverage"] for r in rs]
+        hv = [r["hv_ratio"] for r in rs]
+        out.append({
+            "sampler": kind, "budget": budget, "seeds": len(rs),
+            "coverage_mean": float(np.mean(cov)), "coverage_min": min(cov),
+            "coverage_max": max(cov), "hv_ratio_mean": float(np.mean(hv)),
+            "hv_ratio_min": min(hv), "evaluated_mean": float(np.mean([r["evaluated"] for r in rs])),
+            "asks_mean": float(np.mean([r["asks"] for r in rs])),
+        })  # fmt: skip
+    return out
+
+
+def render_table(summary: list[dict[str, Any]]) -> str:
+    """Coverage and hypervolume per budget (rows) and sampler (columns)."""
+    samplers = list(dict.fromkeys(s["sampler"] for s in summary))
+    budgets = sorted({s["budget"] for s in summary})
+    cell = {(s["sampler"], s["budget"]): s for s in summary}
+    head = f"{'budget':>6}  " + "  ".join(f"{k:>24}" for k in samplers)
+    lines = ["front coverage, mean [min, max] over seeds", head]
+    for b in budgets:
+        cells = []
+        for k in samplers:
+            s = cell[(k, b)]
+            cells.append(
+                f"{100 * s['coverage_mean']:>6.1f}% [{100 * s['coverage_min']:3.0f}, "
+                f"{100 * s['coverage_max']:3.0f}]".rjust(24)
+            )
+        lines.append(f"{b:>6}  " + "  ".join(cells))
+    lines += ["", "hypervolume / exhaustive hypervolume, mean (min); asks per evaluation", head]
+    for b in budgets:
+        cells = []
+        for k in samplers:
+            s = cell[(k, b)]
+            text = f"{s['hv_ratio_mean']:.3f} ({s['hv_ratio_min']:.3f}); "
+            text += f"{s['asks_mean'] / max(s['evaluated_mean'], 1):.1f}"
+            cells.append(text.rjust(24))
+        lines.append(f"{b:>6}  " + "  ".join(cells))
+    return "\n".join(lines)
