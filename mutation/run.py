@@ -3,7 +3,8 @@
 Runs mutmut (3.x) over one target of mutation/targets.toml at a time, against that
 target's own test files, and prints the score and every surviving mutant. mutmut expects
 its sources under `src/`; ours live under `platform/`, so each target runs in a staging
-copy (.tenantq-cache/mutation/NAME: src/ = platform/, tests/, pyproject.toml): the working tree is
+copy (.tenantq-cache/mutation/NAME: src/ = platform/, tests/, experiments/,
+pyproject.toml): the working tree is
 never mutated. Survivors listed in mutation/EQUIVALENT.md (each argued there) are left out
 of the score. Exit status 1 when a target scores below --min-score.
 """
@@ -38,6 +39,8 @@ def stage(name: str, target: dict, jobs: int) -> Path:
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
     shutil.copytree(ROOT / "platform", where / "src", ignore=skip)
     shutil.copytree(ROOT / "tests", where / "tests", ignore=skip)
+    # Some tests read the shipped plans and specs (tests/test_experiment_plans.py).
+    shutil.copytree(ROOT / "experiments", where / "experiments", ignore=skip)
     shutil.copy2(ROOT / "pyproject.toml", where / "pyproject.toml")
     lines = [
         "[mutmut]",
@@ -53,6 +56,8 @@ def stage(name: str, target: dict, jobs: int) -> Path:
         "    not e2e",
         # JAX starts threads once it runs: fork each mutant from a server that has only
         # imported and collected the tests (no JAX backend started yet).
+        "also_copy =",
+        "    experiments",
         "process_isolation = forkserver",
         "forkserver_warmup = collect",
     ]
