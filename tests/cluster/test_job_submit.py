@@ -19,6 +19,7 @@ import pytest
 from _study_metrics import documented_study_metrics
 
 from conftest import client_env
+from tenantq.testing import tiny_study_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -136,47 +137,6 @@ def test_submitted_job_runs_and_exports_the_study_metrics(local_cluster, tmp_pat
     assert expected <= found, f"missing {sorted(expected - found)}; saw {sorted(found)}"
 
 
-STUDY_SPEC = """
-model = "reference"
-[deployment]
-hardware = "cpu"
-memory = "9830KiB"
-context_tokens = 256
-[space]
-kind = "structured"
-weight_formats = ["bf16", "fp8_e4m3", "int4"]
-group_size = 64
-key_formats = ["bf16", "fp8_e4m3"]
-value_formats = ["bf16", "fp8_e4m3"]
-key_axes = ["channel"]
-sink_tokens = [0]
-bf16_first_layers = [0]
-bf16_last_layers = [0]
-kv_bf16_layers = ["none"]
-[[objectives]]
-metric = "tenants"
-direction = "maximize"
-[[objectives]]
-metric = "fidelity.kl_mean"
-direction = "minimize"
-[eval]
-suite = "tiny_suite.toml"
-cache_dir = "{state}/cache"
-[sampler]
-kind = "random"
-seed = 0
-[study]
-name = "jobsubmit"
-trials = 3
-storage = "sqlite:///{state}/optuna.db"
-[workers]
-count = 1
-kind = "cpu"
-cpus_per_worker = 1
-[tracking]
-uri = "sqlite:///{state}/mlflow.db"
-experiment = "jobsubmit"
-"""
 # Fidelity on 2 windows of 64 tokens: the smallest suite that still runs a worker's whole path.
 TINY_SUITE = """
 seed = 0
@@ -197,7 +157,18 @@ def _run_study(cluster, tmp_path: Path, name: str) -> tuple[Path, dict, str]:
     state = tmp_path / name
     working_dir = state / "job"
     working_dir.mkdir(parents=True)
-    (working_dir / "spec.toml").write_text(STUDY_SPEC.format(state=state))
+    spec = tiny_study_spec(
+        state,
+        name="jobsubmit",
+        trials=3,
+        suite="tiny_suite.toml",
+        sampler="random",
+        seed=0,
+        workers=1,
+        key_formats=("bf16", "fp8_e4m3"),
+        bf16_first_layers=(0,),
+    )
+    (working_dir / "spec.toml").write_text(spec)
     (working_dir / "tiny_suite.toml").write_text(TINY_SUITE)
     submission_id = _submit(
         cluster,

@@ -18,48 +18,6 @@ from pathlib import Path
 import pytest
 
 SUITE = Path(__file__).with_name("report_suite.toml")
-SPEC = """
-model = "reference"
-[deployment]
-hardware = "cpu"
-memory = "9830KiB"
-context_tokens = 256
-[space]
-weight_formats = ["bf16", "fp8_e4m3", "int4"]
-group_size = 64
-key_formats = ["bf16", "fp8_e4m3", "int8"]
-value_formats = ["bf16", "fp8_e4m3"]
-bf16_first_layers = [0, 1]
-bf16_last_layers = [0]
-[[objectives]]
-metric = "tenants"
-direction = "maximize"
-[[objectives]]
-metric = "fidelity.kl_mean"
-direction = "minimize"
-[[objectives]]
-metric = "needle.acc_delta.len256"
-direction = "maximize"
-[eval]
-suite = "{suite}"
-cache_dir = "{tmp}/cache"
-[calibration]
-algorithm = "{algorithm}"
-[sampler]
-kind = "nsga2"
-seed = 1
-population_size = 4
-[study]
-name = "{name}"
-trials = {trials}
-storage = "sqlite:///{tmp}/optuna.db"
-[workers]
-count = 2
-cpus_per_worker = 1
-[tracking]
-uri = "sqlite:///{tmp}/mlflow.db"
-experiment = "{name}"
-"""
 
 
 @dataclass(frozen=True)
@@ -72,8 +30,16 @@ class Studies:
 def run_study(tmp: Path, name: str, trials: int, algorithm: str = "rtn") -> None:
     from tenantq.search.driver import SearchDriver
     from tenantq.search.spec import parse_spec
+    from tenantq.testing import tiny_study_spec
 
-    text = SPEC.format(tmp=tmp, suite=SUITE, name=name, trials=trials, algorithm=algorithm)
+    text = tiny_study_spec(
+        tmp,
+        name=name,
+        trials=trials,
+        suite=SUITE,
+        algorithm=algorithm,
+        objectives=("tenants", "fidelity.kl_mean", "needle.acc_delta.len256"),
+    )
     spec = parse_spec(tomllib.loads(text))
     SearchDriver(spec, text, progress=False, out_dir=tmp / "runs" / name).run()
 

@@ -22,59 +22,22 @@ from mlflow import MlflowClient
 
 from tenantq.search.driver import SearchDriver
 from tenantq.search.spec import parse_spec
+from tenantq.testing import tiny_study_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SUITE = Path(__file__).with_name("tiny_suite.toml")
-SPEC = """
-model = "reference"
-[deployment]
-hardware = "cpu"
-memory = "9830KiB"
-context_tokens = 256
-[space]
-weight_formats = ["bf16", "fp8_e4m3", "int4"]
-group_size = 64
-key_formats = ["bf16", "fp8_e4m3", "int8"]
-value_formats = ["bf16", "fp8_e4m3"]
-bf16_first_layers = [0, 1]
-bf16_last_layers = [0]
-[[objectives]]
-metric = "tenants"
-direction = "maximize"
-[[objectives]]
-metric = "fidelity.kl_mean"
-direction = "minimize"
-[eval]
-suite = "{suite}"
-confirm_suite = {confirm}
-cache_dir = "{tmp}/cache"
-[calibration]
-algorithm = "{algorithm}"
-[sampler]
-kind = "nsga2"
-seed = 1
-population_size = 4
-[study]
-name = "e2e"
-trials = {trials}
-storage = "sqlite:///{tmp}/optuna.db"
-[workers]
-count = 2
-cpus_per_worker = 1
-[tracking]
-uri = "sqlite:///{tmp}/mlflow.db"
-"""
 
 
 def _spec(tmp: Path, trials: int, *, confirm: bool = False, algorithm: str = "rtn"):
-    text = SPEC.format(
-        tmp=tmp,
+    text = tiny_study_spec(
+        tmp,
+        name="e2e",
         trials=trials,
         suite=SUITE,
-        confirm=f'"{SUITE}"' if confirm else '""',
+        confirm_suite=SUITE if confirm else None,
         algorithm=algorithm,
-    ).replace('confirm_suite = ""\n', "")
+    )
     return parse_spec(tomllib.loads(text)), text
 
 

@@ -65,3 +65,61 @@ def tiny_tokenizer():
     inner.decoder = decoders.Fuse()
     inner.add_special_tokens(["<pad>", "<s>", "</s>"])
     return Tokenizer(inner, source="tenantq.testing.tiny_tokenizer")
+
+
+def tiny_study_spec(
+    state: Any,
+    *,
+    name: str,
+    trials: int,
+    suite: Any,
+    objectives: tuple[str, ...] = ("tenants", "fidelity.kl_mean"),
+    confirm_suite: Any = None,
+    algorithm: str = "rtn",
+    sampler: str = "nsga2",
+    seed: int = 1,
+    workers: int = 2,
+    key_formats: tuple[str, ...] = ("bf16", "fp8_e4m3", "int8"),
+    bf16_first_layers: tuple[int, ...] = (0, 1),
+) -> str:
+    """TOML text of a small study on the shipped reference model, its stores under `state`.
+
+    The quickstart's deployment (9830 KiB, 256-token tenants: weights and KV formats both
+    move the tenant count) with a 3 x 3 x 2 structured space; the tests that run a real
+    study (search e2e, report, `ray job submit`) and the search bench's smoke run share it.
+    Objectives are maximized when they are `tenants` or a needle delta, minimized otherwise.
+    """
+
+    def toml_list(values) -> str:
+        return "[" + ", ".join(f'"{v}"' if isinstance(v, str) else str(v) for v in values) + "]"
+
+    lines = [
+        'model = "reference"',
+        "[deployment]",
+        'hardware = "cpu"',
+        'memory = "9830KiB"',
+        "context_tokens = 256",
+        "[space]",
+        'weight_formats = ["bf16", "fp8_e4m3", "int4"]',
+        "group_size = 64",
+        f"key_formats = {toml_list(key_formats)}",
+        'value_formats = ["bf16", "fp8_e4m3"]',
+        f"bf16_first_layers = {toml_list(bf16_first_layers)}",
+        "bf16_last_layers = [0]",
+    ]
+    for metric in objectives:
+        up = metric == "tenants" or ".acc_delta." in metric
+        direction = "maximize" if up else "minimize"
+        lines += ["[[objectives]]", f'metric = "{metric}"', f'direction = "{direction}"']
+    lines += ["[eval]", f'suite = "{suite}"', f'cache_dir = "{state}/cache"']
+    if confirm_suite is not None:
+        lines.append(f'confirm_suite = "{confirm_suite}"')
+    lines += ["[calibration]", f'algorithm = "{algorithm}"']
+    lines += ["[sampler]", f'kind = "{sampler}"', f"seed = {seed}"]
+    if sampler == "nsga2":
+        lines.append("population_size = 4")
+    lines += ["[study]", f'name = "{name}"', f"trials = {trials}"]
+    lines.append(f'storage = "sqlite:///{state}/optuna.db"')
+    lines += ["[workers]", f"count = {workers}", "cpus_per_worker = 1"]
+    lines += ["[tracking]", f'uri = "sqlite:///{state}/mlflow.db"', f'experiment = "{name}"']
+    return "\n".join(lines) + "\n"
