@@ -2,10 +2,11 @@
 
 Capacity is exact and costs about a millisecond, quality costs seconds, and generic samplers
 ignore that asymmetry. This Optuna sampler knows every candidate plan of a finite space and its
-tenant count up front. Quality is predicted additively from what has been measured (a
-non-negative least-squares fit of one loss per parameter value; a value never measured is
-predicted free, i.e. optimistically), and each trial goes to the unmeasured plan whose predicted
-loss improves most on the best measured loss at its tenant count or above. A plan whose
+tenant count up front. It measures the most precise plan first, then predicts quality
+additively from what has been measured (the reference's loss plus a non-negative fitted loss
+per parameter value that departs from it; a value never measured is predicted free, i.e.
+optimistically), and each trial goes to the unmeasured plan whose predicted loss improves most
+on the best measured loss at its tenant count or above. A plan whose
 tenants and prediction cannot improve the front is never chosen while one that can remains.
 """
 
@@ -62,21 +63,29 @@ def choose(
 ) -> Candidate | None:
     """The next plan to measure, given losses measured so far (key -> loss, lower is better).
 
-    Gain of an unmeasured plan = relative improvement of its predicted loss over the best
-    measured loss among plans with at least its tenants (infinite when none has as many);
-    the largest gain wins, ties to more tenants. None when every plan is measured."""
-    seen = {c.key: c for c in candidates if c.key in measured}
-    fit = additive_fit(
-        [tuple(sorted(c.params.items())) for c in seen.values()],
-        [measured[k] for k in seen],
-    )
-    by_tenants = sorted(seen.values(), key=lambda c: -c.tenants)
+    The reference is the plan with the fewest tenants (the most precise one); it is measured
+    first. A plan's predicted loss is the reference's plus the fitted loss of each parameter
+    value where it differs from the reference (`additive_fit`; unmeasured values cost 0). Gain
+    = relative improvement of the prediction over the best measured loss among plans with at
+    least its tenants (infinite when none has as many); the largest gain wins, ties to more
+    tenants. None when every plan is measured or excluded."""
+    reference = min(candidates, key=lambda c: c.tenants)
+    if reference.key not in measured and reference.key not in exclude:
+        return reference
+    base = measured.get(reference.key, 0.0)
+
+    def deviations(c: Candidate) -> tuple[tuple[str, Any], ...]:
+        return tuple(sorted((k, v) for k, v in c.params.items() if reference.params[k] != v))
+
+    seen = {c.key: c for c in candidates if c.key in measured and c.key != reference.key}
+    fit = additive_fit([deviations(c) for c in seen.values()], [measured[k] - base for k in seen])
+    by_tenants = sorted((c for c in candidates if c.key in measured), key=lambda c: -c.tenants)
     best: tuple[float, int, int] | None = None
     pick = None
     for i, c in enumerate(candidates):
         if c.key in measured or c.key in exclude:
             continue
-        predicted = sum(fit.get(f, 0.0) for f in c.params.items())
+        predicted = base + sum(fit.get(f, 0.0) for f in deviations(c))
         incumbent = min(
             (measured[s.key] for s in by_tenants if s.tenants >= c.tenants), default=math.inf
         )
