@@ -106,6 +106,9 @@ def efficiency_main(argv: list[str]) -> int:
     p.add_argument("--budgets", default="10,20,25,40", help="evaluations per run")
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--samplers", default="random,nsga2,tpe,capacity_aware")
+    p.add_argument(
+        "--baselines", action="store_true", help="enqueue the driver's 3 baselines first"
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -118,6 +121,7 @@ def efficiency_main(argv: list[str]) -> int:
     rows = eff.compare(
         land, prep.spec, tuple(int(b) for b in args.budgets.split(",")),
         tuple(int(s) for s in args.seeds.split(",")), tuple(args.samplers.split(",")),
+        baselines=args.baselines,
     )  # fmt: skip
     summary = eff.summarize(rows)
     front = eff.pareto_front(land.all_points())
@@ -127,7 +131,8 @@ def efficiency_main(argv: list[str]) -> int:
     print(
         f"search efficiency: {len(points)} plans ({len(land.loss)} distinct fingerprints), "
         f"{len({p.tenants for p in points})} tenant levels, exhaustive front of {len(front)} "
-        f"levels; quality = {eff.QUALITY_METRIC} from {args.cache_dir}"
+        f"levels; quality = {eff.QUALITY_METRIC} from {args.cache_dir}; baselines "
+        f"{'enqueued first' if args.baselines else 'not given'}"
     )
     print(eff.render_table(summary))
     return 0

@@ -290,13 +290,27 @@ def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: Sp
     return make_sampler(spec.model_copy(update={"sampler": sampler}))
 
 
-def run_sampler(sampler, landscape: Landscape, budget: int) -> tuple[list[tuple[int, float]], int]:
+# The driver's baselines (space.baseline_params) as this space's choices: all bf16; fp8 weights
+# with fp8 KV (keys per channel); int4 weights with bf16 KV.
+BASELINES = (
+    ("bf16", "bf16", "bf16"),
+    ("fp8_e4m3", "fp8_e4m3", "fp8_e4m3/channel"),
+    ("int4", "int4", "bf16"),
+)
+
+
+def run_sampler(
+    sampler, landscape: Landscape, budget: int, *, baselines: bool = False
+) -> tuple[list[tuple[int, float]], int]:
     """Ask/tell until `budget` distinct plans are measured; a plan already measured is answered
-    from the study without counting (as the driver does). Returns (found points, asks)."""
+    from the study without counting (as the driver does). With `baselines`, the driver's three
+    baselines are enqueued first and count toward the budget. Returns (found points, asks)."""
     import optuna
 
     by_choice = {p.choice: p for p in landscape.points}
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    for choice in BASELINES if baselines else ():
+        study.enqueue_trial(axis_params(choice))
     measured: dict[str, tuple[int, float]] = {}
     asks = 0
     while len(measured) < budget and asks < MAX_ASKS_PER_EVALUATION * budget:
@@ -316,6 +330,8 @@ def compare(
     budgets: tuple[int, ...] = (10, 20, 25, 40),
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4),
     samplers: tuple[str, ...] = SAMPLERS,
+    *,
+    baselines: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per (sampler, budget, seed): coverage, hypervolume ratio, asks."""
     import optuna
@@ -330,7 +346,7 @@ def compare(
         for budget in budgets:
             for seed in seeds:
                 sampler = make_comparison_sampler(kind, seed, landscape, spec)
-                found, asks = run_sampler(sampler, landscape, budget)
+                found, asks = run_sampler(sampler, landscape, budget, baselines=baselines)
                 rows.append({
                     "sampler": kind, "budget": budget, "seed": seed, "evaluated": len(found),
                     "asks": asks, "coverage": front_coverage(found, front),
