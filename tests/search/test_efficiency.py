@@ -193,3 +193,15 @@ def test_capacity_aware_spec_errors():
     big = dict(TINY_SPEC, space={"kind": "structured"})  # the default structured space: millions
     with pytest.raises(ValueError, match="enumerates the space, which has .* plans"):
         make_sampler(parse_spec(big))
+
+
+def test_landscape_from_cache_errors_and_sign():
+    points = [SpacePoint(("bf16", "bf16", "bf16"), "a", 10, "{}")]
+    cache = {"a": {"summary": {"fidelity.kl_mean": 0.5, "fidelity.top1_agree_delta": -0.25}}}
+    with pytest.raises(ValueError, match="1 of the space's plans have no cached quality"):
+        Landscape.from_cache(points + [SpacePoint(("int4",) * 3, "b", 20, "{}")], cache)
+    with pytest.raises(ValueError, match="'fidelity.kl_p99' is not in the cache; cached: fid"):
+        Landscape.from_cache(points, cache, "fidelity.kl_p99")
+    assert Landscape.from_cache(points, cache).loss == {"a": 0.5}
+    # '-KEY' negates a higher-is-better metric: a drop of 0.25 in agreement is a loss of 0.25
+    assert Landscape.from_cache(points, cache, "-fidelity.top1_agree_delta").loss == {"a": 0.25}

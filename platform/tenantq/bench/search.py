@@ -109,6 +109,11 @@ def efficiency_main(argv: list[str]) -> int:
     p.add_argument(
         "--baselines", action="store_true", help="enqueue the driver's 3 baselines first"
     )
+    p.add_argument(
+        "--metric",
+        default="fidelity.kl_mean",
+        help="cached lower-is-better metric, or -KEY for higher-is-better",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -117,7 +122,7 @@ def efficiency_main(argv: list[str]) -> int:
     points, prep = eff.build_points(args.spec)
     if args.measure:
         eff.exhaustive_pass(points, prep.model_path, Path(args.cache_dir), log=print)
-    land = eff.Landscape.from_cache(points, eff.read_cache(args.cache_dir))
+    land = eff.Landscape.from_cache(points, eff.read_cache(args.cache_dir), args.metric)
     rows = eff.compare(
         land, prep.spec, tuple(int(b) for b in args.budgets.split(",")),
         tuple(int(s) for s in args.seeds.split(",")), tuple(args.samplers.split(",")),
@@ -131,7 +136,7 @@ def efficiency_main(argv: list[str]) -> int:
     print(
         f"search efficiency: {len(points)} plans ({len(land.loss)} distinct fingerprints), "
         f"{len({p.tenants for p in points})} tenant levels, exhaustive front of {len(front)} "
-        f"levels; quality = {eff.QUALITY_METRIC} from {args.cache_dir}; baselines "
+        f"levels; quality = {args.metric} from {args.cache_dir}; baselines "
         f"{'enqueued first' if args.baselines else 'not given'}"
     )
     print(eff.render_table(summary))

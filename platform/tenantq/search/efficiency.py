@@ -256,14 +256,23 @@ class Landscape:
     loss: dict[str, float]  # fingerprint -> QUALITY_METRIC
 
     @classmethod
-    def from_cache(cls, points: list[SpacePoint], cache: dict[str, dict]) -> Landscape:
+    def from_cache(
+        cls, points: list[SpacePoint], cache: dict[str, dict], metric: str = QUALITY_METRIC
+    ) -> Landscape:
+        """Losses from the cached summaries; `metric` is a lower-is-better summary key, or
+        '-KEY' for a higher-is-better one (e.g. '-fidelity.top1_agree_delta')."""
         missing = sorted({p.fingerprint for p in points} - set(cache))
         if missing:
             raise ValueError(
                 f"{len(missing)} of the space's plans have no cached quality (first "
                 f"{missing[0]}); run the exhaustive pass (--measure) first"
             )
-        return cls(tuple(points), {p.fingerprint: cache[p.fingerprint]["summary"][QUALITY_METRIC]
+        sign, key = (-1.0, metric[1:]) if metric.startswith("-") else (1.0, metric)
+        summary = cache[points[0].fingerprint]["summary"]
+        if not isinstance(summary.get(key), int | float):
+            numeric = sorted(k for k, v in summary.items() if isinstance(v, int | float))
+            raise ValueError(f"metric {key!r} is not in the cache; cached: {', '.join(numeric)}")
+        return cls(tuple(points), {p.fingerprint: sign * cache[p.fingerprint]["summary"][key]
                                    for p in points})  # fmt: skip
 
     def all_points(self) -> list[tuple[int, float]]:
