@@ -205,3 +205,26 @@ def test_landscape_from_cache_errors_and_sign():
     assert Landscape.from_cache(points, cache).loss == {"a": 0.5}
     # '-KEY' negates a higher-is-better metric: a drop of 0.25 in agreement is a loss of 0.25
     assert Landscape.from_cache(points, cache, "-fidelity.top1_agree_delta").loss == {"a": 0.25}
+
+
+def test_bench_efficiency_reads_the_cache(tmp_path, capsys):
+    # A cache for the real 168-plan space with loss = tenants / 1000: loss rises with tenants,
+    # so every tenant level is on the front (54 levels, from the quickstart deployment's
+    # budgets) and the bench's front must list them all.
+    import json
+
+    from tenantq.bench.search import main
+    from tenantq.search.efficiency import build_points, write_record
+
+    points, _ = build_points()
+    for p in points:
+        write_record(tmp_path, {"fingerprint": p.fingerprint, "choice": list(p.choice),
+                                "summary": {"fidelity.kl_mean": p.tenants / 1000}})  # fmt: skip
+    argv = ["--efficiency", "--cache-dir", str(tmp_path), "--budgets", "10", "--seeds", "0",
+            "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["front"]) == len({p.tenants for p in points}) == 54
+    assert {r["sampler"] for r in out["runs"]} == {"random", "nsga2", "tpe", "capacity_aware"}
+    # a plan of T tenants reaches the levels L with T / 1000 <= 1.25 L / 1000: L in [T/1.25, T]
+    assert all(r["evaluated"] == 10 and 0 < r["coverage"] < 1 for r in out["runs"])
