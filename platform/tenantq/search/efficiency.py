@@ -4,7 +4,9 @@ A finite structured space (MLP format x attention format x KV format and key axi
 quickstart deployment, every plan built by `space.plan_from_params` and counted by
 `capacity.budget` exactly as the driver does. One exhaustive pass measures each distinct
 plan's quality once and caches it on disk by plan fingerprint (one JSON file per plan,
-written atomically, so a killed pass resumes); samplers are then compared on the cache alone.
+written atomically, so a killed pass resumes); samplers are then compared on the cache alone,
+by front coverage (issue 12's definition) and Optuna's hypervolume, through the driver's own
+`make_sampler` and the same ask/tell rule (a plan already measured is not counted again).
 """
 
 from __future__ import annotations
@@ -145,9 +147,13 @@ def write_record(cache_dir: Path, record: dict[str, Any]) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_path(cache_dir, record["fingerprint"])
     fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, sort_keys=True)
-    os.replace(tmp, target)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, sort_keys=True)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return target
 
 
