@@ -228,3 +228,41 @@ def test_bench_efficiency_reads_the_cache(tmp_path, capsys):
     assert {r["sampler"] for r in out["runs"]} == {"random", "nsga2", "tpe", "capacity_aware"}
     # a plan of T tenants reaches the levels L with T / 1000 <= 1.25 L / 1000: L in [T/1.25, T]
     assert all(r["evaluated"] == 10 and 0 < r["coverage"] < 1 for r in out["runs"])
+
+
+def test_exhaustive_pass_resumes_from_the_cache(tmp_path, monkeypatch):
+    # Unit test with a stand-in Evaluator (counts calls). Three plans, one already cached and
+    # one cached record damaged (not JSON): the pass measures exactly the two others, once.
+    import tenantq.evals
+    from tenantq.search.efficiency import exhaustive_pass, read_cache, write_record
+
+    class FakeResult:
+        summary = {"fidelity.kl_mean": 0.25}
+        timings_s = {"total": 0.0}
+
+    calls = []
+
+    class FakeEvaluator:
+        dataset_hash, identity = "d", "m"
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def evaluate(self, plan):
+            calls.append(plan.fingerprint())
+            return FakeResult()
+
+    monkeypatch.setattr(tenantq.evals, "Evaluator", FakeEvaluator)
+    from tenantq.quant.plan import KVPlan, QuantPlan
+
+    plans = [QuantPlan(), QuantPlan(kv=KVPlan(key_format="int4", value_format="int4")),
+             QuantPlan(kv=KVPlan(key_format="fp8_e4m3", value_format="fp8_e4m3"))]  # fmt: skip
+    points = [SpacePoint(("x", "y", str(i)), p.fingerprint(), 10 + i, p.to_json())
+              for i, p in enumerate(plans)]  # fmt: skip
+    write_record(tmp_path, {"fingerprint": points[0].fingerprint,
+                            "summary": {"fidelity.kl_mean": 0.0}})  # fmt: skip
+    (tmp_path / f"{points[1].fingerprint}.json").write_text("{truncated")
+    done = exhaustive_pass(points, tmp_path, tmp_path, log=lambda s: None)
+    assert sorted(calls) == sorted(p.fingerprint for p in points[1:])
+    assert set(read_cache(tmp_path)) == set(done) == {p.fingerprint for p in points}
+    assert not list(tmp_path.glob(".tmp-*"))
