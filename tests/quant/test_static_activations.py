@@ -31,7 +31,9 @@ def test_static_int8_product_equals_numpy_with_the_given_scale() -> None:
     x = rng.standard_normal((2, 3, IN)).astype(np.float32)
     x[0, 0, :4] = [9.0, -9.0, 40.0, -40.0]  # beyond the scale's range: must clip to +-127
     amax = np.float32(8.0)
-    w = StaticActQArray.wrap(quantize(_weight(), "int8", axis=0), static_activation_scale(amax, "int8"))
+    w = StaticActQArray.wrap(
+        quantize(_weight(), "int8", axis=0), static_activation_scale(amax, "int8")
+    )
     got = np.asarray(matmul(jnp.asarray(x), w, dtype=jnp.float32, activations="int8"))
     s_x = np.float32(amax / np.float32(127))  # symmetric int8: amax / 127, a float32 division
     assert np.float32(w.act_scale) == s_x
