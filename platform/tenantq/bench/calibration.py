@@ -21,6 +21,7 @@ import numpy as np
 
 FORMATS = (("int4", 128), ("int8", None), ("nvfp4", None), ("mxfp4", None))
 ALGORITHMS = ("rtn", "gptq", "awq", "smoothquant")
+W8A8_SCALES = (("dynamic", "absmax"), ("static", "absmax"), ("static", "percentile"))
 # Under this variable (the suite's smoke test) the defaults shrink to a few short windows, one
 # format and a 3-point AWQ grid: every step still runs, in seconds instead of minutes.
 SMOKE_ENV = "TENANTQ_BENCH_SMOKE"
@@ -60,14 +61,15 @@ def _plan(algorithm: str, fmt: str, group: int | None, pattern: str = "layers/.*
     return QuantPlan(rules=(Rule(pattern, fmt, group_size=group, algorithm=algorithm),))
 
 
-def _quantize(params, plan, config, stats, awq_grid: int):
+def _quantize(params, plan, config, stats, awq_grid: int, static_statistic: str = "absmax"):
     """(Calibrated, quantized params) for a plan: prepare then apply_plan, as a user would."""
     import jax
 
     from tenantq.quant.apply import apply_plan
     from tenantq.quant.calibrate import prepare
 
-    cal = prepare(params, plan, config, stats, awq_grid=awq_grid)
+    cal = prepare(params, plan, config, stats, awq_grid=awq_grid,
+                  static_statistic=static_statistic)  # fmt: skip
     quantized = apply_plan(cal.params, plan, config, inputs=cal.inputs)
     jax.block_until_ready([v for v in quantized.values() if hasattr(v, "data")])
     return cal, quantized
@@ -157,18 +159,22 @@ def reference(args) -> dict:
                 "kl_mean": ci.delta, "kl_ci_low": ci.ci_low, "kl_ci_high": ci.ci_high,
                 "kl_vs_rtn": ci.delta / rtn_ci.delta,
             })  # fmt: skip
-    # SmoothQuant's own setting: W8A8 (int8 weights, int8 activations per token).
-    for algorithm in ("rtn", "smoothquant"):
-        from tenantq.quant.plan import QuantPlan, Rule
+    # SmoothQuant's own setting: W8A8 (int8 weights, int8 activations), activations scaled
+    # per token at run time (dynamic) or by one calibrated scale per linear input (static:
+    # the calibration set's absmax, or its 99.9th percentile, beyond which values clip).
+    from tenantq.quant.plan import QuantPlan, Rule
 
-        plan = QuantPlan(rules=(Rule("layers/.*", "int8", algorithm=algorithm,
-                                     activations="int8"),))  # fmt: skip
-        _, quantized = _quantize(params, plan, config, calib, args.awq_grid)
-        ci = kl_of(quantized, plan)
-        quality.append({"format": "W8A8 int8", "algorithm": algorithm, "kl_mean": ci.delta,
-                        "kl_ci_low": ci.ci_low, "kl_ci_high": ci.ci_high})  # fmt: skip
-    w8a8 = [q for q in quality if q["format"] == "W8A8 int8"]
-    w8a8[1]["kl_vs_rtn"] = w8a8[1]["kl_mean"] / w8a8[0]["kl_mean"]
+    for scale, statistic in W8A8_SCALES:
+        label = "W8A8 int8" + ("" if scale == "dynamic" else f" static {statistic}")
+        for algorithm in ("rtn", "smoothquant"):
+            plan = QuantPlan(rules=(Rule("layers/.*", "int8", algorithm=algorithm,
+                                         activations="int8", activation_scale=scale),))  # fmt: skip
+            _, quantized = _quantize(params, plan, config, calib, args.awq_grid, statistic)
+            ci = kl_of(quantized, plan)
+            quality.append({"format": label, "algorithm": algorithm, "kl_mean": ci.delta,
+                            "kl_ci_low": ci.ci_low, "kl_ci_high": ci.ci_high})  # fmt: skip
+        w8a8 = [q for q in quality if q["format"] == label]
+        w8a8[1]["kl_vs_rtn"] = w8a8[1]["kl_mean"] / w8a8[0]["kl_mean"]
     out["quality"] = quality
     out["kl_set"] = list(rows.shape)
     return out
@@ -257,14 +263,14 @@ def _print(result: dict) -> None:
             print(f"  {algorithm:<12} " + " ".join(f"{s:7.2f}" for s in secs))
         print(f"quality vs RTN (layer error: held-out Gram, all decoder linears; KL: "
               f"{ref['kl_set'][0]} x {ref['kl_set'][1]} test-split tokens, 95% CI)")  # fmt: skip
-        print(f"  {'format':<10} {'algorithm':<12} {'err/rtn':>8} {'below':>6} "
+        print(f"  {'format':<26} {'algorithm':<12} {'err/rtn':>8} {'below':>6} "
               f"{'KL mean':>9} {'KL 95% CI':>21} {'KL/rtn':>7}")  # fmt: skip
         for q in ref["quality"]:
             err = f"{q['layer_error_vs_rtn']:.3f}" if "layer_error_vs_rtn" in q else "-"
             below = f"{q['tensors_below_rtn']}/{q['tensors']}" if "tensors" in q else "-"
             ratio = f"{q['kl_vs_rtn']:.3f}" if "kl_vs_rtn" in q else "-"
             ci = f"[{q['kl_ci_low']:.2e}, {q['kl_ci_high']:.2e}]"
-            print(f"  {q['format']:<10} {q['algorithm']:<12} {err:>8} {below:>6} "
+            print(f"  {q['format']:<26} {q['algorithm']:<12} {err:>8} {below:>6} "
                   f"{q['kl_mean']:9.2e} {ci:>21} {ratio:>7}")  # fmt: skip
     syn = result.get("synthetic_8b")
     if syn:
