@@ -50,6 +50,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         p.set_defaults(**SMOKE_DEFAULTS)
     args = p.parse_args(argv)
     args.formats = FORMATS[:1] if smoke else FORMATS
+    args.w8a8_scales = W8A8_SCALES[:2] if smoke else W8A8_SCALES
     if min(args.sequences, args.seq_tokens, args.held_out, args.kl_rows, args.awq_grid) <= 0:
         p.error("counts must be positive")
     return args
@@ -164,7 +165,7 @@ def reference(args) -> dict:
     # the calibration set's absmax, or its 99.9th percentile, beyond which values clip).
     from tenantq.quant.plan import QuantPlan, Rule
 
-    for scale, statistic in W8A8_SCALES:
+    for scale, statistic in args.w8a8_scales:
         label = "W8A8 int8" + ("" if scale == "dynamic" else f" static {statistic}")
         for algorithm in ("rtn", "smoothquant"):
             plan = QuantPlan(rules=(Rule("layers/.*", "int8", algorithm=algorithm,
