@@ -21,6 +21,7 @@ import numpy as np
 
 FORMATS = (("int4", 128), ("int8", None), ("nvfp4", None), ("mxfp4", None))
 ALGORITHMS = ("rtn", "gptq", "awq", "smoothquant")
+SYNTHETIC_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 W8A8_SCALES = (("dynamic", "absmax"), ("static", "absmax"), ("static", "percentile"))
 # Under this variable (the suite's smoke test) the defaults shrink to a few short windows, one
 # format and a 3-point AWQ grid: every step still runs, in seconds instead of minutes.
@@ -44,6 +45,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--skip-reference", action="store_true", help="only the synthetic layer")
     p.add_argument("--synthetic-8b", action="store_true", help="time an 8B-shaped layer")
     p.add_argument("--synthetic-tokens", type=int, default=2048, help="tokens in its Gram")
+    p.add_argument(
+        "--synthetic-linears", nargs="+", choices=SYNTHETIC_LINEARS, default=SYNTHETIC_LINEARS,
+        help="which of the 8B layer's linears to time (default all 7)",
+    )  # fmt: skip
+    p.add_argument(
+        "--synthetic-algorithms", nargs="+", choices=ALGORITHMS, default=ALGORITHMS,
+        help="which algorithms to time on them (default all)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     smoke = bool(os.environ.get(SMOKE_ENV))
     if smoke:
@@ -196,9 +205,10 @@ def synthetic_8b(args) -> dict:
     shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
               "o_proj": (hidden, hidden), "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp),
               "down_proj": (mlp, hidden)}  # fmt: skip
+    shapes = {name: shapes[name] for name in args.synthetic_linears}
     rng = np.random.default_rng(0)
     grams = {}
-    for n in (hidden, mlp):
+    for n in sorted({n for n, _ in shapes.values()}):
         z = rng.standard_normal((args.synthetic_tokens, 64)).astype(np.float32)
         x = z @ rng.standard_normal((64, n)).astype(np.float32)
         x += 0.5 * rng.standard_normal(x.shape).astype(np.float32)
@@ -212,7 +222,7 @@ def synthetic_8b(args) -> dict:
         stats = InputStats(name, (name,), args.synthetic_tokens, absmax, absmax, mean_abs, gram)
         how = TensorQuant(name, "int4", 0, 128, True, "rtn", None)
         row = {}
-        for algorithm in ALGORITHMS:
+        for algorithm in args.synthetic_algorithms:
             start = time.perf_counter()
             if algorithm == "rtn":
                 q = quantize_tensor(w, how)
@@ -240,8 +250,9 @@ def synthetic_8b(args) -> dict:
             row[algorithm] = round(time.perf_counter() - start, 2)
             print(f"  8B {name} [{n}x{m}] {algorithm}: {row[algorithm]} s", file=sys.stderr)
         out["linears"][name] = row
-    out["per_layer_s"] = {a: round(sum(r[a] for r in out["linears"].values()), 1)
-                          for a in ALGORITHMS}  # fmt: skip
+    if len(shapes) == len(SYNTHETIC_LINEARS):
+        out["per_layer_s"] = {a: round(sum(r[a] for r in out["linears"].values()), 1)
+                              for a in args.synthetic_algorithms}  # fmt: skip
     return out
 
 
@@ -275,8 +286,10 @@ def _print(result: dict) -> None:
                   f"{q['kl_mean']:9.2e} {ci:>21} {ratio:>7}")  # fmt: skip
     syn = result.get("synthetic_8b")
     if syn:
-        print(f"Llama-3.1-8B-shaped layer, int4 g128 (smoothquant int8), seconds per layer: "
-              f"{syn['per_layer_s']}")  # fmt: skip
+        for name, row in syn["linears"].items():
+            print(f"Llama-3.1-8B-shaped {name}, int4 g128 (smoothquant int8), seconds: {row}")
+        if "per_layer_s" in syn:
+            print(f"Llama-3.1-8B-shaped layer, seconds per layer: {syn['per_layer_s']}")
 
 
 def main(argv: list[str]) -> int:
