@@ -72,6 +72,8 @@ def test_needs_calibration_reads_every_resolved_rule() -> None:
     assert needs_calibration(_plan("gptq"), config)
     shadowed = QuantPlan(rules=(Rule(".*", "int8"), Rule("layers/.*", "int4", algorithm="gptq")))
     assert not needs_calibration(shadowed, config)
+    static = Rule("layers/.*", "int8", activations="int8", activation_scale="static")
+    assert needs_calibration(QuantPlan(rules=(static,)), config)  # an rtn rule with static scales
 
 
 def test_calibration_data_rejects_empty_sets() -> None:
