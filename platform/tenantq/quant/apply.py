@@ -174,6 +174,8 @@ def load_quantized(
     Peak host memory stays near the result plus one full-precision tensor. Unused rules
     are not reported here; `apply_plan` (which the Engine runs on these params) does.
     """
+    import numpy as np
+
     from tenantq.model.loader import iter_checkpoint
 
     resolved = (plan or QuantPlan()).resolve(config)
