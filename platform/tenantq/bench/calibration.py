@@ -21,6 +21,8 @@ import numpy as np
 
 FORMATS = (("int4", 128), ("int8", None), ("nvfp4", None), ("mxfp4", None))
 ALGORITHMS = ("rtn", "gptq", "awq", "smoothquant")
+SYNTHETIC_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+W8A8_SCALES = (("dynamic", "absmax"), ("static", "absmax"), ("static", "percentile"))
 # Under this variable (the suite's smoke test) the defaults shrink to a few short windows, one
 # format and a 3-point AWQ grid: every step still runs, in seconds instead of minutes.
 SMOKE_ENV = "TENANTQ_BENCH_SMOKE"
@@ -43,12 +45,21 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--skip-reference", action="store_true", help="only the synthetic layer")
     p.add_argument("--synthetic-8b", action="store_true", help="time an 8B-shaped layer")
     p.add_argument("--synthetic-tokens", type=int, default=2048, help="tokens in its Gram")
+    p.add_argument(
+        "--synthetic-linears", nargs="+", choices=SYNTHETIC_LINEARS, default=SYNTHETIC_LINEARS,
+        help="which of the 8B layer's linears to time (default all 7)",
+    )  # fmt: skip
+    p.add_argument(
+        "--synthetic-algorithms", nargs="+", choices=ALGORITHMS, default=ALGORITHMS,
+        help="which algorithms to time on them (default all)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     smoke = bool(os.environ.get(SMOKE_ENV))
     if smoke:
         p.set_defaults(**SMOKE_DEFAULTS)
     args = p.parse_args(argv)
     args.formats = FORMATS[:1] if smoke else FORMATS
+    args.w8a8_scales = W8A8_SCALES[:2] if smoke else W8A8_SCALES
     if min(args.sequences, args.seq_tokens, args.held_out, args.kl_rows, args.awq_grid) <= 0:
         p.error("counts must be positive")
     return args
@@ -60,14 +71,15 @@ def _plan(algorithm: str, fmt: str, group: int | None, pattern: str = "layers/.*
     return QuantPlan(rules=(Rule(pattern, fmt, group_size=group, algorithm=algorithm),))
 
 
-def _quantize(params, plan, config, stats, awq_grid: int):
+def _quantize(params, plan, config, stats, awq_grid: int, static_statistic: str = "absmax"):
     """(Calibrated, quantized params) for a plan: prepare then apply_plan, as a user would."""
     import jax
 
     from tenantq.quant.apply import apply_plan
     from tenantq.quant.calibrate import prepare
 
-    cal = prepare(params, plan, config, stats, awq_grid=awq_grid)
+    cal = prepare(params, plan, config, stats, awq_grid=awq_grid,
+                  static_statistic=static_statistic)  # fmt: skip
     quantized = apply_plan(cal.params, plan, config, inputs=cal.inputs)
     jax.block_until_ready([v for v in quantized.values() if hasattr(v, "data")])
     return cal, quantized
@@ -157,18 +169,22 @@ def reference(args) -> dict:
                 "kl_mean": ci.delta, "kl_ci_low": ci.ci_low, "kl_ci_high": ci.ci_high,
                 "kl_vs_rtn": ci.delta / rtn_ci.delta,
             })  # fmt: skip
-    # SmoothQuant's own setting: W8A8 (int8 weights, int8 activations per token).
-    for algorithm in ("rtn", "smoothquant"):
-        from tenantq.quant.plan import QuantPlan, Rule
+    # SmoothQuant's own setting: W8A8 (int8 weights, int8 activations), activations scaled
+    # per token at run time (dynamic) or by one calibrated scale per linear input (static:
+    # the calibration set's absmax, or its 99.9th percentile, beyond which values clip).
+    from tenantq.quant.plan import QuantPlan, Rule
 
-        plan = QuantPlan(rules=(Rule("layers/.*", "int8", algorithm=algorithm,
-                                     activations="int8"),))  # fmt: skip
-        _, quantized = _quantize(params, plan, config, calib, args.awq_grid)
-        ci = kl_of(quantized, plan)
-        quality.append({"format": "W8A8 int8", "algorithm": algorithm, "kl_mean": ci.delta,
-                        "kl_ci_low": ci.ci_low, "kl_ci_high": ci.ci_high})  # fmt: skip
-    w8a8 = [q for q in quality if q["format"] == "W8A8 int8"]
-    w8a8[1]["kl_vs_rtn"] = w8a8[1]["kl_mean"] / w8a8[0]["kl_mean"]
+    for scale, statistic in args.w8a8_scales:
+        label = "W8A8 int8" + ("" if scale == "dynamic" else f" static {statistic}")
+        for algorithm in ("rtn", "smoothquant"):
+            plan = QuantPlan(rules=(Rule("layers/.*", "int8", algorithm=algorithm,
+                                         activations="int8", activation_scale=scale),))  # fmt: skip
+            _, quantized = _quantize(params, plan, config, calib, args.awq_grid, statistic)
+            ci = kl_of(quantized, plan)
+            quality.append({"format": label, "algorithm": algorithm, "kl_mean": ci.delta,
+                            "kl_ci_low": ci.ci_low, "kl_ci_high": ci.ci_high})  # fmt: skip
+        w8a8 = [q for q in quality if q["format"] == label]
+        w8a8[1]["kl_vs_rtn"] = w8a8[1]["kl_mean"] / w8a8[0]["kl_mean"]
     out["quality"] = quality
     out["kl_set"] = list(rows.shape)
     return out
@@ -189,9 +205,10 @@ def synthetic_8b(args) -> dict:
     shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
               "o_proj": (hidden, hidden), "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp),
               "down_proj": (mlp, hidden)}  # fmt: skip
+    shapes = {name: shapes[name] for name in args.synthetic_linears}
     rng = np.random.default_rng(0)
     grams = {}
-    for n in (hidden, mlp):
+    for n in sorted({n for n, _ in shapes.values()}):
         z = rng.standard_normal((args.synthetic_tokens, 64)).astype(np.float32)
         x = z @ rng.standard_normal((64, n)).astype(np.float32)
         x += 0.5 * rng.standard_normal(x.shape).astype(np.float32)
@@ -205,7 +222,7 @@ def synthetic_8b(args) -> dict:
         stats = InputStats(name, (name,), args.synthetic_tokens, absmax, absmax, mean_abs, gram)
         how = TensorQuant(name, "int4", 0, 128, True, "rtn", None)
         row = {}
-        for algorithm in ALGORITHMS:
+        for algorithm in args.synthetic_algorithms:
             start = time.perf_counter()
             if algorithm == "rtn":
                 q = quantize_tensor(w, how)
@@ -233,8 +250,9 @@ def synthetic_8b(args) -> dict:
             row[algorithm] = round(time.perf_counter() - start, 2)
             print(f"  8B {name} [{n}x{m}] {algorithm}: {row[algorithm]} s", file=sys.stderr)
         out["linears"][name] = row
-    out["per_layer_s"] = {a: round(sum(r[a] for r in out["linears"].values()), 1)
-                          for a in ALGORITHMS}  # fmt: skip
+    if len(shapes) == len(SYNTHETIC_LINEARS):
+        out["per_layer_s"] = {a: round(sum(r[a] for r in out["linears"].values()), 1)
+                              for a in args.synthetic_algorithms}  # fmt: skip
     return out
 
 
@@ -257,19 +275,21 @@ def _print(result: dict) -> None:
             print(f"  {algorithm:<12} " + " ".join(f"{s:7.2f}" for s in secs))
         print(f"quality vs RTN (layer error: held-out Gram, all decoder linears; KL: "
               f"{ref['kl_set'][0]} x {ref['kl_set'][1]} test-split tokens, 95% CI)")  # fmt: skip
-        print(f"  {'format':<10} {'algorithm':<12} {'err/rtn':>8} {'below':>6} "
+        print(f"  {'format':<26} {'algorithm':<12} {'err/rtn':>8} {'below':>6} "
               f"{'KL mean':>9} {'KL 95% CI':>21} {'KL/rtn':>7}")  # fmt: skip
         for q in ref["quality"]:
             err = f"{q['layer_error_vs_rtn']:.3f}" if "layer_error_vs_rtn" in q else "-"
             below = f"{q['tensors_below_rtn']}/{q['tensors']}" if "tensors" in q else "-"
             ratio = f"{q['kl_vs_rtn']:.3f}" if "kl_vs_rtn" in q else "-"
             ci = f"[{q['kl_ci_low']:.2e}, {q['kl_ci_high']:.2e}]"
-            print(f"  {q['format']:<10} {q['algorithm']:<12} {err:>8} {below:>6} "
+            print(f"  {q['format']:<26} {q['algorithm']:<12} {err:>8} {below:>6} "
                   f"{q['kl_mean']:9.2e} {ci:>21} {ratio:>7}")  # fmt: skip
     syn = result.get("synthetic_8b")
     if syn:
-        print(f"Llama-3.1-8B-shaped layer, int4 g128 (smoothquant int8), seconds per layer: "
-              f"{syn['per_layer_s']}")  # fmt: skip
+        for name, row in syn["linears"].items():
+            print(f"Llama-3.1-8B-shaped {name}, int4 g128 (smoothquant int8), seconds: {row}")
+        if "per_layer_s" in syn:
+            print(f"Llama-3.1-8B-shaped layer, seconds per layer: {syn['per_layer_s']}")
 
 
 def main(argv: list[str]) -> int:

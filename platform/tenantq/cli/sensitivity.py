@@ -20,7 +20,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="per-tensor KL sensitivity profile of a checkpoint",
         description="Quantize one tensor (or one block, or one layer's keys or values) at a "
         "time to FORMAT, everything else bf16, and measure KL against the bf16 model on a "
-        "small fixed set of held-out windows, with a bootstrap CI.",
+        "small fixed set of held-out windows, with a bootstrap CI. Units run in parallel "
+        "over the local devices when there are several (one unit per device at a time).",
     )
     p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
     p.add_argument("--format", required=True, help="format to quantize each unit to (int4, ...)")

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tenantq.evals import data, fidelity, retrieval, stats, structured
+from tenantq.evals.calibrated import CalibrationData, Calibrator
 from tenantq.evals.generation import Generated
 from tenantq.evals.identity import cache_key, model_identity
 from tenantq.evals.suite import Suite, load_suite
@@ -88,6 +89,7 @@ class Evaluator:
         cache_dir: str | Path = Path(".tenantq-cache"),
         engine_options: dict[str, Any] | None = None,
         progress: bool = False,
+        calibration: CalibrationData | None = None,
     ):
         from tenantq.model.config import ModelConfig
         from tenantq.model.loader import load_params
@@ -109,6 +111,11 @@ class Evaluator:
                 f"{self.model_path} has no tokenizer.json; the quality suite needs text"
             )
         self.params = load_params(self.model_path, self.config, dtype=jnp.float32)
+        # gptq/awq/smoothquant plans: statistics on first use, once (evals.calibrated)
+        self.calibrator = Calibrator(
+            self.model_path, self.config, self.tokenizer, self.params, model_id=self.identity,
+            data=calibration, cache_dir=self.cache_dir,
+        )  # fmt: skip
         self._draw_examples()
         _check_gates(self.suite, self.expected_metrics())
         self.load_s = time.perf_counter() - began
@@ -178,7 +185,8 @@ class Evaluator:
 
         try:
             return Engine(
-                self.config, self.params, plan, dtype=self.dtype, tokenizer=self.tokenizer,
+                self.config, self.calibrator.params_for(plan), plan, dtype=self.dtype,
+                tokenizer=self.tokenizer,
                 **self.engine_options,
             )  # fmt: skip
         except (TypeError, NotImplementedError) as err:

@@ -6,15 +6,20 @@ engine's per-token KL against the bf16 baseline on a small fixed set of held-out
 is averaged per window and given a paired bootstrap CI (`evals.fidelity`, `evals.stats`).
 The result is an Arrow table (tensor, format, kl_mean, kl_ci_low, kl_ci_high, ...) cached
 as Parquet by (model identity, format, dataset hash); the search's `sensitivity` space reads
-it to keep the k most sensitive tensors in bf16. Also here: the calibration windows.
+it to keep the k most sensitive tensors in bf16. With several local devices the units run
+in parallel, one per device at a time, each device holding its own copy of the model (the
+table is the serial run's, row for row). Also here: the calibration windows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -175,9 +180,15 @@ def profile(
     resamples: int = DEFAULT_RESAMPLES,
     cache_dir: str | Path = Path(".tenantq-cache"),
     progress: bool = True,
-    on_unit: Callable[[Unit], None] | None = None,
+    on_unit: Callable[[Unit, Any], None] | None = None,
+    devices: Sequence[Any] | None = None,
 ) -> pa.Table:
-    """The sensitivity table of the checkpoint at `model_path` (cached; see module doc)."""
+    """The sensitivity table of the checkpoint at `model_path` (cached; see module doc).
+
+    `devices`: where units run, one unit per device at a time (default
+    `jax.local_devices()`); `on_unit(unit, device)` is called as each unit starts.
+    """
+    import jax
     import jax.numpy as jnp
     from tqdm import tqdm
 
@@ -205,25 +216,81 @@ def profile(
         Engine(config, params, QuantPlan(), **options), windows,
         exact=config.vocab_size <= EXACT_VOCAB_LIMIT, top_k=TOP_K,
     )  # fmt: skip
-    records = []
-    for unit in tqdm(todo, desc=f"sensitivity {fmt}", disable=not progress, unit="unit"):
+    devices = list(jax.local_devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("devices is empty; pass at least one jax device (or None for all)")
+    bar = tqdm(total=len(todo), desc=f"sensitivity {fmt}", disable=not progress, unit="unit")
+
+    def measure(unit: Unit, device, params_there, base_there) -> dict:
         if on_unit is not None:
-            on_unit(unit)
-        cand = fidelity.compare(Engine(config, params, unit.plan, **options), windows, base)
+            on_unit(unit, device)
+        with jax.default_device(device):
+            engine = Engine(config, params_there, unit.plan, **options)
+            cand = fidelity.compare(engine, windows, base_there)
         kl_seq = cand["kl"].mean(axis=1)
         ci = stats.paired_bootstrap(np.zeros_like(kl_seq), kl_seq, resamples=resamples)
-        records.append({
+        bar.update(1)
+        return {
             "tensor": unit.tensor, "format": fmt, "kl_mean": ci.delta, "kl_ci_low": ci.ci_low,
             "kl_ci_high": ci.ci_high, "top1_agree": float(cand["top1_agree"].mean()),
             "layer": unit.layer, "tensor_class": unit.tensor_class, "kind": unit.kind,
             "rows": int(kl_seq.size), "tokens": int(cand["kl"].size),
-        })  # fmt: skip
+        }  # fmt: skip
+
+    try:
+        if len(devices) == 1:
+            records = [measure(u, devices[0], params, base) for u in todo]
+        else:
+            records = _over_devices(todo, devices, params, base, measure)
+    finally:
+        bar.close()
     table = pa.Table.from_pylist(records, schema=SCHEMA)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp)
     tmp.replace(path)
     return table
+
+
+def _over_devices(todo: list[Unit], devices: list, params: dict, base, measure) -> list[dict]:
+    """`measure` every unit, one thread per device pulling the next unit when its last one
+    is done; records in `todo`'s order. The first error stops the others and is raised."""
+    import jax
+
+    records: list[dict | None] = [None] * len(todo)
+    queue = iter(range(len(todo)))
+    lock, errors = threading.Lock(), []
+
+    def worker(device) -> None:
+        try:
+            params_there = jax.device_put(params, device)
+            base_there = _baseline_on(base, device)
+            while not errors:
+                with lock:
+                    i = next(queue, None)
+                if i is None:
+                    return
+                records[i] = measure(todo[i], device, params_there, base_there)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(d,), daemon=True) for d in devices]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return records  # type: ignore[return-value]
+
+
+def _baseline_on(base: fidelity.FidelityBaseline, device) -> fidelity.FidelityBaseline:
+    """The baseline with its device-side arrays (exact log-probs, top-k parts) on `device`."""
+    import jax
+
+    on_device = ("logp", "topk_ids", "topk_logp", "tail_logp", "tail_ids", "tail_sample_logp")
+    moved = {f: jax.device_put(getattr(base, f), device) for f in on_device}
+    return dataclasses.replace(base, **{f: v for f, v in moved.items() if v is not None})
 
 
 def matrix_text(table: pa.Table) -> str:

@@ -4,11 +4,14 @@ A weight is either a plain array or a `QArray`; both live in an `nnx.Param`, so 
 quantized bytes are what the params tree holds and a format is part of the tree's
 structure (a new format recompiles, a new value does not). Weight-only formats are
 dequantized inside jit right before the matmul; W8A8 (Rule.activations) quantizes the
-activations per token and multiplies the stored codes, rescaling the float32 product.
+activations per token and multiplies the stored codes, rescaling the float32 product. A
+static W8A8 weight (`StaticActQArray`) carries one calibrated activation scale instead, and
+activations beyond it clip, as in serving engines' static input scales.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -18,14 +21,47 @@ import numpy as np
 from flax import nnx
 
 from tenantq.model.config import ModelConfig
-from tenantq.numerics import QArray, dequantize, quantize
+from tenantq.numerics import QArray, dequantize, quantize, quantize_with_scale_zero_point
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticActQArray(QArray):
+    """A W8A8 weight plus the static scale of its input activations: `act_scale`, float32
+    shape (), one per tensor (x_codes = clip(round(x / act_scale))); counted in `nbytes`."""
+
+    act_scale: jax.Array | None = None
+
+    def tree_flatten(self):
+        children, aux = super().tree_flatten()
+        return (*children, self.act_scale), aux
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children[:4], *aux, act_scale=children[4])
+
+    @classmethod
+    def wrap(cls, q: QArray, act_scale) -> StaticActQArray:
+        fields = {f.name: getattr(q, f.name) for f in dataclasses.fields(QArray)}
+        return cls(**fields, act_scale=jnp.asarray(act_scale, jnp.float32).reshape(()))
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + 4 * int(self.act_scale is not None)
 
 
 def param_value(p: nnx.Param):
     return p.get_value()
 
 
-def _check_w8a8(path: str, w, contract_axis: int) -> None:
+def _check_w8a8(path: str, w, contract_axis: int, activations: str | None) -> None:
+    if activations is None:
+        if getattr(w, "act_scale", None) is not None:
+            raise ValueError(
+                f"{path}: the weight carries a static activation scale but its plan runs it "
+                "weight-only; quantize it under a plan whose rule sets activations"
+            )
+        return
     if not isinstance(w, QArray):
         raise ValueError(f"{path}: W8A8 needs a quantized weight, got a plain array")
     if w.axis != contract_axis or w.group_size is not None or w.zero_point is not None:
@@ -39,12 +75,19 @@ def matmul(x: jax.Array, w, *, dtype, activations: str | None = None, transpose:
     """x [..., in] @ w [in, out] (or w.T for a [out, in] weight), float32 accumulation.
 
     Returns float32. `w` may be a QArray; with `activations` ("int8" or "fp8_e4m3") the
-    product runs on the low-precision codes of both operands.
+    product runs on the low-precision codes of both operands: x is scaled per token, or by
+    the weight's static `act_scale` (a `StaticActQArray`), clipping what lies beyond it.
     """
     contract = 1 if transpose else 0
     dims = (((x.ndim - 1,), (contract,)), ((), ()))
     if activations is not None:
-        xq = quantize(x.astype(jnp.float32), activations, axis=-1)  # one scale per token
+        act_scale = getattr(w, "act_scale", None)
+        if act_scale is None:
+            xq = quantize(x.astype(jnp.float32), activations, axis=-1)  # one scale per token
+        else:  # one static scale; round, then saturate at the format's range
+            xq = quantize_with_scale_zero_point(
+                x.astype(jnp.float32), activations, act_scale, axis=None
+            )
         acc_type = jnp.int32 if activations == "int8" else jnp.float32
         wdata = w.data
         if wdata.dtype != xq.data.dtype:  # e5m2 weights with e4m3 activations: exact upcast
@@ -63,8 +106,7 @@ class Linear(nnx.Module):
     """y = x @ W (+ b), W stored [in, out] (plain or quantized), bias in full precision."""
 
     def __init__(self, path: str, weight, bias=None, *, dtype, activations: str | None = None):
-        if activations is not None:
-            _check_w8a8(path, weight, 0)
+        _check_w8a8(path, weight, 0, activations)
         self.path = path
         self.weight = nnx.Param(weight)
         self.bias = None if bias is None else nnx.Param(bias)
@@ -85,8 +127,7 @@ class Embedding(nnx.Module):
     """
 
     def __init__(self, weight, *, dtype, activations: str | None = None):
-        if activations is not None:
-            _check_w8a8("embed", weight, 1)
+        _check_w8a8("embed", weight, 1, activations)
         self.weight = nnx.Param(weight)
         self.dtype = dtype
         self.activations = activations

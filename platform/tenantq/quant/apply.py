@@ -15,10 +15,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tenantq.model.config import ModelConfig, TensorInfo
-from tenantq.numerics import QArray, quantize
+from tenantq.model.layers import StaticActQArray
+from tenantq.numerics import QArray, compute_scale_zero_point, quantize
 from tenantq.quant.plan import QuantPlan, TensorQuant, check_w8a8
 
 # fn(weight float32 [in, out] (embedding [vocab, hidden]), how, **inputs) -> QArray
@@ -51,8 +54,13 @@ def _round_to_nearest(weight, how: TensorQuant, **_: Any) -> QArray:
     )
 
 
-def quantize_tensor(weight, how: TensorQuant, **inputs: Any) -> QArray:
-    """Quantize one tensor as `how` says, with the algorithm its rule names."""
+def quantize_tensor(weight, how: TensorQuant, *, act_amax=None, **inputs: Any) -> QArray:
+    """Quantize one tensor as `how` says, with the algorithm its rule names.
+
+    Static W8A8 (`how.activation_scale == "static"`) also needs `act_amax`, the calibrated
+    max |x| of the tensor's input (`calibrate.prepare` passes it); the activation scale is
+    the activation format's own scale for that amax, stored with the weight.
+    """
     check_w8a8(how)
     algorithm = _ALGORITHMS.get(how.algorithm)
     if algorithm is None:
@@ -60,7 +68,25 @@ def quantize_tensor(weight, how: TensorQuant, **inputs: Any) -> QArray:
             f"{how.path}: algorithm {how.algorithm!r} is not available; "
             f"registered: {', '.join(_ALGORITHMS)}"
         )
-    return algorithm(jnp.asarray(weight, dtype=jnp.float32), how, **inputs)
+    if how.activation_scale != "static":
+        return algorithm(jnp.asarray(weight, dtype=jnp.float32), how, **inputs)
+    if act_amax is None:
+        raise ValueError(
+            f"{how.path}: static activation scales need calibration statistics; run "
+            "tenantq.quant.calibrate.prepare(params, plan, config, stats) and pass its inputs "
+            "to apply_plan"
+        )
+    q = algorithm(jnp.asarray(weight, dtype=jnp.float32), how, **inputs)
+    return StaticActQArray.wrap(q, static_activation_scale(act_amax, how.activations))
+
+
+def static_activation_scale(act_amax, activations: str) -> jax.Array:
+    """The one per-tensor scale `activations` prescribes for inputs of max |x| `act_amax`."""
+    amax = np.float32(act_amax)
+    if not np.isfinite(amax) or amax < 0:
+        raise ValueError(f"act_amax must be a finite max |x| >= 0, got {act_amax!r}")
+    scale, _ = compute_scale_zero_point(jnp.zeros((1,)), activations, axis=None, amax=amax)
+    return scale.reshape(())
 
 
 def infer_tensors(params: Mapping[str, Any]) -> dict[str, TensorInfo]:

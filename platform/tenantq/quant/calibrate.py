@@ -4,7 +4,8 @@ SmoothQuant and AWQ change two tensors per input site (the consumers and the pro
 which a per-tensor algorithm cannot do, and GPTQ needs its input's Hessian. So this runs
 once over the sites: it folds SmoothQuant's or AWQ's scales into the params, carries the
 statistics through the fold (x becomes x / s), and hands each tensor's algorithm its
-inputs. Usage: `cal = prepare(params, plan, config, stats)`, then
+inputs (and static W8A8 tensors their input's calibrated amax, after any fold). Usage:
+`cal = prepare(params, plan, config, stats)`, then
 `apply_plan(cal.params, plan, config, inputs=cal.inputs)`.
 """
 
@@ -23,6 +24,9 @@ from tenantq.quant.folding import fold, fold_sites, folded_stats, source_column_
 from tenantq.quant.plan import QuantPlan
 
 _FOLDING = ("smoothquant", "awq")
+# Which per-channel statistic a static activation scale covers: the calibration set's
+# absmax (nothing seen clips) or its high percentile (the rare outliers clip).
+STATIC_STATISTICS = ("absmax", "percentile")
 
 
 @dataclass
@@ -59,8 +63,14 @@ def prepare(
     awq_grid: int = awq.DEFAULT_GRID,
     awq_clip: bool = True,
     act_order: bool = False,
+    static_statistic: str = "absmax",
 ) -> Calibrated:
-    """Fold and collect inputs for every site whose consumers use smoothquant/awq/gptq."""
+    """Fold and collect inputs for every site whose consumers use smoothquant/awq/gptq or
+    static activation scales (amax = the max over channels of `static_statistic`)."""
+    if static_statistic not in STATIC_STATISTICS:
+        raise ValueError(
+            f"static_statistic={static_statistic!r}; valid: {', '.join(STATIC_STATISTICS)}"
+        )
     resolved = plan.resolve(config)
     foldable = fold_sites(config)
     all_sites = dict(head_site(config))
@@ -69,7 +79,8 @@ def prepare(
     out = Calibrated(dict(params))
     for name, consumers in all_sites.items():
         algorithms = {resolved[p].algorithm for p in consumers if p in resolved}
-        if not algorithms - {"rtn"}:
+        static = [p for p in consumers if p in resolved and _static(resolved[p])]
+        if not algorithms - {"rtn"} and not static:
             continue
         site_stats = stats.sites[name]
         folding = sorted(algorithms & set(_FOLDING))
@@ -103,4 +114,11 @@ def prepare(
                 out.inputs[path] = {"awq_scaled": True, "gram": site_stats.gram, "clip": awq_clip}
             elif algorithm == "gptq":
                 out.inputs[path] = {"hessian": site_stats.hessian, "act_order": act_order}
+            if path in static:
+                per_channel = getattr(site_stats, static_statistic)
+                out.inputs.setdefault(path, {})["act_amax"] = float(np.max(per_channel))
     return out
+
+
+def _static(how) -> bool:
+    return how.activation_scale == "static"

@@ -32,6 +32,9 @@ ALGORITHM_NAMES = ("rtn", "gptq", "awq", "smoothquant")
 # W8A8: activations quantized per token at run time; the weight must be in the same family.
 ACTIVATION_FORMATS = {"fp8_e4m3": ("fp8_e4m3", "fp8_e5m2"), "int8": ("int8",)}
 ACTIVATION_NAMES = tuple(ACTIVATION_FORMATS)
+# W8A8 activation scales: "dynamic" (per token at run time) or "static" (one per input,
+# from calibration statistics, stored with the weight; values beyond it clip).
+ACTIVATION_SCALES = ("dynamic", "static")
 KV_AXES = ("channel", "token")
 # Formats a KV page may use. fp16 is allowed; bf16 is the baseline.
 KV_FORMAT_NAMES = FORMAT_NAMES
@@ -56,6 +59,9 @@ class _RuleFields(BaseModel):
         None, description="W8A8: activation format (absent: weight-only)"
     )
     symmetric: StrictBool = Field(True, description="false: int zero points")
+    activation_scale: Literal[ACTIVATION_SCALES] = Field(
+        "dynamic", description="W8A8: per-token scales at run time, or one static calibrated"
+    )
 
 
 class _LayerFormatFields(BaseModel):
@@ -113,9 +119,14 @@ def _validated(model: type[BaseModel], raw: Any, where: str) -> BaseModel:
 def check_w8a8(how: Rule | TensorQuant) -> None:
     """W8A8 runs the matmul on stored codes: the weight needs one symmetric scale per output
     channel (no groups) in its activations' family. The one check, for rules and tensors."""
-    if how.activations is None:
-        return
     where = how.path if isinstance(how, TensorQuant) else f"rule {how.pattern!r}"
+    if how.activations is None:
+        if how.activation_scale != "dynamic":
+            raise ValueError(
+                f"{where}: activation_scale={how.activation_scale!r} applies to W8A8 only; "
+                "set activations (int8 or fp8_e4m3) or drop activation_scale"
+            )
+        return
     family = ACTIVATION_FORMATS[how.activations]
     if how.format not in family:
         raise ValueError(
@@ -140,6 +151,7 @@ class Rule:
     algorithm: str = "rtn"
     activations: str | None = None
     symmetric: bool = True
+    activation_scale: str = "dynamic"
 
     def __post_init__(self) -> None:
         where = f"rule {self.pattern!r}"
@@ -168,6 +180,8 @@ class Rule:
             d["activations"] = self.activations
         if not self.symmetric:
             d["symmetric"] = False
+        if self.activation_scale != "dynamic":
+            d["activation_scale"] = self.activation_scale
         return d
 
 
@@ -182,6 +196,7 @@ class TensorQuant:
     symmetric: bool
     algorithm: str
     activations: str | None
+    activation_scale: str = "dynamic"
 
 
 @dataclass(frozen=True)
@@ -363,6 +378,7 @@ class QuantPlan:
                 symmetric=rule.symmetric,
                 algorithm=rule.algorithm,
                 activations=rule.activations,
+                activation_scale=rule.activation_scale,
             )
         return out
 

@@ -1,0 +1,98 @@
+"""Calibrated params for the Evaluator: statistics once per (model, dataset), then per plan.
+
+A plan whose rules name gptq, awq or smoothquant (or ask for static W8A8 activation scales)
+needs calibration statistics; `Calibrator` draws the calibration windows (default: 128 x 512
+tokens of the reference model's train split, issue 11), collects the statistics the first
+time a plan needs them (or reads them from the Parquet cache), and turns each such plan into
+quantized params with `quant.calibrate.prepare` + `quant.apply.apply_plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tenantq.quant.calibration import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_TOKENS
+
+
+@dataclass(frozen=True)
+class CalibrationData:
+    """Which text calibrates and how much: `source` None is the reference train split,
+    else a .txt/.jsonl/.parquet file; `num_sequences` windows of `seq_tokens` tokens."""
+
+    source: str | None = None
+    num_sequences: int = DEFAULT_NUM_SEQUENCES
+    seq_tokens: int = DEFAULT_SEQ_TOKENS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_sequences < 1 or self.seq_tokens < 2:
+            raise ValueError(
+                f"calibration needs num_sequences >= 1 and seq_tokens >= 2, got "
+                f"{self.num_sequences} x {self.seq_tokens}"
+            )
+
+
+def needs_calibration(plan, config) -> bool:
+    """True when some tensor's rule uses a calibrated algorithm or static activation scales."""
+    if plan is None:
+        return False
+    return any(
+        how.algorithm != "rtn" or getattr(how, "activation_scale", "dynamic") == "static"
+        for how in plan.resolve(config).values()
+    )
+
+
+class Calibrator:
+    """Statistics of one model on one calibration set, collected on first use (see module doc)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        config,
+        tokenizer,
+        params: dict[str, Any],
+        *,
+        model_id: str,
+        data: CalibrationData | None = None,
+        cache_dir: str | Path = Path(".tenantq-cache"),
+    ):
+        self.model_path = Path(model_path)
+        self.config = config
+        self.tokenizer = tokenizer
+        self.params = params
+        self.model_id = model_id
+        self.data = data or CalibrationData()
+        self.cache_dir = Path(cache_dir) / "calibration"
+        self._stats = None
+
+    def statistics(self):
+        """The `CalibrationStats` (computed once; from the disk cache when present)."""
+        if self._stats is None:
+            from tenantq.evals.data import array_hash
+            from tenantq.evals.sensitivity import calibration_windows
+            from tenantq.quant.calibration import collect_statistics
+
+            windows, _ = calibration_windows(
+                self.tokenizer, self.config, source=self.data.source,
+                num_sequences=self.data.num_sequences, seq_tokens=self.data.seq_tokens,
+                seed=self.data.seed,
+            )  # fmt: skip
+            self._stats = collect_statistics(
+                self.model_path, windows, model_id=self.model_id, data_hash=array_hash(windows),
+                cache_dir=self.cache_dir, params=self.params,
+            )  # fmt: skip
+        return self._stats
+
+    def params_for(self, plan) -> dict[str, Any]:
+        """`plan` applied to the model's params, calibrated where its rules ask for it;
+        the unchanged params when no rule does (the Engine then applies plain RTN)."""
+        if not needs_calibration(plan, self.config):
+            return self.params
+        from tenantq.quant.apply import apply_plan
+        from tenantq.quant.calibrate import prepare
+
+        stats = self.statistics()
+        cal = prepare(self.params, plan, self.config, stats)
+        return apply_plan(cal.params, plan, self.config, inputs=cal.inputs)
