@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tenantq.workers.faults import FailQuantizedTrials
+
 SUITE = Path(__file__).with_name("report_suite.toml")
 
 
@@ -27,7 +29,7 @@ class Studies:
     optuna_url: str
 
 
-def run_study(tmp: Path, name: str, trials: int, algorithm: str = "rtn") -> None:
+def run_study(tmp: Path, name: str, trials: int, worker_class: type | None = None) -> None:
     from tenantq.search.driver import SearchDriver
     from tenantq.search.spec import parse_spec
     from tenantq.testing import tiny_study_spec
@@ -37,11 +39,11 @@ def run_study(tmp: Path, name: str, trials: int, algorithm: str = "rtn") -> None
         name=name,
         trials=trials,
         suite=SUITE,
-        algorithm=algorithm,
         objectives=("tenants", "fidelity.kl_mean", "needle.acc_delta.len256"),
     )
     spec = parse_spec(tomllib.loads(text))
-    SearchDriver(spec, text, progress=False, out_dir=tmp / "runs" / name).run()
+    out = tmp / "runs" / name
+    SearchDriver(spec, text, progress=False, out_dir=out, worker_class=worker_class).run()
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +58,7 @@ def studies(tmp_path_factory) -> Studies:
     ray.init(num_cpus=2, include_dashboard=False, namespace="tenantq", log_to_driver=False)
     try:
         run_study(tmp, "report", trials=3)
-        run_study(tmp, "failing", trials=3, algorithm="gptq")
+        run_study(tmp, "failing", trials=3, worker_class=FailQuantizedTrials)
         run_study(tmp, "single", trials=1)
     finally:
         ray.shutdown()

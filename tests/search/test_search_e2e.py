@@ -9,6 +9,7 @@ raises is FAILED with its error while the study goes on.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -23,20 +24,16 @@ from mlflow import MlflowClient
 from tenantq.search.driver import SearchDriver
 from tenantq.search.spec import parse_spec
 from tenantq.testing import tiny_study_spec
+from tenantq.workers.faults import INJECTED_ERROR, FailQuantizedTrials
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SUITE = Path(__file__).with_name("tiny_suite.toml")
 
 
-def _spec(tmp: Path, trials: int, *, confirm: bool = False, algorithm: str = "rtn"):
+def _spec(tmp: Path, trials: int, *, confirm: bool = False, **kw):
     text = tiny_study_spec(
-        tmp,
-        name="e2e",
-        trials=trials,
-        suite=SUITE,
-        confirm_suite=SUITE if confirm else None,
-        algorithm=algorithm,
+        tmp, name="e2e", trials=trials, suite=SUITE, confirm_suite=SUITE if confirm else None, **kw
     )
     return parse_spec(tomllib.loads(text)), text
 
@@ -139,20 +136,37 @@ def test_killed_worker_is_replaced_and_its_trial_retried(tmp_path, monkeypatch) 
 
 def test_trial_that_raises_is_failed_and_the_study_goes_on(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    # GPTQ needs calibration statistics (its inputs' Hessians), which the quality suite does not
-    # collect: every quantized tensor's GPTQ raises in the worker. The bf16 baseline has no
-    # rule to quantize and completes.
-    spec, text = _spec(tmp_path, trials=3, algorithm="gptq")
-    SearchDriver(spec, text, progress=False, out_dir=tmp_path / "out").run()
+    # The workers raise on every quantized plan (tenantq.workers.faults), inside the Ray actor
+    # as a real failure would; the bf16 baseline completes.
+    spec, text = _spec(tmp_path, trials=3)
+    out = tmp_path / "out"
+    SearchDriver(spec, text, progress=False, out_dir=out, worker_class=FailQuantizedTrials).run()
     trials = _study(tmp_path).trials
     S = optuna.trial.TrialState
     assert trials[0].state == S.COMPLETE and trials[0].values == [16, 0.0]
     failed = [t for t in trials if t.state == S.FAIL]
-    if not failed:
-        pytest.skip("the suite now calibrates GPTQ: no trial fails in the worker")
-    assert all("needs calibration statistics" in t.user_attrs["error"] for t in failed)
+    assert len(failed) == 2  # trials 1 and 2: the fp8 and int4 baselines the driver enqueues
+    assert all(INJECTED_ERROR in t.user_attrs["error"] for t in failed)
     assert len(trials) == 3  # a trial's own error is not retried; the study went on to 3
     _, runs = _nested_runs(tmp_path)
     for t in failed:
         assert runs[t.number].info.status == "FAILED"
-        assert "needs calibration statistics" in runs[t.number].data.tags["tenantq.error"]
+        assert INJECTED_ERROR in runs[t.number].data.tags["tenantq.error"]
+
+
+def test_gptq_study_calibrates_in_the_workers(tmp_path, monkeypatch) -> None:
+    # [calibration] algorithm = "gptq" with 4 windows of 64 tokens: the workers' Evaluators
+    # collect the statistics and GPTQ-round the linears (the embedding stays RTN: it has no
+    # input activations), so the quantized baseline completes instead of failing.
+    monkeypatch.chdir(tmp_path)
+    spec, text = _spec(tmp_path, trials=2, algorithm="gptq", calibration_windows=(4, 64))
+    assert spec.calibration.worker_args() == {"source": None, "num_sequences": 4, "seq_tokens": 64}
+    SearchDriver(spec, text, progress=False, out_dir=tmp_path / "out").run()
+    trials = _study(tmp_path).trials
+    # 2 trials run: the bf16 and fp8 baselines; the int4 one stays enqueued (WAITING)
+    assert [t.state for t in trials[:2]] == [optuna.trial.TrialState.COMPLETE] * 2
+    plan = json.loads(trials[1].user_attrs["plan"])
+    algorithms = {r["pattern"]: r.get("algorithm", "rtn") for r in plan["rules"]}
+    assert algorithms.pop("embed") == "rtn" and set(algorithms.values()) == {"gptq"}, plan
+    assert trials[1].values[1] > 0  # fp8 weights and KV: a measured, nonzero KL
+    assert list((tmp_path / "cache" / "calibration").iterdir())  # the statistics were cached

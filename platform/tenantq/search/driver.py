@@ -76,6 +76,12 @@ def prepare(spec: Spec, spec_text: str) -> _Prepared:
         hint = "; this spec needs a local checkpoint" if spec.requires else ""
         raise ValueError(f"model: {model_path} has no config.json{hint}")
     config = ModelConfig.from_file(model_path / "config.json")
+    data = spec.calibration.data
+    if data is not None and not Path(data).is_file():
+        raise ValueError(
+            f"calibration.data: {data} is not a file; give a .txt, .jsonl or .parquet file "
+            "of calibration text, or leave it out for the reference model's train split"
+        )
     capacity_config = get_model_config(spec.deployment.model) if spec.deployment.model else config
     deployment = spec.deployment.build()
     capacity_config.check_tensor_parallel(deployment.chips, valid_name="deployment.chips values")
@@ -159,8 +165,12 @@ class SearchDriver:
         address: str | None = None,
         progress: bool = True,
         out_dir: str | Path | None = None,
+        worker_class: type | None = None,
     ) -> None:
+        """`worker_class`: a `HostWorker` subclass for the pool (tests inject faults with
+        `tenantq.workers.faults`); None is `HostWorker`."""
         self.prep = prepare(spec, spec_text)
+        self.worker_class = worker_class
         self.spec = spec
         self.resume = resume
         self.workers = workers or spec.workers.count
@@ -312,6 +322,8 @@ class SearchDriver:
             self.spec.eval.suite,
             cache_dir=self.spec.eval.cache_dir,
             count=self.workers,
+            calibration=self.spec.calibration.worker_args(),
+            worker_class=self.worker_class,
         )
         pool.wait_ready()
         return pool

@@ -107,9 +107,13 @@ def plan_from_params(
     if missing:
         raise ValueError(f"parameters missing for space {space.kind!r}: {missing}")
 
-    def rule(pattern: str, fmt: str) -> Rule:
+    def rule(pattern: str, fmt: str, how: str = algorithm) -> Rule:
         group = space.group_size if fmt in GROUPED_FORMATS else None
-        return Rule(pattern, fmt, group_size=group, algorithm=algorithm)
+        return Rule(pattern, fmt, group_size=group, algorithm=how)
+
+    # The embedding is a gather, not a matmul: it has no input activations for gptq, awq or
+    # smoothquant to use, so it is always rounded to nearest (RTN) whatever the spec says.
+    embed_patterns = {"embed"}  # the embedding's path, a regex matching only itself
 
     rules: list[Rule] = []
     kv_bf16: tuple[int, ...] = KV_BF16_LAYERS[params.get("kv.bf16_layers", "none")]
@@ -120,15 +124,18 @@ def plan_from_params(
         for name, pat in TENSOR_CLASSES.items():
             fmt = params.get(name, params.get("w.linear") if name not in EMBED_CLASSES else None)
             if fmt is not None:
-                rules.append(rule(pat, fmt))
+                rules.append(rule(pat, fmt, "rtn" if pat in embed_patterns else algorithm))
     elif space.kind == "per_tensor":
         for name, fmt in params.items():
             if name.startswith("w."):
-                rules.append(rule(re.escape(name[2:]), fmt))
+                pat = re.escape(name[2:])
+                rules.append(rule(pat, fmt, "rtn" if pat in embed_patterns else algorithm))
     else:
         assert profile is not None
         keep = profile.tensor_order[: params["sens.keep_bf16"]]
         rules += [Rule(re.escape(path), "bf16") for path in keep]
+        if algorithm != "rtn":
+            rules.append(rule(re.escape("embed"), params["sens.format"], "rtn"))
         rules.append(rule(".*", params["sens.format"]))
         if "sens.kv_keep_bf16" in params:
             kv_bf16 = tuple(sorted(profile.kv_layer_order[: params["sens.kv_keep_bf16"]]))

@@ -143,7 +143,22 @@ class EvalSpec(_Strict):
 
 
 class CalibrationSpec(_Strict):
+    """The algorithm quantized tensors use, and the text that calibrates it (gptq, awq,
+    smoothquant, static activation scales): `sequences` windows of `sequence_tokens` tokens
+    of `data` (a .txt/.jsonl/.parquet file; absent: the reference model's train split)."""
+
     algorithm: Literal[ALGORITHM_NAMES] = "rtn"  # type: ignore[valid-type]
+    sequences: int = Field(128, ge=1, description="calibration windows (issue 11: 128)")
+    sequence_tokens: int = Field(512, ge=2, description="tokens per window (512)")
+    data: str | None = Field(None, description="calibration text file; absent: train split")
+
+    def worker_args(self) -> dict[str, Any]:
+        """What a HostWorker needs to build its Evaluator's `CalibrationData`."""
+        return {
+            "source": self.data,
+            "num_sequences": self.sequences,
+            "seq_tokens": self.sequence_tokens,
+        }
 
 
 class SamplerSpec(_Strict):

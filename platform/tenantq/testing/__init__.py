@@ -81,6 +81,7 @@ def tiny_study_spec(
     workers: int = 2,
     key_formats: tuple[str, ...] = ("bf16", "fp8_e4m3", "int8"),
     bf16_first_layers: tuple[int, ...] = (0, 1),
+    calibration_windows: tuple[int, int] | None = None,
 ) -> str:
     """TOML text of a small study on the shipped reference model, its stores under `state`.
 
@@ -115,6 +116,9 @@ def tiny_study_spec(
     if confirm_suite is not None:
         lines.append(f'confirm_suite = "{confirm_suite}"')
     lines += ["[calibration]", f'algorithm = "{algorithm}"']
+    if calibration_windows is not None:  # (sequences, tokens each)
+        lines += [f"sequences = {calibration_windows[0]}"]
+        lines += [f"sequence_tokens = {calibration_windows[1]}"]
     lines += ["[sampler]", f'kind = "{sampler}"', f"seed = {seed}"]
     if sampler == "nsga2":
         lines.append("population_size = 4")

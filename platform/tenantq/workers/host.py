@@ -80,6 +80,7 @@ class HostWorker:
         cache_dir: str,
         kind: str = "cpu",
         cores: list[int] | None = None,
+        calibration: dict[str, Any] | None = None,
     ) -> None:
         if kind == "cpu" and cores and hasattr(os, "sched_setaffinity"):
             usable = os.sched_getaffinity(0)
@@ -90,6 +91,7 @@ class HostWorker:
         self.model_path = model_path
         self.cache_dir = Path(cache_dir)
         self.default_suite = suite
+        self.calibration = calibration  # CalibrationData fields; None: its defaults
         self._evaluators: dict[tuple[str, str], Any] = {}
         self._load_s: dict[tuple[str, str], float] = {}
         _persistent_compilation_cache(self.cache_dir / "xla")
@@ -99,10 +101,14 @@ class HostWorker:
         key = (suite, split)
         if key not in self._evaluators:
             from tenantq.evals import Evaluator, load_suite
+            from tenantq.evals.calibrated import CalibrationData
 
             start = time.perf_counter()
             self._evaluators[key] = Evaluator(
-                self.model_path, load_suite(suite).with_split(split), cache_dir=self.cache_dir
+                self.model_path,
+                load_suite(suite).with_split(split),
+                cache_dir=self.cache_dir,
+                calibration=CalibrationData(**self.calibration) if self.calibration else None,
             )
             self._load_s[key] = time.perf_counter() - start
         return self._evaluators[key]

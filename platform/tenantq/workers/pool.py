@@ -51,14 +51,17 @@ class WorkerPool:
         count: int | None = None,
         max_replacements: int | None = None,
         name_prefix: str = "tenantq-worker",
+        calibration: dict[str, Any] | None = None,
+        worker_class: type | None = None,
     ) -> None:
         import ray
 
         self._spec = workers_spec
         self._args = (model_path, suite)
         self._cache_dir = cache_dir
+        self._calibration = calibration
         self._count = count or workers_spec.count
-        self._actor_cls = ray.remote(HostWorker)
+        self._actor_cls = ray.remote(worker_class or HostWorker)
         self._prefix = f"{name_prefix}-{os.getpid()}"
         self._actors: dict[int, Any] = {}
         self._names: dict[int, str] = {}
@@ -87,6 +90,7 @@ class WorkerPool:
             cache_dir=self._cache_dir,
             kind=self._spec.kind,
             cores=cores,
+            calibration=self._calibration,
         )
         self._names[slot] = name
         self._idle.append(slot)
