@@ -32,6 +32,12 @@ def equivalent_mutants() -> set[str]:
     return set(re.findall(r"^- `([^`]+__mutmut_\d+)`", text, flags=re.M))
 
 
+def _sources(target: dict) -> list[str]:
+    """A target's `source`: one glob or a list of them."""
+    source = target["source"]
+    return [source] if isinstance(source, str) else list(source)
+
+
 def stage(name: str, target: dict, jobs: int) -> Path:
     where = ROOT / ".tenantq-cache" / "mutation" / name
     shutil.rmtree(where, ignore_errors=True)
@@ -45,7 +51,8 @@ def stage(name: str, target: dict, jobs: int) -> Path:
     lines = [
         "[mutmut]",
         "source_paths = src",
-        f"only_mutate = src/{target['source']}",
+        "only_mutate =",
+        *[f"    src/{s}" for s in _sources(target)],
         "pytest_add_cli_args_test_selection =",
         *[f"    {t}" for t in target["tests"]],
         # Services and multi-minute runs stay out: a mutant is judged by its unit tests.
@@ -73,7 +80,7 @@ def run_target(name: str, target: dict, jobs: int, mutmut: str) -> tuple[int, in
         JAX_COMPILATION_CACHE_DIR=str(ROOT / ".tenantq-cache" / "mutation" / "jax-cache"),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     )
-    print(f"== {name}: mutating {target['source']} against {' '.join(target['tests'])}")
+    print(f"== {name}: mutating {' '.join(_sources(target))} against {' '.join(target['tests'])}")
     cmd = ["nice", "-n", "15", mutmut, "run", "--max-children", str(jobs)]
     done = subprocess.run(cmd, cwd=where, env=env, capture_output=True, text=True)
     (where / "mutmut-run.log").write_text(done.stdout + done.stderr)
@@ -122,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"      {s}")
         if survivors:
             print(f"   diff of one: cd {where} && mutmut show NAME")
-    print("\ntarget       killed/judged  score")
+    print("\ntarget          killed/judged  score")
     for name, killed, total, score in rows:
-        print(f"{name:<12} {killed:>6}/{total:<6}  {score:5.1f}%")
+        print(f"{name:<15} {killed:>6}/{total:<6}  {score:5.1f}%")
     return 1 if failed else 0
 
 
