@@ -78,6 +78,20 @@ def test_qarray_specs_keep_data_and_scales_together():
     assert asym.zero_point == asym.scale == P("tp", None)
 
 
+def test_static_w8a8_weight_keeps_its_node_type_and_replicates_its_scale():
+    # A StaticActQArray's spec must be the same pytree node (device_put takes the specs as a
+    # tree prefix of the params), with its one activation scale replicated on every shard.
+    from tenantq.model.layers import StaticActQArray
+
+    w = RNG.standard_normal((64, 128)).astype(np.float32)
+    value = StaticActQArray.wrap(quantize(w, "int8", axis=0), 0.5)
+    spec = param_spec("layers/0/mlp/gate_proj", value, CONFIG, 4)
+    assert isinstance(spec, StaticActQArray) and spec.act_scale == P()
+    assert spec.data == P(None, "tp")  # column parallel, as the plain QArray
+    paired = jax.tree.map(lambda v, s: s, value, spec, is_leaf=lambda x: isinstance(x, P))
+    assert jax.tree.structure(paired) == jax.tree.structure(value)
+
+
 def test_groups_straddling_shards_are_an_error_under_global_scales():
     w = RNG.standard_normal((128, 64)).astype(np.float32)
     q = quantize(w, "int4", axis=0, group_size=64)  # 2 groups, 4 shards of 32 rows

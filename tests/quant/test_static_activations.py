@@ -127,3 +127,26 @@ def _info():
     from tenantq.model.config import TensorInfo
 
     return TensorInfo("w_proj", (IN, OUT), "linear", 0)
+
+
+def test_planner_counts_the_static_scale_as_the_engine_does() -> None:
+    # capacity.weights (the planner, no JAX) must give each static W8A8 tensor the bytes the
+    # engine's StaticActQArray holds: the weight's storage plus one float32 scale.
+    from tenantq.capacity.weights import tensor_bytes
+    from tenantq.model.decoder import init_params
+    from tenantq.testing import tiny_config
+
+    config = tiny_config()
+    rule = Rule("layers/.*/mlp/.*", "int8", activations="int8", activation_scale="static")
+    plan = QuantPlan(rules=(rule,))
+    params = init_params(config, seed=0)
+    static = [p for p in plan.resolve(config)]
+    inputs = {p: {"act_amax": 3.0} for p in static}
+    quantized = apply_plan(params, plan, config, inputs=inputs)
+    planned = {t.path: t.bytes_per_chip for t in tensor_bytes(config, plan)}
+    assert static and all(isinstance(quantized[p], StaticActQArray) for p in static)
+    for path in static:
+        assert planned[path] == quantized[path].nbytes, path
+    dynamic = QuantPlan(rules=(Rule("layers/.*/mlp/.*", "int8", activations="int8"),))
+    without = {t.path: t.bytes_per_chip for t in tensor_bytes(config, dynamic)}
+    assert all(planned[p] - without[p] == 4 for p in static)  # exactly one float32 each

@@ -35,6 +35,18 @@ def test_flattened_params_have_the_same_keys_for_any_plan() -> None:
     assert flat[2]["plan.fingerprint"] == plans[2].fingerprint()
 
 
+def test_algorithm_and_w8a8_show_in_the_flattened_params() -> None:
+    # Same formats, different algorithm or activations: the MLflow params must differ.
+    rtn = QuantPlan(rules=(Rule(r"layers/\d+/mlp/.*", "int8"),))
+    gptq = QuantPlan(rules=(Rule(r"layers/\d+/mlp/.*", "int8", algorithm="gptq"),))
+    w8a8 = QuantPlan(rules=(Rule(r"layers/\d+/mlp/.*", "int8", activations="int8"),))
+    static = QuantPlan(
+        rules=(Rule(r"layers/\d+/mlp/.*", "int8", activations="int8", activation_scale="static"),)
+    )
+    labels = [flatten_plan(p, CONFIG)["weights.mlp_down"] for p in (rtn, gptq, w8a8, static)]
+    assert labels == ["int8", "int8+gptq", "int8+W8A8 int8", "int8+W8A8 int8, static"]
+
+
 @pytest.mark.slow
 def test_study_and_trial_runs(tmp_path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"

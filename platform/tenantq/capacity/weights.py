@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from tenantq.model.config import ModelConfig
-from tenantq.quant.plan import QuantPlan
+from tenantq.quant.plan import STATIC_ACT_SCALE_BYTES, QuantPlan
 from tenantq.quant.storage import check_tp, shard_shape, tp_line
 
 _SHARDING_LABELS = {
@@ -75,5 +75,7 @@ def tensor_bytes(config: ModelConfig, plan: QuantPlan, tp: int = 1) -> tuple[Ten
         else:
             fmt, group = tq.format, tq.group_size
             nbytes = _nbytes(shard, fmt, tq.axis, group, tq.symmetric)
+            if tq.activation_scale == "static":  # replicated: every chip holds it
+                nbytes += STATIC_ACT_SCALE_BYTES
         out.append(TensorBytes(path, tp_line(path), info.shape, shard, fmt, group, nbytes))
     return tuple(out)

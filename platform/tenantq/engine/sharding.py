@@ -20,6 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tenantq.model.config import ModelConfig
+from tenantq.model.layers import StaticActQArray
 from tenantq.numerics import QArray, get_format
 from tenantq.quant.apply import quantize_tensor
 from tenantq.quant.plan import QuantPlan, TensorQuant
@@ -61,6 +62,13 @@ def param_spec(path: str, value: Any, config: ModelConfig, tp: int):
     axis = tp_split_axis(path, config, tp)
     if not isinstance(value, QArray):
         return _spec(len(value.shape), axis)
+    spec = _qarray_spec(path, value, config, tp, axis)
+    if isinstance(value, StaticActQArray):  # same pytree node; its one scale is replicated
+        return StaticActQArray.wrap_spec(spec, P())
+    return spec
+
+
+def _qarray_spec(path: str, value: QArray, config: ModelConfig, tp: int, axis: int | None):
     if axis is None:
         return QArray(*(None if a is None else P() for a in _fields(value)), *_aux(value))
     length = value.shape[axis]

@@ -45,9 +45,15 @@ class StaticActQArray(QArray):
         fields = {f.name: getattr(q, f.name) for f in dataclasses.fields(QArray)}
         return cls(**fields, act_scale=jnp.asarray(act_scale, jnp.float32).reshape(()))
 
+    @classmethod
+    def wrap_spec(cls, spec: QArray, act_scale_spec) -> StaticActQArray:
+        """`spec` (a QArray of per-field sharding specs) as this node, for tree-prefix use."""
+        fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(QArray)}
+        return cls(**fields, act_scale=act_scale_spec)
+
     @property
     def nbytes(self) -> int:
-        return super().nbytes + 4 * int(self.act_scale is not None)
+        return super().nbytes + (0 if self.act_scale is None else int(self.act_scale.nbytes))
 
 
 def param_value(p: nnx.Param):

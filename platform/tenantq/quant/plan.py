@@ -35,6 +35,8 @@ ACTIVATION_NAMES = tuple(ACTIVATION_FORMATS)
 # W8A8 activation scales: "dynamic" (per token at run time) or "static" (one per input,
 # from calibration statistics, stored with the weight; values beyond it clip).
 ACTIVATION_SCALES = ("dynamic", "static")
+# A static scale is one float32 per tensor (model.layers.StaticActQArray.act_scale).
+STATIC_ACT_SCALE_BYTES = 4
 KV_AXES = ("channel", "token")
 # Formats a KV page may use. fp16 is allowed; bf16 is the baseline.
 KV_FORMAT_NAMES = FORMAT_NAMES

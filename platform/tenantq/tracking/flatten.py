@@ -51,6 +51,14 @@ def flatten_plan(plan: QuantPlan, config: ModelConfig) -> dict[str, str]:
 
 
 def _label(tq) -> str:
+    """A tensor's label: "int4/g128", plus "+gptq" for a calibrated algorithm and "+W8A8 int8"
+    (", static") for quantized activations: plans that differ only there must differ here."""
     if tq is None:
         return "bf16"
-    return tq.format + (f"/g{tq.group_size}" if tq.group_size else "")
+    label = tq.format + (f"/g{tq.group_size}" if tq.group_size else "")
+    if tq.algorithm != "rtn":
+        label += f"+{tq.algorithm}"
+    if tq.activations:
+        static = ", static" if tq.activation_scale == "static" else ""
+        label += f"+W8A8 {tq.activations}{static}"
+    return label
