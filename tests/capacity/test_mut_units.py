@@ -1,15 +1,19 @@
-"""`parse_reserve`'s three forms, their open boundaries and its one-line errors, exactly as its
-docstring states them (found unpinned by `make mutation TARGETS=capacity`): a fraction
-strictly inside (0, 1), a percentage strictly inside (0%, 100%), or bytes with a unit.
+"""Byte quantities, reserves, hardware and preset registration, exactly as their docstrings
+state them (found unpinned by `make mutation TARGETS=capacity`). `parse_reserve` takes a
+fraction strictly inside (0, 1), a percentage strictly inside (0%, 100%), or bytes with a
+unit; `parse_bytes` an exact whole, non-negative count in decimal or binary units.
 """
 
 from __future__ import annotations
 
+import json
 from fractions import Fraction
 
 import pytest
 
-from tenantq.capacity.units import RESERVE_FORMS, parse_reserve
+from tenantq.capacity import get_model_config, presets
+from tenantq.capacity.hardware import HardwareProfile
+from tenantq.capacity.units import RESERVE_FORMS, parse_bytes, parse_reserve
 
 
 @pytest.mark.parametrize(
@@ -69,3 +73,58 @@ def test_bytes_that_are_not_whole_name_the_field_and_the_forms():
     with pytest.raises(ValueError) as err:
         parse_reserve("1.5B", what=None)
     assert str(err.value) == f"bytes: '1.5B' is not a whole number of bytes; write {RESERVE_FORMS}"
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (4096, 4096),  # an int passes as it is
+        (0, 0),  # zero bytes is a valid size; only negatives are not
+        ("0", 0),
+        ("1", 1),
+        ("1_000 B", 1000),  # separators people type are dropped
+        ("1,000B", 1000),
+        ("2kB", 2000),
+        ("2KiB", 2048),
+        ("1.5e9", 1_500_000_000),
+    ],
+)
+def test_parse_bytes_reads_exact_counts(text, want):
+    assert parse_bytes(text) == want
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (True, "size: expected a byte count, got True"),
+        ("x", "size: cannot read 'x' as bytes; write e.g. 4GiB, 512MiB, 16GB or 1000000"),
+        ("1e999999999999999999999B", "size: cannot read '1e999999999999999999999B' as bytes"),
+        ("1.5B", "size: '1.5B' is not a whole number of bytes"),
+        (-5, "size: must not be negative, got -5"),
+    ],
+)
+def test_parse_bytes_errors_are_one_named_line(text, message):
+    with pytest.raises(ValueError) as err:
+        parse_bytes(text)
+    assert str(err.value) == message
+
+
+def test_hardware_memory_must_be_a_positive_int():
+    # One byte is the smallest memory a profile may have; zero, negative or a string is not.
+    assert HardwareProfile("one-byte", 1, None, "").hbm_bytes == 1
+    for bad in (0, -1, "16GiB"):
+        with pytest.raises(ValueError) as err:
+            HardwareProfile("x", bad, None, "")
+        assert str(err.value) == "hardware x: memory must be a positive byte count"
+
+
+def test_registered_preset_reads_its_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(presets, "_FOLDER_PRESETS", {})
+    (tmp_path / "config.json").write_text(json.dumps(presets.PRESETS["qwen2.5-7b"]))
+    presets.register_preset("  My-Model ", tmp_path)  # stored stripped and lower-cased
+    presets.register_preset("lazy", lambda: tmp_path)  # a callable is called when read
+    for name in ("my-model", "lazy"):
+        assert get_model_config(name) == get_model_config("qwen2.5-7b")
+    with pytest.raises(ValueError) as err:
+        presets.register_preset("Qwen2.5-7B", tmp_path)
+    assert str(err.value) == "preset 'qwen2.5-7b' is built in; choose another name"
