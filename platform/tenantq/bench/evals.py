@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.grid:
         return _run_grid(args)
     from tenantq.bench.engine import SMOKE_ENV
+    from tenantq.engine import steps
     from tenantq.evals import Evaluator, load_suite
     from tenantq.reference import reference_model_path
 
@@ -217,9 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         out["baseline_cache_read_s"] = round(time.perf_counter() - began - evaluator.load_s, 2)
         for name, plan in {} if args.topk_only else plans.items():
             for state in ("new layout", "compiled"):
+                executables = steps.compiled_count()
                 result = evaluator.evaluate(plan)
                 out["trials"].append({
                     "plan": name, "state": state,
+                    "executables_compiled": steps.compiled_count() - executables,
                     **{k: result.timings_s[k] for k in PHASES},
                     "verdicts": {k: g.verdict for k, g in result.gates.items()},
                     "kl_mean": result.summary.get("fidelity.kl_mean"),
@@ -235,11 +238,12 @@ def main(argv: list[str] | None = None) -> int:
             f"evaluator loads in {out['evaluator_load_s']} s and reads the cached baseline in "
             f"{out['baseline_cache_read_s']} s"
         )
-        print(f"{'plan':<36}{'state':<12}" + "".join(f"{p:>11}" for p in PHASES) + "  verdicts")
+        head = f"{'plan':<36}{'state':<12}{'compiled':>9}" + "".join(f"{p:>11}" for p in PHASES)
+        print(head + "  verdicts")
     for t in out["trials"]:
         verdicts = ", ".join(f"{k.split('.')[0]}:{v}" for k, v in t["verdicts"].items())
         times = "".join(f"{t[p]:>11.2f}" for p in PHASES)
-        print(f"{t['plan']:<36}{t['state']:<12}{times}  {verdicts}")
+        print(f"{t['plan']:<36}{t['state']:<12}{t['executables_compiled']:>9}{times}  {verdicts}")
     for r in out.get("topk_vs_exact", []):
         print(
             f"top-{r['k']:<3} {r['tail']:<8} {r['plan']:<36} exact KL {r['kl_mean_exact']:.5f}"
