@@ -119,8 +119,15 @@ def _run_grid(args) -> int:
     suite = load_suite(args.suite or GRID_SUITE)
     evaluator = Evaluator(reference_model_path(), suite, cache_dir=args.cache_dir)
     records = []
+    if args.resume:
+        if not args.out or not Path(args.out).is_file():
+            raise SystemExit(f"--resume needs an existing --out JSON, got {args.out!r}")
+        records = json.loads(Path(args.out).read_text())
+    done = {r["plan"] for r in records}
     began = time.perf_counter()
     for label, plan in grid()[: args.only]:
+        if label in done:
+            continue
         result = evaluator.evaluate(plan)
         records.append({"plan": label, "plan_json": plan.to_dict(), "summary": result.summary,
                         "timings_s": result.timings_s})  # fmt: skip
@@ -188,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="--grid: write every plan's summary and timings as JSON")
     ap.add_argument("--only", type=int, help="--grid: run only the first N plans")
     ap.add_argument("--render", help="--grid: print the table of a saved --out JSON")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="--grid: keep the plans in --out, run the rest",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-topk", action="store_true", help="skip the top-k error measurement")
     ap.add_argument("--topk-only", action="store_true", help="only the top-k error measurement")
