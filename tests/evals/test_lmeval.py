@@ -102,3 +102,27 @@ def test_harness_runs_local_tasks(tmp_path) -> None:
     ppl = results["tenantq_local_loglikelihood_rolling"]["word_perplexity,none"]
     assert math.isfinite(ppl) and ppl > 1.0
     assert np.isfinite(acc)
+
+
+@pytest.mark.slow
+def test_supported_command_line_runs_a_local_task(tmp_path, capsys) -> None:
+    """`python -m tenantq.evals.lmeval` is the documented command: lm-eval 0.4.13 finds
+    third-party models only when their module is imported in its process (README)."""
+    from tenantq.evals import lmeval
+
+    _write_task(
+        tmp_path, "multiple_choice",
+        [{"prompt": "x = [1, 2", "choices": ["]", ")"], "answer": 0}],
+        "answer", 'doc_to_choice: "{{choices}}"', "  - metric: acc",
+    )  # fmt: skip
+    lmeval.main([
+        "--model", "tenantq", "--model_args", "max_seqs=4", "--tasks",
+        "tenantq_local_multiple_choice", "--include_path", str(tmp_path),
+    ])  # fmt: skip
+    printed = capsys.readouterr().out
+    # the harness's results table: | task | version | filter | n-shot | metric | dir | value |
+    # ... with one document, acc is 0 or 1
+    row = next(line for line in printed.splitlines() if "tenantq_local_multiple_choice" in line)
+    cells = [c.strip() for c in row.split("|")]
+    metric = cells.index("acc")
+    assert float(cells[metric + 2]) in (0.0, 1.0)

@@ -90,3 +90,15 @@ def test_noise_floor_is_zero_for_constant_data_and_grows_with_spread() -> None:
     )
     # the half-difference of n=100 unit normals has sd 0.2; its 95% |.| quantile ~ 0.39
     assert 0.3 < small < 0.5 and large > 2 * small
+
+
+def test_clopper_pearson_matches_closed_forms_and_tables() -> None:
+    # 0 of n: the upper bound solves (1 - p)^n = alpha / 2 (closed form, Clopper-Pearson 1934)
+    low, high = stats.clopper_pearson(0, 20)
+    assert low == 0.0 and high == pytest.approx(1 - 0.025 ** (1 / 20), abs=1e-12)
+    # n of n: the mirror image
+    assert stats.clopper_pearson(20, 20) == pytest.approx((0.025 ** (1 / 20), 1.0), abs=1e-12)
+    # 5 of 10: 0.187 .. 0.813 (the exact binomial CI as tabulated, 3 decimals)
+    assert stats.clopper_pearson(5, 10) == pytest.approx((0.187, 0.813), abs=5e-4)
+    with pytest.raises(ValueError, match="passed <= n"):
+        stats.clopper_pearson(11, 10)

@@ -119,8 +119,15 @@ def _run_grid(args) -> int:
     suite = load_suite(args.suite or GRID_SUITE)
     evaluator = Evaluator(reference_model_path(), suite, cache_dir=args.cache_dir)
     records = []
+    if args.resume:
+        if not args.out or not Path(args.out).is_file():
+            raise SystemExit(f"--resume needs an existing --out JSON, got {args.out!r}")
+        records = json.loads(Path(args.out).read_text())
+    done = {r["plan"] for r in records}
     began = time.perf_counter()
     for label, plan in grid()[: args.only]:
+        if label in done:
+            continue
         result = evaluator.evaluate(plan)
         records.append({"plan": label, "plan_json": plan.to_dict(), "summary": result.summary,
                         "timings_s": result.timings_s})  # fmt: skip
@@ -188,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="--grid: write every plan's summary and timings as JSON")
     ap.add_argument("--only", type=int, help="--grid: run only the first N plans")
     ap.add_argument("--render", help="--grid: print the table of a saved --out JSON")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="--grid: keep the plans in --out, run the rest",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-topk", action="store_true", help="skip the top-k error measurement")
     ap.add_argument("--topk-only", action="store_true", help="only the top-k error measurement")
@@ -195,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.grid:
         return _run_grid(args)
     from tenantq.bench.engine import SMOKE_ENV
+    from tenantq.engine import steps
     from tenantq.evals import Evaluator, load_suite
     from tenantq.reference import reference_model_path
 
@@ -217,9 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         out["baseline_cache_read_s"] = round(time.perf_counter() - began - evaluator.load_s, 2)
         for name, plan in {} if args.topk_only else plans.items():
             for state in ("new layout", "compiled"):
+                executables = steps.compiled_count()
                 result = evaluator.evaluate(plan)
                 out["trials"].append({
                     "plan": name, "state": state,
+                    "executables_compiled": steps.compiled_count() - executables,
                     **{k: result.timings_s[k] for k in PHASES},
                     "verdicts": {k: g.verdict for k, g in result.gates.items()},
                     "kl_mean": result.summary.get("fidelity.kl_mean"),
@@ -235,11 +250,12 @@ def main(argv: list[str] | None = None) -> int:
             f"evaluator loads in {out['evaluator_load_s']} s and reads the cached baseline in "
             f"{out['baseline_cache_read_s']} s"
         )
-        print(f"{'plan':<36}{'state':<12}" + "".join(f"{p:>11}" for p in PHASES) + "  verdicts")
+        head = f"{'plan':<36}{'state':<12}{'compiled':>9}" + "".join(f"{p:>11}" for p in PHASES)
+        print(head + "  verdicts")
     for t in out["trials"]:
         verdicts = ", ".join(f"{k.split('.')[0]}:{v}" for k, v in t["verdicts"].items())
         times = "".join(f"{t[p]:>11.2f}" for p in PHASES)
-        print(f"{t['plan']:<36}{t['state']:<12}{times}  {verdicts}")
+        print(f"{t['plan']:<36}{t['state']:<12}{t['executables_compiled']:>9}{times}  {verdicts}")
     for r in out.get("topk_vs_exact", []):
         print(
             f"top-{r['k']:<3} {r['tail']:<8} {r['plan']:<36} exact KL {r['kl_mean_exact']:.5f}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +196,22 @@ class Engine:
                 p, c = len(prompts[start + i]), len(conts[start + i])
                 out.append(np.asarray(logp[i, p - 1 : p - 1 + c], np.float32))
         return out
+
+    def device_logits(self, token_ids) -> Iterator[tuple[int, jax.Array, jax.Array]]:
+        """The full-prefill logits of `token_ids`, left on the device, one chunk at a time.
+
+        Yields `(start, logits, next_logp)` per chunk of up to `max_seqs` rows: float32
+        `logits` [b, s, V] and `next_logp` [b, s] = log p(row[t + 1] | row[:t + 1]) for rows
+        `start, start + 1, ...`. `b` and `s` are the padded bucket (at least the chunk's rows
+        and its longest row); entries past a row's end are padding, and the last position of
+        a row has no next token (its `next_logp` is that of id 0). Nothing [b, s, V] is
+        copied to the host: compare against it inside jit (KL, top-1) and fetch the result.
+        """
+        rows = self._rows(token_ids, "token_ids")
+        for start, chunk in self._chunks(rows):
+            targets = [r[1:] for r in chunk]
+            logits, next_logp = self._prefill_chunk(chunk, "all", reserve=0, targets=targets)
+            yield start, logits, next_logp
 
     def generate(
         self,

@@ -1,13 +1,13 @@
 """Fidelity: per-token KL(baseline || candidate), top-1 agreement and perplexities, on device.
 
-Logits never leave the device: the candidate's `[B, S, V]` logits meet the cached baseline
-inside jit and only per-token numbers come back. Up to `exact_vocab_limit` (32K) the baseline
-keeps its full log-distribution (bounded by that limit times the suite's tokens) and KL is
-exact. Above it the baseline keeps its top-k log-probs, the log-mass p_tail of the rest and
-m tokens sampled from the rest (with their log-probs); KL = sum_topk p_i log(p_i/q_i) +
-p_tail * mean_j log(p_sj/q_sj), the tail sum estimated without bias by sampling. Lumping the
-tail into one bin instead is a lower bound that missed 28-42% of the KL at k=64 on the
-reference model; `python -m tenantq.bench evals` measures both against exact.
+Logits never leave the device: the candidate's `[B, S, V]` logits (`Engine.device_logits`)
+meet the cached baseline inside jit and only per-token numbers come back. Up to
+`exact_vocab_limit` (32K) the baseline keeps its full log-distribution (bounded by that limit
+times the suite's tokens) and KL is exact. Above it the baseline keeps its top-k log-probs,
+the log-mass p_tail of the rest and m tokens sampled from the rest (with their log-probs);
+KL = sum_topk p_i log(p_i/q_i) + p_tail * mean_j log(p_sj/q_sj), the tail sum estimated
+without bias by sampling. Lumping the tail into one bin instead is a lower bound that missed
+28-42% of the KL at k=64 on the reference model; `python -m tenantq.bench evals` measures both.
 """
 
 from __future__ import annotations
@@ -22,20 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-
-def device_logits(engine, rows: list[list[int]]):
-    """Yield `(start, logits [b, s, V], log p(next token) [b, s])` as device arrays.
-
-    The rows go through the engine's own prefill step (the paged pool in the plan's KV
-    formats), chunked by the pool's sequence limit and padded to the engine's buckets. It
-    reads the engine's chunking and prefill helpers because `Engine.logits` copies [B, S, V]
-    to the host, which fidelity must avoid for large vocabularies.
-    """
-    for start, chunk in engine._chunks(rows):
-        targets = [r[1:] for r in chunk]
-        logits, target_logp = engine._prefill_chunk(chunk, "all", reserve=0, targets=targets)
-        yield start, logits, target_logp
 
 
 @dataclass
@@ -124,7 +110,7 @@ def compute_baseline(
     top1 = np.zeros((n, positions), np.int32)
     margin = np.zeros((n, positions), np.float32)
     target_logp = np.zeros((n, positions), np.float32)
-    for start, logits, tlogp in device_logits(engine, rows.tolist()):
+    for start, logits, tlogp in engine.device_logits(rows.tolist()):
         m = min(len(rows) - start, logits.shape[0])
         logp, t1, mg = _summarize(logits[:m, :positions])
         top1[start : start + m] = np.asarray(t1)
@@ -158,7 +144,7 @@ def compare(
     kl = np.zeros((n, positions), np.float32)
     agree = np.zeros((n, positions), bool)
     cand_logp = np.zeros((n, positions), np.float32)
-    for start, logits, tlogp in device_logits(engine, rows.tolist()):
+    for start, logits, tlogp in engine.device_logits(rows.tolist()):
         m = min(len(rows) - start, logits.shape[0])
         sl = slice(start, start + m)
         lg = logits[:m, :positions]

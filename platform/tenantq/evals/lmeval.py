@@ -2,8 +2,8 @@
 
 `TenantqLM` is registered as model "tenantq": `loglikelihood`, `loglikelihood_rolling` and
 `generate_until` run through `Engine` (the plan's weight and KV formats, the paged pool).
-Log-likelihoods and greedy flags are computed on device from the engine's prefill (the
-`fidelity.device_logits` path), so no [B, S, V] array reaches the host. The `lm_eval` console
+Log-likelihoods and greedy flags are computed on device from the engine's prefill
+(`Engine.device_logits`), so no [B, S, V] array reaches the host. The `lm_eval` console
 script only knows its built-in models, so run the harness through this module, which
 registers "tenantq" and then hands its arguments to lm_eval's own command line:
 `python -m tenantq.evals.lmeval --model tenantq --model_args pretrained=DIR,plan=PLAN.json
@@ -20,8 +20,6 @@ import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
-from tenantq.evals.fidelity import device_logits
 
 
 @jax.jit
@@ -70,7 +68,7 @@ class TenantqLM(LM):
             rows.append(full)
             spans.append((len(full) - len(cont) - 1, len(full) - 1))  # positions predicting cont
         out: list[tuple[float, bool]] = []
-        for start, logits, target_logp in device_logits(self.engine, rows):
+        for start, logits, target_logp in self.engine.device_logits(rows):
             chunk = rows[start : start + logits.shape[0]]
             targets = np.zeros(logits.shape[:2], np.int32)
             for i, r in enumerate(chunk):

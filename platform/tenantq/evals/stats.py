@@ -192,3 +192,12 @@ def mcnemar_power(n: int, drop: float, discordance_rate: float, *, alpha: float 
     z_a = _sps.norm.ppf(1 - alpha / 2)
     z = (d * math.sqrt(n) - z_a * math.sqrt(psi)) / math.sqrt(psi - d * d)
     return float(_sps.norm.cdf(z))
+
+
+def clopper_pearson(passed: int, n: int, *, alpha: float = 0.05) -> tuple[float, float]:
+    """Exact (Clopper-Pearson 1934) two-sided 1 - alpha CI of a pass rate `passed` / `n`."""
+    if not 0 <= passed <= n or n <= 0:
+        raise ValueError(f"need 0 <= passed <= n and n > 0, got passed={passed}, n={n}")
+    low = 0.0 if passed == 0 else float(_sps.beta.ppf(alpha / 2, passed, n - passed + 1))
+    high = 1.0 if passed == n else float(_sps.beta.ppf(1 - alpha / 2, passed + 1, n - passed))
+    return low, high
