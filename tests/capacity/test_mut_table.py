@@ -28,7 +28,9 @@ def row(label: str, per_chip: int | float, total: int | float | None = None) -> 
     return line
 
 
-@pytest.fixture(scope="module")
+# Function scope on purpose: each test computes its own budget, so mutation testing sees
+# every test reach the code it checks (a shared fixture is recorded for the first test only).
+@pytest.fixture
 def two_chips():
     plan = QuantPlan(rules=(Rule("embed", "int8"), Rule(".*", "fp8_e4m3")), kv=KVPlan("int8"))
     b = budget(get_model_config("llama-3.1-8b"), plan, Deployment.of("tpu-v6e", chips=2), 8192)

@@ -13,7 +13,13 @@ import pytest
 
 from tenantq.capacity import get_model_config, presets
 from tenantq.capacity.hardware import HardwareProfile
-from tenantq.capacity.units import RESERVE_FORMS, parse_bytes, parse_reserve
+from tenantq.capacity.units import (
+    RESERVE_FORMS,
+    exact_bytes,
+    human_bytes,
+    parse_bytes,
+    parse_reserve,
+)
 
 
 @pytest.mark.parametrize(
@@ -98,6 +104,10 @@ def test_parse_bytes_reads_exact_counts(text, want):
     [
         (True, "size: expected a byte count, got True"),
         ("x", "size: cannot read 'x' as bytes; write e.g. 4GiB, 512MiB, 16GB or 1000000"),
+        (
+            "4 parsecs",
+            "size: cannot read '4 parsecs' as bytes; write e.g. 4GiB, 512MiB, 16GB or 1000000",
+        ),
         ("1e999999999999999999999B", "size: cannot read '1e999999999999999999999B' as bytes"),
         ("1.5B", "size: '1.5B' is not a whole number of bytes"),
         (-5, "size: must not be negative, got -5"),
@@ -128,3 +138,26 @@ def test_registered_preset_reads_its_folder(tmp_path, monkeypatch):
     with pytest.raises(ValueError) as err:
         presets.register_preset("Qwen2.5-7B", tmp_path)
     assert str(err.value) == "preset 'qwen2.5-7b' is built in; choose another name"
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (2 * 1024**4, "2.00 TiB"),
+        (5 * 1024**2, "5.00 MiB"),
+        (3 * 1024, "3.00 KiB"),
+        (1_024_000, "0.98 MiB"),  # from 1000 KiB on, the larger unit (0.98 MiB, not 1000 KiB)
+        (1_023_999, "1000.00 KiB"),  # one byte below that threshold
+        (512, "512 B"),
+        (0.5, "0.50 B"),
+    ],
+)
+def test_human_bytes_picks_the_unit_at_1000_of_the_smaller_one(n, text):
+    assert human_bytes(n) == text
+
+
+def test_exact_bytes_keeps_fractions_without_trailing_zeros():
+    # KV bytes per token amortise a page's scales: fractional bytes are printed as they are.
+    assert exact_bytes(34_359_738_368) == "34,359,738,368"
+    assert exact_bytes(1234.5) == "1,234.5"
+    assert exact_bytes(0.25) == "0.25"
