@@ -151,3 +151,34 @@ def test_close_line_cut_leaves_only_the_closers() -> None:
     )
     assert structured._close_line_cut("    x = 1") is None  # nothing to close
     assert structured._close_line_cut("    f(a, ") is None  # does not parse whole
+
+
+def test_indent_block_passes_only_a_deeper_first_line() -> None:
+    # Python requires the line after a block opener to be indented deeper (else
+    # IndentationError); blank lines in between are allowed, anything on the opener's own
+    # line after the colon is ignored.
+    item = structured.StructuredItem("indent_block", "z", [1], "    if x:", "4")
+    tok = _Tok()
+    assert structured.score(item, _gen("\n        return 1", None), tok)
+    assert structured.score(item, _gen("  # why\n\n     y = 2", None), tok)  # 5 > 4
+    assert not structured.score(item, _gen("\n    if y:", None), tok)  # same depth
+    assert not structured.score(item, _gen("\nreturn", None), tok)  # shallower
+    assert not structured.score(item, _gen("\n        ", None), tok)  # no statement yet
+    assert not structured.score(item, _gen(" pass", None), tok)  # no next line at all
+
+
+def test_indent_block_candidates_are_openers_the_file_indents() -> None:
+    lines = [
+        "def f(x):",  # next non-blank line deeper: usable, indent 0
+        "",
+        "    if x:  # check",  # a comment after the colon: not an opener line
+        "        return x",
+        "    for i in y:",  # deeper next line: usable, indent 4
+        "        pass",
+        "    x = {1:",  # not an opener keyword
+        "    2}",
+        "class A: pass",  # body on the same line: not a block opener
+        "while True:",  # last line of the file: nothing after it
+    ]
+    found = list(structured._candidates("indent_block", lines))
+    assert found == [(0, "def f(x):", "0"), (4, "    for i in y:", "4")]

@@ -9,6 +9,11 @@ passes when the completed line satisfies its check, whatever its exact spelling:
   exactly before the closing brackets (nothing else left open);
 - `repeat_identifier`: a `return NAME` whose NAME was assigned in the lines just before; the
   completion must start with NAME (an identifier defined earlier, repeated exactly);
+- `indent_block`: a block opener (`def`, `class`, `if`, `for`, `while`, `with`, `try` line
+  ending in `:`, whose file indents the next line deeper) cut after its colon; the first
+  non-blank generated line must be indented deeper than the opener, as Python requires
+  (anything else is an IndentationError). Generated without a newline stop, since the
+  tokenizer carries indentation inside its newline tokens (`"\n   "`).
 A dict-literal task (`ast.literal_eval` on a completed display) was tried and dropped: the
 reference model's held-out split has one single-line dict display of literals in 31 files.
 """
@@ -27,6 +32,8 @@ import numpy as np
 from tenantq.evals.generation import Generated, generate_with_margins
 
 _CLOSERS = ")]}"
+_OPENER = re.compile(r"(\s*)(async\s+)?(def|class|if|for|while|with|try)\b[^#]*:\s*$")
+INDENT_TOKENS = 8  # enough for the newline, the indentation and the next line's first word
 _IDENT = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]{5,}\b")
 _LOOKBACK_LINES = 30
 
@@ -60,10 +67,19 @@ def _close_line_cut(line: str) -> str | None:
     return prefix if prefix.strip() and any(ch in prefix for ch in "([{") else None
 
 
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
+
+
 def _candidates(task: str, lines: list[str]):
     """(line index, line prefix, expectation) for every line of `lines` usable by `task`."""
     for i, line in enumerate(lines):
-        if task in ("close_line", "close_brackets"):
+        if task == "indent_block":
+            m = _OPENER.fullmatch(line)
+            after = next((x for x in lines[i + 1 :] if x.strip()), None)
+            if m and "\t" not in line and after is not None and _indent(after) > _indent(line):
+                yield i, line.rstrip(), str(_indent(line))
+        elif task in ("close_line", "close_brackets"):
             prefix = _close_line_cut(line)
             if prefix is not None:
                 yield i, prefix, ""
@@ -98,7 +114,7 @@ def build_items(tokenizer, docs: list[str], spec, seed: int) -> list[StructuredI
             ids, line_prefix = _cut_at_token(tokenizer, context, lines[i], len(prefix))
             if task == "repeat_identifier" and len(line_prefix) <= int(expect.split(":")[0]):
                 continue  # the identifier is one token: nothing of it is left to repeat
-            if task == "close_brackets" and len(line_prefix) != len(prefix):
+            if task in ("close_brackets", "indent_block") and len(line_prefix) != len(prefix):
                 continue  # the cut fell inside a token (often a string literal): close_line
             ids = ids[-(spec.context_tokens - 1) :]
             chosen.append(StructuredItem(task, "", [bos, *ids], line_prefix, expect))
@@ -139,8 +155,23 @@ def newline_tokens(tokenizer) -> frozenset[int]:
 
 
 def run_items(engine, items: list[StructuredItem], max_new_tokens: int) -> list[Generated]:
+    """Greedy completions in `items`' order: to the end of the line, or for `indent_block`
+    `INDENT_TOKENS` tokens past the opener (its answer is on the next line)."""
     stops = newline_tokens(engine.tokenizer)
-    return generate_with_margins(engine, [i.prompt for i in items], max_new_tokens, stops)
+    out: list[Generated | None] = [None] * len(items)
+    for block in (False, True):
+        index = [k for k, i in enumerate(items) if (i.task_name == "indent_block") == block]
+        if not index:
+            continue
+        prompts = [items[k].prompt for k in index]
+        gens = (
+            generate_with_margins(engine, prompts, INDENT_TOKENS)
+            if block
+            else generate_with_margins(engine, prompts, max_new_tokens, stops)
+        )
+        for k, g in zip(index, gens, strict=True):
+            out[k] = g
+    return out  # type: ignore[return-value]
 
 
 def completion_text(generated: Generated, tokenizer) -> str:
@@ -152,6 +183,9 @@ def completion_text(generated: Generated, tokenizer) -> str:
 
 
 def score(item: StructuredItem, generated: Generated, tokenizer) -> bool:
+    if item.task_name == "indent_block":
+        body = [x for x in tokenizer.decode(generated.tokens).split("\n")[1:] if x.strip()]
+        return bool(body) and _indent(body[0]) > int(item.expect)
     completion = completion_text(generated, tokenizer)
     if item.task_name in ("close_line", "close_brackets"):
         try:

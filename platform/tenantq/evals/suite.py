@@ -49,7 +49,9 @@ class NeedleSpec(_Spec):
 
 
 class StructuredSpec(_Spec):
-    tasks: tuple[Literal["close_line", "close_brackets", "repeat_identifier"], ...] = (
+    tasks: tuple[
+        Literal["close_line", "close_brackets", "repeat_identifier", "indent_block"], ...
+    ] = (
         "close_line",
         "repeat_identifier",
     )
