@@ -230,3 +230,24 @@ def test_load_errors_name_the_file(tmp_path):
     with pytest.raises(ValueError) as err:
         QuantPlan.load(wrong)
     assert str(err.value).startswith(f"plan file {wrong}: kv.sink_tokens: -1 is not allowed")
+
+
+def test_static_activation_scales_resolve_and_round_trip(tmp_path):
+    # Static W8A8 (one calibrated activation scale per linear input): the rule says so, the
+    # resolved tensor carries it, and both plan files keep it; dynamic stays implicit.
+    rule = Rule("layers/.*/mlp/.*", "int8", activations="int8", activation_scale="static")
+    plan = QuantPlan(rules=(rule,))
+    assert rule.to_dict() == {
+        "pattern": "layers/.*/mlp/.*", "format": "int8", "activations": "int8",
+        "activation_scale": "static",
+    }  # fmt: skip
+    assert plan.resolve(tiny_config())["layers/0/mlp/up_proj"].activation_scale == "static"
+    for name in ("s.toml", "s.json"):
+        plan.save(tmp_path / name)
+        assert QuantPlan.load(tmp_path / name) == plan
+    with pytest.raises(ValueError) as err:
+        Rule(".*", "int8", activation_scale="static")  # weight-only: no activations to scale
+    assert str(err.value) == (
+        "rule '.*': activation_scale='static' applies to W8A8 only; "
+        "set activations (int8 or fp8_e4m3) or drop activation_scale"
+    )
