@@ -184,6 +184,32 @@ class LayerKVStorage:
             out.append(KVArray("sinks", "slot", (self.sink_tokens, h, d), *store))
         return tuple(out)
 
+    def byte_lines(self) -> tuple[str, ...]:
+        """One line per array of this layer: what it holds and its bytes per page, per
+        sequence slot or (static scales) per layer, e.g. "K scales: 1 per layer, 4 B, static"."""
+        what = {
+            "pages": "elements", "scales": "scales", "zero_points": "zero points",
+            "tensor_scale": "tensor scale", "static_scale": "scales",
+            "static_zero_point": "zero points", "residual": "residual window",
+            "sinks": "sink tokens",
+        }  # fmt: skip
+        out = []
+        for name, spec in self.tensors:
+            tag = "K" if name == "keys" else "V"
+            for a in self.arrays(spec):
+                count = math.prod(a.shape)
+                if a.per == "layer":
+                    unit = "layer" if spec.axis == "tensor" else "KV head per layer"
+                    line = f"{tag} {what[a.name]}: 1 per {unit}, {a.nbytes:,} B, static"
+                else:
+                    per = "page" if a.per == "page" else "sequence slot"
+                    line = (
+                        f"{tag} {what[a.name]}: {count:,} x {a.itemsize} B ({a.dtype}) = "
+                        f"{a.nbytes:,} B per {per}"
+                    )
+                out.append(line)
+        return tuple(out)
+
     def _sum(self, names: tuple[str, ...]) -> int:
         return sum(a.nbytes for _, s in self.tensors for a in self.arrays(s) if a.name in names)
 
