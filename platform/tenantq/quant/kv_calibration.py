@@ -33,6 +33,10 @@ from tenantq.quant.calibration import (
 )
 
 DEFAULT_KV_PERCENTILE = 99.99  # kept beside max |x|; scales use max |x| unless told
+# Calibration windows the evaluator draws for static KV scales (the reference train split):
+# 64 x 512 = 32,768 tokens per layer and head, ~10x the tokens of one quick-suite trial.
+DEFAULT_KV_SEQUENCES = 64
+DEFAULT_KV_SEQ_TOKENS = 512
 _KV_STATS_VERSION = 1
 _TENSORS = ("keys", "values")
 _STATS = ("absmax", "min", "max", "percentile")  # per head; "layer_percentile" per layer
