@@ -26,15 +26,46 @@ GRID = [
 ]  # fmt: skip
 
 
+def table(rows: list[dict]) -> str:
+    """The README table: quality on the reference model, bytes on Llama-3.1-8B (planner)."""
+    from tenantq.capacity import Deployment, budget, get_model_config
+
+    llama, v6e = get_model_config("llama-3.1-8b"), Deployment.of("tpu-v6e", 1)
+    out = [
+        "| KV format | keys | values | mean KL [95% CI] | needle Δ [95% CI] | structured Δ "
+        "| verdicts (KL, needle) | clip rate | 8B B/token | 8B slot B | 8B static B |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        plan = QuantPlan(kv=KVPlan(r["format"], r["key_axis"], r["format"], r["value_axis"]))
+        b = budget(llama, plan, v6e, 8192)
+        v = r["verdicts"]
+        verdicts = ", ".join(
+            v[k].replace("no detectable change", "ok")
+            for k in ("verdict.fidelity.kl_mean", "verdict.needle.acc_delta.len1019")
+        )
+        clip = "-" if r["clip_rate"] is None else f"{r['clip_rate']:.2g}"
+        lo, hi = r["kl_mean_ci"]
+        nlo, nhi = r["needle_ci"]
+        out.append(
+            f"| {r['format']} | {r['key_axis']} | {r['value_axis']} | {r['kl_mean']:.5f} "
+            f"[{lo:.5f}, {hi:.5f}] | {r['needle_delta']:+.3f} [{nlo:+.3f}, {nhi:+.3f}] | "
+            f"{r['structured_delta']:+.3f} | {verdicts} | {clip} | "
+            f"{int(b.kv_bytes_per_token):,} | {b.tenant_slot_bytes_per_chip:,} | "
+            f"{b.kv_static_bytes_per_chip:,} |"
+        )
+    return "\n".join(out)
+
+
 def main() -> None:
     out = Path(__file__).with_name("results.json")
     rows = json.loads(out.read_text()) if out.is_file() else []
     done = {(r["format"], r["key_axis"], r["value_axis"]) for r in rows}
-    ev = Evaluator(reference_model_path(), load_suite("quick"))
-    ev.baseline()
-    for fmt, k_axis, v_axis in GRID:
-        if (fmt, k_axis, v_axis) in done:
-            continue
+    todo = [g for g in GRID if g not in done]
+    if todo:
+        ev = Evaluator(reference_model_path(), load_suite("quick"))
+        ev.baseline()
+    for fmt, k_axis, v_axis in todo:
         plan = QuantPlan(kv=KVPlan(fmt, k_axis, fmt, v_axis))
         began = time.perf_counter()
         result = ev.evaluate(plan)
@@ -55,6 +86,7 @@ def main() -> None:
         rows.append(row)
         out.write_text(json.dumps(rows, indent=1))
         print(json.dumps(row), file=sys.stderr, flush=True)
+    print(table(rows))
 
 
 if __name__ == "__main__":

@@ -47,12 +47,16 @@ KV_FORMAT_NAMES = tuple(FORMATS)
 STATIC_KV_FORMATS = tuple(
     n for n, s in FORMATS.items() if s.scale_dtype == "float32" and s.block_size is None
 )
-# Each KV format's default (key axis, value axis), chosen on the quality suite (README, "KV
-# cache formats"): QuantPlan.uniform and `tenantq capacity --kv` use them.
+# Each KV format's default (key axis, value axis), chosen on the quick quality suite (README,
+# "KV cache formats and static scales"): QuantPlan.uniform and `tenantq capacity --kv` use
+# them. 8-bit: one static scale per tensor (KL within 1/10 of the gate's tolerance, no scale
+# bytes per token); 4/2-bit: KIVI's per-channel keys, per-token values (static scales are a
+# KL regression at int4). fp8_e5m2 follows fp8_e4m3 by analogy (not measured).
 DEFAULT_KV_AXES = {
     **{name: ("channel", "token") for name in KV_FORMAT_NAMES},
     "fp8_e4m3": ("tensor", "tensor"),
     "fp8_e5m2": ("tensor", "tensor"),
+    "int8": ("tensor", "tensor"),
 }
 
 
