@@ -2,8 +2,9 @@
 scale per tensor is a `regression`; fp8 weights with one scale per output channel is not.
 
 Bounds: the quick suite's own gates (KL tolerance 0.01, needle accuracy tolerance 0.2) and its
-bootstrap CIs decide; the figures behind the expectation are in README "KV cache formats"
-(int4 keys per tensor: mean KL tens of times the tolerance; fp8 weights: ~0.001).
+bootstrap CIs decide. Figures behind the expectation (README "KV cache formats and static
+scales"): int4 keys and values per tensor give mean KL 0.022 [0.020, 0.023], above the 0.01
+tolerance; fp8 weights per channel ~0.001 (README "Quality suite"). ~3 min on 2 loaded cores.
 """
 
 from __future__ import annotations
