@@ -7,6 +7,8 @@ data built to clip a known number of elements.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -133,3 +135,11 @@ def test_engine_reports_the_clip_rate_and_records_the_scales(config, params) -> 
     assert engine.kv_clip_rate() > 0.5
     assert engine.settings()["kv_scales"] == _scales(config, 1e-3).fingerprint()
     assert Engine(config, params, QuantPlan(), max_seqs=1).kv_clip_rate() is None
+
+
+def test_scales_of_another_model_are_refused_by_name(config) -> None:
+    # Per-head scales calibrated on a model with one more KV head do not fit this pool.
+    other = SimpleNamespace(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads + 1)
+    kv = KVPlan("int8", "head", "bf16", "token")
+    with pytest.raises(ValueError, match=r"kv_scales give 3 keys scales .* needs 2"):
+        _pool(config, kv, _scales(other))

@@ -164,6 +164,12 @@ class PagedPool:
                     continue
                 scale, zp = kv_scales.for_tensor(storage.layer, name, spec)
                 want = arrays[name]["static_scale"].shape
+                if np.size(scale) != np.prod(want):
+                    raise ValueError(
+                        f"kv_scales give {np.size(scale)} {name} scales for layer "
+                        f"{storage.layer} (axis {spec.axis!r}); this model needs "
+                        f"{int(np.prod(want))}: calibrate on this model"
+                    )
                 tensor = dict(arrays[name])
                 tensor["static_scale"] = jnp.asarray(scale, jnp.float32).reshape(want)
                 if "static_zero_point" in tensor:

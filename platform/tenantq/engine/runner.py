@@ -266,7 +266,10 @@ class Engine:
         dict of plain values: log it with a run, key caches of its outputs by it."""
         cache = self.cache
         paged = isinstance(cache, PagedPool)
+        # static KV scales change results: their fingerprint, only where a plan uses them
+        scales = _kv_scales_fingerprint(cache)
         return {
+            **({"kv_scales": scales} if scales is not None else {}),
             "dtype": self.dtype.name,
             "tp": self.tp,
             "scale_scope": self.scale_scope if self.mesh is not None else "global",
@@ -277,7 +280,6 @@ class Engine:
             "max_seqs": cache.max_seqs,
             "max_seq_tokens": cache.max_seq_tokens,
             "plan_fingerprint": self.plan.fingerprint(),
-            "kv_scales": _kv_scales_fingerprint(cache),
         }
 
     def kv_clip_rate(self) -> float | None:
