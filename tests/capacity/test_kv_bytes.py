@@ -39,14 +39,15 @@ def test_fp8_kv_halves_elements_and_adds_exactly_its_scales():
     assert b.kv_bytes_per_token == 327_680 // 2 + 80 * (8 * 128 * 4 // 16 + 8 * 4) == 186_880
 
 
-STATIC_8B = [("tensor", 32 * 2 * 4), ("head", 32 * 2 * 8 * 4)]
+# per layer, K and V: a float32 scale (tensor) or 8 (head), plus two int32 clip counters
+STATIC_8B = [("tensor", 32 * 2 * (4 + 8)), ("head", 32 * 2 * (8 * 4 + 8))]
 
 
 @pytest.mark.parametrize(("axis", "static_bytes"), STATIC_8B)
 def test_static_fp8_axes_cost_no_bytes_per_token_only_their_scales_once(axis, static_bytes):
     # Llama-3.1-8B: 32 layers x 8 KV heads x 128 x 2 (K, V) x 1 B = 65,536 B/token. tensor: one
-    # float32 per layer for K and V (32 x 2 x 4 B); head: one per KV head (x 8). Neither needs a
-    # residual window (the scale is known before the page fills).
+    # float32 per layer for K and V; head: one per KV head (x 8); both add the engine's two
+    # int32 clip counters. Neither needs a residual window (the scale is known in advance).
     plan = QuantPlan(kv=KVPlan("fp8_e4m3", axis, "fp8_e4m3", axis))
     b = budget(get_model_config("llama-3.1-8b"), plan, V6E_1, 4096)
     assert b.kv_bytes_per_token == 65_536

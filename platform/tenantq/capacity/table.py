@@ -56,7 +56,7 @@ def render_budget(b: Budget, *, per_tensor: bool = False, description: str = "")
     out.append(_row("= KV pool", b.pool_bytes_per_chip, b.pool_bytes, chips))
     if b.kv_static_bytes_per_chip:
         out.append(
-            _row("  of which static KV scales", b.kv_static_bytes_per_chip, None, 1)
+            _row("  of which static KV scales, counters", b.kv_static_bytes_per_chip, None, 1)
             + "   once per layer, not per token"
         )
     out.append("")

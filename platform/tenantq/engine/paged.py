@@ -127,8 +127,6 @@ class PagedLayout:
                     )
             fill = jnp.ones if a.name in ("tensor_scale", "static_scale") else jnp.zeros
             out[a.name] = fill(shape, _bits_dtype(a.dtype))
-        if spec.static:  # bookkeeping, not KV storage: [elements clipped, tokens written]
-            out["clip_counts"] = jnp.zeros((2,), jnp.int32)
         return out
 
     def init_state(self) -> tuple[dict[str, dict[str, jax.Array]], ...]:
@@ -338,7 +336,7 @@ def _page_struct(shape: tuple[int, ...], spec: KVTensorSpec) -> QArray:
 def layout_nbytes(state) -> list[dict[str, int]]:
     """Per layer: bytes of page data, page scales (int2 zero points included), residual
     windows, sinks and static scales (true sizes: packed data is already uint8, so every
-    array's size times itemsize is its storage). The clip counters are not KV storage."""
+    array's size times itemsize is its storage); static bytes include the clip counters."""
 
     def nbytes(a) -> int:
         return int(math.prod(a.shape)) * np.dtype(a.dtype).itemsize
@@ -352,7 +350,7 @@ def layout_nbytes(state) -> list[dict[str, int]]:
             for name in ("scales", "zero_points", "tensor_scale"):
                 if name in arrays:
                     row["scale_bytes"] += nbytes(arrays[name])
-            for name in ("static_scale", "static_zero_point"):
+            for name in ("static_scale", "static_zero_point", "clip_counts"):
                 if name in arrays:
                     row["static_bytes"] += nbytes(arrays[name])
             row["residual_bytes"] += nbytes(arrays["residual"]) if "residual" in arrays else 0

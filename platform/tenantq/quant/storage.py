@@ -171,6 +171,8 @@ class LayerKVStorage:
             out.append(KVArray("static_scale", "layer", shape, "float32", 4))
             if fmt.asymmetric_only:
                 out.append(KVArray("static_zero_point", "layer", shape, "float32", 4))
+            # [elements clipped, tokens written] since the pool was built (replicated)
+            out.append(KVArray("clip_counts", "layer", (2,), "int32", 4))
         elif lay.scale_shape is not None:
             dtype = _SCALE_DTYPES[fmt.scale_dtype]
             out.append(KVArray("scales", "page", lay.scale_shape, dtype, fmt.scale_bytes))
@@ -190,7 +192,8 @@ class LayerKVStorage:
         what = {
             "pages": "elements", "scales": "scales", "zero_points": "zero points",
             "tensor_scale": "tensor scale", "static_scale": "scales",
-            "static_zero_point": "zero points", "residual": "residual window",
+            "static_zero_point": "zero points", "clip_counts": "clip counters",
+            "residual": "residual window",
             "sinks": "sink tokens",
         }  # fmt: skip
         out = []
@@ -198,7 +201,9 @@ class LayerKVStorage:
             tag = "K" if name == "keys" else "V"
             for a in self.arrays(spec):
                 count = math.prod(a.shape)
-                if a.per == "layer":
+                if a.name == "clip_counts":
+                    line = f"{tag} {what[a.name]}: 2 x 4 B (int32) = 8 B per layer, static"
+                elif a.per == "layer":
                     unit = "layer" if spec.axis == "tensor" else "KV head per layer"
                     line = f"{tag} {what[a.name]}: 1 per {unit}, {a.nbytes:,} B, static"
                 else:
@@ -226,8 +231,8 @@ class LayerKVStorage:
 
     @property
     def static_bytes(self) -> int:
-        """Once per layer: static (tensor/head) scales and zero points, not per page."""
-        return self._sum(("static_scale", "static_zero_point"))
+        """Once per layer: static (tensor/head) scales, zero points and clip counters."""
+        return self._sum(("static_scale", "static_zero_point", "clip_counts"))
 
     @property
     def page_bytes(self) -> int:
