@@ -37,7 +37,10 @@ def test_json_equals_the_python_api(cli):
     )
     for key in ("weights_bytes", "kv_bytes_per_token", "pool_bytes", "pool_tokens", "tenants"):
         assert d[key] == getattr(b, key)
-    assert d["kv_bytes_per_token"] == 186_880  # 80 x 8 x 128 x 2 x 1 B + scales (test_kv_bytes)
+    # fp8's default axes are static per tensor: 80 x 8 x 128 x 2 x 1 B, no per-token scales
+    assert d["kv_bytes_per_token"] == 163_840
+    # K and V per layer: one float32 scale and two int32 clip counters
+    assert d["kv_static_bytes_per_chip"] == 80 * 2 * (4 + 8)
 
 
 def test_table_shows_every_line(cli):
@@ -46,7 +49,9 @@ def test_table_shows_every_line(cli):
     for line in ("HBM", "- weights", "embed", "lm_head", "runtime reserve", "= KV pool"):
         assert line in out
     assert "KV per token" in out and "tenants at 32,768 tokens" in out
-    assert "186,880 B" in out  # the all-chips KV bytes per token
+    assert "163,840 B" in out  # the all-chips KV bytes per token
+    assert "K scales: 1 per layer, 4 B, static" in out and "of which static KV scales" in out
+    assert "K clip counters: 2 x 4 B (int32) = 8 B per layer, static" in out
 
 
 def test_compare_default_pairs_with_ratio_to_bf16(cli):
@@ -62,6 +67,28 @@ def test_compare_default_pairs_with_ratio_to_bf16(cli):
         ["fp8_e4m3", "fp8_e4m3"],
     ]
     assert "1.00x" in rows[0]
+
+
+def test_issue_figure_llama_8b_fp8_kv_is_65536_bytes_per_token_plus_static_scales(cli):
+    # Issue 11: vLLM's fp8 cache on Llama-3.1-8B costs 32 layers x 8 KV heads x 128 x 2 (K, V)
+    # x 1 B = 65,536 B/token; tenantq's default fp8 granularity (one static scale per layer for
+    # K and for V, and the engine's two int32 clip counters beside each) adds 32 x 2 x (4 + 8)
+    # = 768 B once, nothing per token, and no residual slot.
+    argv = ["--model", "llama-3.1-8b", "--kv", "fp8_e4m3", "--hardware", "tpu-v6e"]
+    rc, out, _ = cli([*argv, "--context", "8192", "--json"])
+    assert rc == 0
+    d = json.loads(out)
+    assert d["kv_bytes_per_token"] == 65_536
+    assert d["kv_static_bytes_per_chip"] == 768
+    assert d["tenant_slot_bytes_per_chip"] == 0
+    assert d["kv_lines"][0]["parts"] == [
+        "K elements: 16,384 x 1 B (float8_e4m3fn) = 16,384 B per page",
+        "K scales: 1 per layer, 4 B, static",
+        "K clip counters: 2 x 4 B (int32) = 8 B per layer, static",
+        "V elements: 16,384 x 1 B (float8_e4m3fn) = 16,384 B per page",
+        "V scales: 1 per layer, 4 B, static",
+        "V clip counters: 2 x 4 B (int32) = 8 B per layer, static",
+    ]
 
 
 def test_compare_pairs_json(cli):

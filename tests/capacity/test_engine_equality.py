@@ -7,12 +7,14 @@ layer's page, residual and sink bytes, read from the pool's real arrays.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tenantq.capacity import kv as capacity_kv
 from tenantq.capacity.weights import tensor_bytes
 from tenantq.engine import Engine
 from tenantq.model.config import ModelConfig
+from tenantq.quant.kv_calibration import KVScales
 from tenantq.quant.plan import KVPlan, QuantPlan, Rule
 from tenantq.reference import reference_model_path
 
@@ -48,7 +50,27 @@ PLANS = {
         ),  # fmt: skip
     ),
     "kv axes swapped": QuantPlan(kv=KVPlan("int4", "token", "nvfp4", "channel", sink_tokens=3)),
+    "static fp8 per tensor (the fp8 default)": QuantPlan.uniform("bf16", "fp8_e4m3"),
+    "static int8 keys per head, int2 values per head, sinks": QuantPlan(
+        kv=KVPlan(
+            "int8", "head", "int2", "head", sink_tokens=2, layer_formats=((0, "int4", "bf16"),)
+        )
+    ),
+    "int2 KIVI (keys per channel, values per token)": QuantPlan(
+        kv=KVPlan("int2", "channel", "int2", "token", bf16_layers=(-1,))
+    ),
 }
+
+
+def _scales(config: ModelConfig) -> KVScales:
+    """Static scales from made-up statistics (their values do not change a byte)."""
+    shape = (config.num_layers, config.num_kv_heads)
+    per_head = {"absmax": np.full(shape, 2.0, np.float32), "min": np.full(shape, -2.0, np.float32),
+                "max": np.full(shape, 2.0, np.float32), "percentile": np.ones(shape, np.float32),
+                "layer_percentile": np.ones(shape[0], np.float32)}  # fmt: skip
+    return KVScales("model", "data", 99.99, 0, {"keys": per_head, "values": per_head})
+
+
 POOLS = [
     dict(num_pages=7, max_seqs=3, page_tokens=16),
     dict(num_pages=40, max_seqs=5, page_tokens=8),
@@ -68,7 +90,8 @@ def test_memory_report_equals_the_planner(model, plan_name: str) -> None:
     config, params = model
     plan = PLANS[plan_name]
     for pool in POOLS:
-        report = Engine(config, params, plan, dtype="bfloat16", **pool).memory_report()
+        engine = Engine(config, params, plan, dtype="bfloat16", kv_scales=_scales(config), **pool)
+        report = engine.memory_report()
         planned = {t.path: t.bytes_per_chip for t in tensor_bytes(config, plan, tp=1)}
         assert report.weight_bytes == planned
         for path, parts in report.weight_parts.items():
@@ -80,6 +103,7 @@ def test_memory_report_equals_the_planner(model, plan_name: str) -> None:
             assert got["pages_bytes"] == want["pages_bytes"], (plan_name, pool, got["layer"])
             assert got["residual_bytes"] == want["residual_bytes"]
             assert got["sink_bytes"] == want["sink_bytes"]
+            assert got["static_bytes"] == want["static_bytes"]
         assert report.cache_bytes == kv["total_bytes"]
 
 

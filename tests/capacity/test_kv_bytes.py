@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tenantq.capacity import Deployment, budget, get_model_config, kv_pool_bytes
+from tenantq.capacity.kv import kv_layers
 from tenantq.quant.plan import KVPlan, QuantPlan
 
 V6E_1 = Deployment.of("tpu-v6e", 1)
@@ -33,10 +34,37 @@ def test_fp8_kv_halves_elements_and_adds_exactly_its_scales():
     # fp8: 1 byte per element, half of bf16's 327,680 -> 163,840. Keys per channel: one fp32
     # scale per (head, channel) per 16-token page = 8*128*4/16 = 256 B per token per layer;
     # values per token: one fp32 scale per (token, head) = 8*4 = 32 B per token per layer.
-    b = budget(
-        get_model_config("llama-3.1-70b"), QuantPlan.uniform("bf16", "fp8_e4m3"), V6E_1, 4096
-    )
+    plan = QuantPlan(kv=KVPlan("fp8_e4m3", "channel", "fp8_e4m3", "token"))
+    b = budget(get_model_config("llama-3.1-70b"), plan, V6E_1, 4096)
     assert b.kv_bytes_per_token == 327_680 // 2 + 80 * (8 * 128 * 4 // 16 + 8 * 4) == 186_880
+
+
+# per layer, K and V: a float32 scale (tensor) or 8 (head), plus two int32 clip counters
+STATIC_8B = [("tensor", 32 * 2 * (4 + 8)), ("head", 32 * 2 * (8 * 4 + 8))]
+
+
+@pytest.mark.parametrize(("axis", "static_bytes"), STATIC_8B)
+def test_static_fp8_axes_cost_no_bytes_per_token_only_their_scales_once(axis, static_bytes):
+    # Llama-3.1-8B: 32 layers x 8 KV heads x 128 x 2 (K, V) x 1 B = 65,536 B/token. tensor: one
+    # float32 per layer for K and V; head: one per KV head (x 8); both add the engine's two
+    # int32 clip counters. Neither needs a residual window (the scale is known in advance).
+    plan = QuantPlan(kv=KVPlan("fp8_e4m3", axis, "fp8_e4m3", axis))
+    b = budget(get_model_config("llama-3.1-8b"), plan, V6E_1, 4096)
+    assert b.kv_bytes_per_token == 65_536
+    assert b.kv_static_bytes_per_chip == static_bytes
+    assert b.tenant_slot_bytes_per_chip == 0
+    assert b.pool_pages == (b.pool_bytes_per_chip - static_bytes) // b.page_bytes_per_chip > 0
+
+
+def test_int2_kivi_bytes_by_hand():
+    # Llama-70B layer, 16-token page, 8 heads x 128: codes 4 per byte = 16*8*128/4 = 4,096 B
+    # per tensor. Keys per channel (the page is the group): scale + zero point float32 per
+    # (head, channel) = 8*128*8 = 8,192 B; values per token in groups of 32 (KIVI's G):
+    # 16*8*4 groups * 8 B = 4,096 B. Keys wait in a bf16 residual page: 16*8*128*2 = 32,768 B.
+    plan = QuantPlan(kv=KVPlan("int2", "channel", "int2", "token"))
+    (lay, *_) = kv_layers(get_model_config("llama-3.1-70b"), plan, 16)
+    assert lay.page_bytes == 2 * 4_096 + 8_192 + 4_096
+    assert lay.residual_bytes == 32_768 and lay.static_bytes == 0
 
 
 def test_page_slot_and_sink_bytes_by_hand():

@@ -25,6 +25,7 @@ from tenantq.model.config import ModelConfig
 from tenantq.model.decoder import init_params
 from tenantq.model.loader import hf_names
 from tenantq.numerics import QArray, dequantize
+from tenantq.quant.kv_calibration import KVScales
 from tenantq.quant.plan import QuantPlan
 from tenantq.quant.storage import tp_split_axis as split_axis
 
@@ -50,6 +51,17 @@ PLANS = {
             },
         }
     ),  # fmt: skip
+    # Static scales: fp8 keys per KV head (sharded with the heads), int8 values per tensor.
+    "kv_static": QuantPlan.from_dict(
+        {
+            "kv": {
+                "key_format": "fp8_e4m3",
+                "key_axis": "head",
+                "value_format": "int8",
+                "value_axis": "tensor",
+            }
+        }
+    ),  # fmt: skip
 }
 # Column-split tensors only, one scale per output channel (axis 0, which is never split).
 COLUMNS = QuantPlan.from_dict(
@@ -73,13 +85,29 @@ CAPACITY_PLANS = {
         "kv": {"key_format": "fp8_e4m3", "key_axis": "channel", "value_format": "nvfp4",
                "value_axis": "token", "sink_tokens": 2},
     },
+    # static scales per head (sharded) and per tensor (replicated), int2 zero points, counters
+    "kv_static_int2_head_fp8_tensor": {
+        "kv": {"key_format": "int2", "key_axis": "head", "value_format": "fp8_e4m3",
+               "value_axis": "tensor", "sink_tokens": 2},
+    },
 }  # fmt: skip
 CAPACITY_POOL = dict(num_pages=6, max_seqs=3, page_tokens=8, max_seq_tokens=32)
 E4M3_REL = 2.0**-4  # half an ulp of 3 mantissa bits, relative to the value
 E4M3_SUB = 2.0**-10  # half the subnormal step 2^-9, in units of the scale
 
 
+def static_scales(config: ModelConfig) -> KVScales:
+    """Made-up K/V statistics (|x| <= 2 in every head) for plans with static KV axes."""
+    shape = (config.num_layers, config.num_kv_heads)
+    stats = {"absmax": np.full(shape, 2.0, np.float32), "min": np.full(shape, -2.0, np.float32),
+             "max": np.full(shape, 2.0, np.float32), "percentile": np.ones(shape, np.float32),
+             "layer_percentile": np.ones(shape[0], np.float32)}  # fmt: skip
+    return KVScales("model", "data", 99.99, 0, {"keys": stats, "values": stats})
+
+
 def engine(params, plan, **kw) -> Engine:
+    if plan is not None and plan.needs_kv_scales:
+        kw.setdefault("kv_scales", static_scales(CONFIG))
     return Engine(CONFIG, params, plan, dtype="float32", **CACHE, **kw)
 
 
@@ -272,7 +300,7 @@ def main() -> None:
         weights = init_params(config, seed=0)
         for name, raw in CAPACITY_PLANS.items():
             eng = Engine(config, weights, QuantPlan.from_dict(raw), dtype="bfloat16", tp=4,
-                         **CAPACITY_POOL)  # fmt: skip
+                         kv_scales=static_scales(config), **CAPACITY_POOL)  # fmt: skip
             capacity[f"{name}/vocab{vocab}"] = {
                 "weights": {p: sorted(device_bytes(v).values()) for p, v in eng.params.items()},
                 "kv": [sorted(device_bytes(layer).values()) for layer in eng.cache.state],

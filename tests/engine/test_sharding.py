@@ -184,9 +184,14 @@ def test_sharded_logits_equal_unsharded(check):
     ulp = check["parity"]["bf16/ulp_weights"]["max_abs"]
     assert check["parity"]["bf16/tp2"]["max_abs"] < ulp
     assert check["parity"]["bf16/tp4"]["max_abs"] < ulp
-    assert {"bf16/tp2", "int8/tp4", "int4/tp2", "kv_fp8_int4/tp4", "bf16/tp4/decode"} <= set(
-        check["parity"]
-    )
+    assert {
+        "bf16/tp2",
+        "int8/tp4",
+        "int4/tp2",
+        "kv_fp8_int4/tp4",
+        "kv_static/tp4",
+        "bf16/tp4/decode",
+    } <= set(check["parity"])
 
 
 @pytest.mark.slow
@@ -265,7 +270,7 @@ def test_capacity_equals_what_each_of_four_devices_holds(check):
     sys.path.insert(0, str(Path(__file__).parent))
     from _sharding_check import CAPACITY_PLANS, CAPACITY_POOL
 
-    assert len(check["capacity_tp4"]) == 4
+    assert len(check["capacity_tp4"]) == 6
     for case, held in check["capacity_tp4"].items():
         name, vocab = case.split("/vocab")
         config = dataclasses.replace(CONFIG, vocab_size=int(vocab))

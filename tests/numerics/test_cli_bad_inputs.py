@@ -23,7 +23,7 @@ CAP = ["capacity", "--model", "llama-3.1-8b", "--hardware", "h200", "--context",
 RESERVE_FORMS = ("--reserve", "0.15", "15%", "4GiB")
 REPO = Path(__file__).resolve().parents[2]
 A_FILE, A_FOLDER = str(REPO / "README.md"), str(REPO / "tests")  # exist, but are no plan/model
-FORMATS = "bf16, fp16, fp8_e4m3, fp8_e5m2, int8, int4, mxfp8, mxfp4, nvfp4"
+FORMATS = "bf16, fp16, fp8_e4m3, fp8_e5m2, int8, int4, mxfp8, mxfp4, nvfp4, int2"
 
 
 def run(argv: list[str]) -> tuple[int, str, str]:

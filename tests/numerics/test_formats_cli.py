@@ -35,6 +35,7 @@ def expected_bits(n):
         "mxfp8": (numel + n * n // 32) * 8 / numel,  # 8 + 8/32 = 8.25
         "mxfp4": (numel / 2 + n * n // 32) * 8 / numel,  # 4.25
         "nvfp4": (numel / 2 + n * n // 16 + 4) * 8 / numel,  # 4.5 + 32/numel
+        "int2": (numel / 4 + 8 * n * (n // 32)) * 8 / numel,  # 2 + 64/32 = 4 (KIVI's G=32)
     }
 
 

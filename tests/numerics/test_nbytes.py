@@ -37,6 +37,8 @@ def formula_nbytes(shape, fmt, axis, group):
         "fp8_e5m2": numel + 4 * n_scales,
         "int8": numel + 4 * n_scales,
         "int4": packed + 4 * n_scales,
+        # four 2-bit codes per byte; a float32 scale and a float32 zero point per group
+        "int2": math.prod(shape[:-1]) * ceil_div(shape[-1], 4) + 8 * n_scales,
         "mxfp8": numel + n_scales,  # one E8M0 byte per block of 32
         "mxfp4": packed + n_scales,
         "nvfp4": packed + n_scales + 4,  # one E4M3 byte per 16, one float32 per tensor

@@ -19,7 +19,7 @@ from tenantq.numerics import (
     scale_float32,
 )
 
-NAMES = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "mxfp8", "mxfp4", "nvfp4"]
+NAMES = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "mxfp8", "mxfp4", "nvfp4", "int2"]
 X = np.random.default_rng(0).standard_t(3, size=(3, 5, 40)).astype(np.float32)
 
 
@@ -49,7 +49,7 @@ def test_format_specs_carry_the_published_figures():
     assert (nvfp4.block_size, nvfp4.scale_dtype, nvfp4.has_tensor_scale) == (16, "e4m3", True)
     assert FORMATS["int4"].default_group_size == 128 and FORMATS["int4"].packed
     assert [n for n, s in FORMATS.items() if s.scale_dtype is None] == ["bf16", "fp16"]
-    assert [n for n, s in FORMATS.items() if s.packed] == ["int4", "mxfp4", "nvfp4"]
+    assert [n for n, s in FORMATS.items() if s.packed] == ["int4", "mxfp4", "nvfp4", "int2"]
     with pytest.raises(dataclasses_frozen_error()):
         FORMATS["int8"].max_finite = 1.0
 
@@ -80,7 +80,7 @@ def test_unknown_format_lists_the_valid_names():
         ("mxfp8", {"group_size": 16}, "fixes its block at 32 elements; pass group_size=None or 32"),
         ("nvfp4", {"group_size": 32}, "pass group_size=None or 16, not 32"),
         ("int8", {"axis": None, "group_size": 8}, "needs an axis to group along"),
-        ("fp8_e4m3", {"symmetric": False}, "only for int8 and int4"),
+        ("fp8_e4m3", {"symmetric": False}, "only for int8, int4 and int2"),
         ("bf16", {"group_size": 8}, "plain cast with no scale; pass group_size=None"),
     ],
 )

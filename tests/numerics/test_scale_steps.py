@@ -246,7 +246,7 @@ def test_static_scale_broadcasts_per_head():
         (lambda: quantize_with_scale_zero_point(X, "nvfp4", 1.0), "NVFP4Scale"),
         (
             lambda: quantize_with_scale_zero_point(X, "fp8_e4m3", 1.0, np.int8(0)),
-            "zero_point exists only for int8 and int4",
+            "zero_point exists only for int8, int4 and int2",
         ),
         (
             lambda: quantize_with_scale_zero_point(X, "int4", 1.0, np.int8(9)),

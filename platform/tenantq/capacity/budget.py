@@ -1,8 +1,9 @@
 """The memory budget of one deployment, line by line, and the tenants it holds.
 
 Per chip: HBM - weights (per tensor, in the plan's formats) - runtime reserve = KV pool.
-A tenant of C tokens holds ceil(kv_tokens_l(C) / page_tokens) pages in every layer plus its
-slot's residual and sink buffers; tenants = floor(pool / tenant bytes). All figures are
+Static KV scales (tensor/head axes) take a few bytes per layer off the pool once; a tenant of
+C tokens holds ceil(kv_tokens_l(C) / page_tokens) pages in every layer plus its slot's
+residual and sink buffers; tenants = floor((pool - static scales) / tenant bytes). All figures are
 integers computed from the same formulas the engine allocates with (`storage_nbytes`,
 `LayerKVStorage`), so the planner can be checked against the engine to the byte. Under
 tensor parallelism every chip holds an equal share, so the per-chip pool is what binds.
@@ -48,6 +49,7 @@ class KVLine:
     page_bytes: int  # one page of one of these layers, per chip
     slot_bytes: int  # residual + sink per sequence slot, per layer, per chip
     pages_per_tenant: int  # per layer, at the budget's context
+    parts: tuple[str, ...] = ()  # what one layer stores besides K/V elements, array by array
 
     @property
     def layer_ranges(self) -> str:
@@ -101,6 +103,7 @@ class Budget:
     max_context_limit: str  # "memory" | "model" (capped at max_position_embeddings)
     reason: str  # why no tenant fits ("" when some do)
     notes: tuple[str, ...] = ()
+    kv_static_bytes_per_chip: int = 0  # static (tensor/head) KV scales, once per layer
     tensors: tuple[TensorBytes, ...] = field(default=(), repr=False, compare=False)
 
     @property
@@ -157,13 +160,15 @@ def budget(
     weights = sum(t.bytes_per_chip for t in tensors)
     reserve = deployment.reserve_bytes_per_chip
     pool = pool_bytes_left(hbm, weights, reserve)
+    static = sum(lay.static_bytes for lay in layers)
+    paged_pool = max(0, pool - static)
 
     page_bytes = sum(lay.page_bytes for lay in layers)
     per_token_chip = Fraction(page_bytes, page)
     pages = tenant_pages(config, context_tokens, page)
     tenant = pool_bytes_from_layers(layers, pages, 1)
-    tenant_bytes = tenant["total_bytes"]
-    tenants = pool // tenant_bytes
+    tenant_bytes = tenant["total_bytes"] - tenant["static_bytes"]
+    tenants = paged_pool // tenant_bytes
 
     reason = ""
     if weights > hbm:
@@ -181,7 +186,7 @@ def budget(
             f"one tenant at {context_tokens:,} tokens needs {_b(tenant_bytes)} of KV per chip; "
             f"the pool has {_b(pool)}"
         )
-    max_context, limit = _max_context(config, layers, page, pool, target_tenants)
+    max_context, limit = _max_context(config, layers, page, paged_pool, target_tenants)
 
     return Budget(
         model=model_name or config.name or config.model_type,
@@ -204,8 +209,8 @@ def budget(
         page_bytes_per_chip=page_bytes,
         kv_bytes_per_token_per_chip=_as_float(per_token_chip),
         kv_bytes_per_token=_as_float(per_token_chip * tp),
-        pool_pages=pool // page_bytes,
-        pool_tokens=(pool // page_bytes) * page,
+        pool_pages=paged_pool // page_bytes,
+        pool_tokens=(paged_pool // page_bytes) * page,
         tenant_pages=sum(pages),
         tenant_page_bytes_per_chip=tenant["pages_bytes"],
         tenant_slot_bytes_per_chip=tenant["residual_bytes"] + tenant["sink_bytes"],
@@ -216,6 +221,7 @@ def budget(
         max_context_limit=limit,
         reason=reason,
         notes=_notes(config, plan, tp, context_tokens),
+        kv_static_bytes_per_chip=static,
         tensors=tensors,
     )
 
@@ -237,10 +243,8 @@ def _max_context(
     """Largest C <= max_position_embeddings with n * tenant_bytes(C) <= pool (monotone in C)."""
 
     def fits(c: int) -> bool:
-        return (
-            n * pool_bytes_from_layers(layers, tenant_pages(config, c, page), 1)["total_bytes"]
-            <= pool
-        )
+        one = pool_bytes_from_layers(layers, tenant_pages(config, c, page), 1)
+        return n * (one["total_bytes"] - one["static_bytes"]) <= pool
 
     cap = config.max_position_embeddings
     if fits(cap):
@@ -326,6 +330,7 @@ def _kv_lines(
             lay.page_bytes,
             lay.slot_bytes,
             n,
+            lay.byte_lines(),
         )
         groups.setdefault(key, []).append(lay.layer)
     return tuple(KVLine(tuple(idx), *key) for key, idx in groups.items())
@@ -333,6 +338,13 @@ def _kv_lines(
 
 def _notes(config: ModelConfig, plan: QuantPlan, tp: int, context: int) -> tuple[str, ...]:
     notes = []
+    static = [i for i, kv in enumerate(plan.kv_layers(config)) if not kv.is_bf16]
+    if plan.needs_kv_scales and static:
+        notes.append(
+            "static KV scales (tensor/head axes) are calibrated per model "
+            "(tenantq.quant.kv_calibration); values beyond them clip, and the engine reports the "
+            "clip rate (Engine.kv_clip_rate)"
+        )
     if context > config.max_position_embeddings:
         notes.append(
             f"context {context:,} exceeds the model's max_position_embeddings "

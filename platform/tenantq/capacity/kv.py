@@ -47,7 +47,7 @@ def pool_bytes_from_layers(
     if any(p < 0 for p in pages) or num_slots < 0:
         raise ValueError("page and slot counts must not be negative")
     rows = [lay.bytes_row(n, num_slots) for lay, n in zip(layers, pages, strict=True)]
-    keys = ("pages_bytes", "residual_bytes", "sink_bytes", "total_bytes")
+    keys = ("pages_bytes", "residual_bytes", "sink_bytes", "static_bytes", "total_bytes")
     return {"layers": rows, **{k: sum(r[k] for r in rows) for k in keys}}
 
 
@@ -66,8 +66,9 @@ def kv_pool_bytes(
     keeps unquantized KV in (bfloat16; float32 for a float32 engine).
 
     Returns `{"layers": [row, ...], "pages_bytes", "residual_bytes", "sink_bytes",
-    "total_bytes"}` with rows from `LayerKVStorage.bytes_row`; the engine's `memory_report()`
-    rows must equal them byte for byte.
+    "static_bytes", "total_bytes"}` (static: tensor/head scales, once per layer) with rows
+    from `LayerKVStorage.bytes_row`; the engine's `memory_report()` rows must equal them byte
+    for byte.
     """
     layers = kv_layers(config, plan, page_tokens, tp, store_dtype=store_dtype)
     return pool_bytes_from_layers(layers, num_pages, num_slots)

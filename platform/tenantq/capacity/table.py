@@ -54,6 +54,11 @@ def render_budget(b: Budget, *, per_tensor: bool = False, description: str = "")
                 out.append(_row(f"      {t.path}  {shape}  {t.label}", t.bytes_per_chip, None, 1))
     out.append(_row(f"- runtime reserve ({b.reserve})", b.reserve_bytes_per_chip, None, 1))
     out.append(_row("= KV pool", b.pool_bytes_per_chip, b.pool_bytes, chips))
+    if b.kv_static_bytes_per_chip:
+        out.append(
+            _row("  of which static KV scales, counters", b.kv_static_bytes_per_chip, None, 1)
+            + "   once per layer, not per token"
+        )
     out.append("")
     out.append(
         _row(
@@ -76,6 +81,7 @@ def render_budget(b: Budget, *, per_tensor: bool = False, description: str = "")
             f" page {exact_bytes(kv.page_bytes)} B, slot {exact_bytes(kv.slot_bytes)} B per layer"
             f" per chip; {kv.pages_per_tenant:,} pages per tenant"
         )
+        out.extend(f"        {part}" for part in kv.parts)
     out.append(
         _row(f"one page in every layer ({b.page_tokens} tokens)", b.page_bytes_per_chip, None, 1)
     )

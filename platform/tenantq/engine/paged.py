@@ -4,7 +4,9 @@ Each layer's keys and values live in pages of `page_tokens` tokens, in the forma
 KV part gives that layer, with their scales beside them. Writes quantize; `read` always
 dequantizes from the pool (the fresh projections are never attended to directly). Tensors
 scaled per channel wait in a bf16 residual page until the page fills; per-token tensors are
-quantized at write time. The first `sink_tokens` tokens of quantized tensors keep a bf16 copy.
+quantized at write time, and so are tensors with calibrated static (tensor/head) scales, which
+clip at the format's range and count what they clip (`clip_counts`: elements clipped, tokens
+written). The first `sink_tokens` tokens of quantized tensors keep a bf16 copy.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from tenantq.numerics import (
     QArray,
     compute_scale_zero_point,
     dequantize,
+    get_format,
     nvfp4_tensor_scale,
     quantize,
     quantize_with_scale_zero_point,
 )
 from tenantq.quant.plan import KVTensorSpec
-from tenantq.quant.storage import LayerKVStorage
+from tenantq.quant.storage import LayerKVStorage, kv_quant_args
 
 # A token-scaled nvfp4 page fixes its float32 tensor scale when its first tokens are written
 # (later tokens cannot change it without requantizing the page): amax of those tokens times
@@ -107,12 +110,14 @@ class PagedLayout:
 
     def tensor_state(self, storage: LayerKVStorage, spec: KVTensorSpec) -> dict[str, jax.Array]:
         """Arrays of one tensor of one layer, as `storage.arrays` lists them; every array
-        has the KV-head axis at index 2 (the per-page tensor scale has none: replicated)."""
+        has the KV-head axis at index 2 (the per-page tensor scale, a per-tensor static scale
+        and the clip counters have none: replicated). Static scales start at 1; the pool
+        writes the calibrated ones."""
         out = {}
         struct = self.page_struct(spec) if spec.quantized else None
         for a in storage.arrays(spec):
-            count = self.num_pages if a.per == "page" else self.max_seqs
-            shape = (count, *a.shape)
+            count = {"page": (self.num_pages,), "slot": (self.max_seqs,), "layer": ()}[a.per]
+            shape = (*count, *a.shape)
             if struct is not None and a.name in ("pages", "scales"):
                 real = struct.data if a.name == "pages" else struct.scale
                 if (tuple(real.shape), jnp.dtype(real.dtype)) != (a.shape, jnp.dtype(a.dtype)):
@@ -120,7 +125,7 @@ class PagedLayout:
                         f"{spec.format} {a.name}: the quantizer stores {real.shape} "
                         f"{real.dtype}, the KV storage description says {a.shape} {a.dtype}"
                     )
-            fill = jnp.ones if a.name == "tensor_scale" else jnp.zeros
+            fill = jnp.ones if a.name in ("tensor_scale", "static_scale") else jnp.zeros
             out[a.name] = fill(shape, _bits_dtype(a.dtype))
         return out
 
@@ -166,6 +171,8 @@ class PagedLayout:
             arrays["sinks"] = arrays["sinks"].at[rows, at].set(_to_bits(x), mode="drop")
         if not spec.quantized:
             arrays["pages"] = arrays["pages"].at[page, offset].set(_to_bits(x), mode="drop")
+        elif spec.static:
+            arrays.update(self._write_static(arrays, spec, page, offset, valid, x))
         elif spec.needs_residual:
             arrays.update(self._write_channel(arrays, spec, table, positions, valid, x))
         else:
@@ -182,9 +189,41 @@ class PagedLayout:
         else:
             q = quantize(x, spec.format, axis=-1)
             data, scale = q.data, q.scale
+            if q.zero_point is not None:  # int2
+                out["zero_points"] = (
+                    arrays["zero_points"].at[page, offset].set(q.zero_point, mode="drop")
+                )
         out["pages"] = arrays["pages"].at[page, offset].set(_to_bits(data), mode="drop")
         out["scales"] = arrays["scales"].at[page, offset].set(_to_bits(scale), mode="drop")
         return out
+
+    def _static_scale(self, arrays):
+        """The calibrated scale (and int2 zero point) as [1, 1, heads or 1, 1] float32."""
+        scale = arrays["static_scale"].reshape(1, 1, -1, 1)
+        zp = arrays.get("static_zero_point")
+        return scale, None if zp is None else zp.reshape(1, 1, -1, 1)
+
+    def _write_static(self, arrays, spec, page, offset, valid, x):
+        """Static scales: quantize with the calibrated scale now, clip at the format's range
+        and count the clipped elements of real tokens (|x| > scale * max_finite; for int2,
+        x outside [(0 - zp) * scale, (3 - zp) * scale])."""
+        fmt = get_format(spec.format)
+        x = x.astype(jnp.float32)
+        scale, zp = self._static_scale(arrays)
+        if zp is None:
+            over = jnp.abs(x) > scale * fmt.max_finite
+        else:
+            over = (x < (0.0 - zp) * scale) | (x > (fmt.max_finite - zp) * scale)
+        real = valid[:, :, None, None]
+        clipped = jnp.sum(over & real, dtype=jnp.int32)
+        tokens = jnp.sum(valid, dtype=jnp.int32)
+        q = quantize_with_scale_zero_point(
+            x, spec.format, scale, zp, **kv_quant_args(spec, self.head_dim)
+        )
+        return {
+            "pages": arrays["pages"].at[page, offset].set(_to_bits(q.data), mode="drop"),
+            "clip_counts": arrays["clip_counts"] + jnp.stack([clipped, tokens]),
+        }
 
     def _nvfp4_tokens(self, arrays, page, offset, valid, x):
         """nvfp4 per token with one tensor scale per page, fixed when the page is opened."""
@@ -228,6 +267,8 @@ class PagedLayout:
             "pages": arrays["pages"].at[target].set(_to_bits(q.data), mode="drop"),
             "scales": arrays["scales"].at[target].set(_to_bits(q.scale), mode="drop"),
         }
+        if q.zero_point is not None:  # int2
+            out["zero_points"] = arrays["zero_points"].at[target].set(q.zero_point, mode="drop")
         if q.tensor_scale is not None:
             out["tensor_scale"] = arrays["tensor_scale"].at[target].set(q.tensor_scale, mode="drop")
         newest = jnp.clip((end - base) // p, 0, span - 1)
@@ -247,11 +288,20 @@ class PagedLayout:
         if spec.quantized:
             struct = self.page_struct(spec)
             ts = arrays.get("tensor_scale")
+            zps = arrays.get("zero_points")
+            if spec.static:
+                scale, zp = self._static_scale(arrays)
+                scale = jnp.broadcast_to(scale[0], struct.scale.shape)
+                zp = None if zp is None else jnp.broadcast_to(zp[0], struct.scale.shape)
 
             def one_page(i):
+                if spec.static:
+                    page_scale, page_zp = scale, zp
+                else:
+                    page_scale = _from_bits(arrays["scales"][i], struct.scale.dtype)
+                    page_zp = None if zps is None else zps[i]
                 q = QArray(
-                    _from_bits(arrays["pages"][i], struct.data.dtype),
-                    _from_bits(arrays["scales"][i], struct.scale.dtype), None,
+                    _from_bits(arrays["pages"][i], struct.data.dtype), page_scale, page_zp,
                     None if ts is None else ts[i], struct.shape, struct.fmt, struct.axis,
                     struct.group_size,
                 )  # fmt: skip
@@ -279,12 +329,14 @@ class PagedLayout:
 @functools.lru_cache(maxsize=256)
 def _page_struct(shape: tuple[int, ...], spec: KVTensorSpec) -> QArray:
     page = jax.ShapeDtypeStruct(shape, "float32")
-    return jax.eval_shape(lambda x: quantize(x, spec.format, axis=spec.axis_index), page)
+    args = kv_quant_args(spec, shape[-1])
+    return jax.eval_shape(lambda x: quantize(x, spec.format, **args), page)
 
 
 def layout_nbytes(state) -> list[dict[str, int]]:
-    """Per layer: bytes of page data, page scales, residual windows and sinks (true sizes:
-    packed data is already uint8, so every array's size times itemsize is its storage)."""
+    """Per layer: bytes of page data, page scales (int2 zero points included), residual
+    windows, sinks and static scales (true sizes: packed data is already uint8, so every
+    array's size times itemsize is its storage); static bytes include the clip counters."""
 
     def nbytes(a) -> int:
         return int(math.prod(a.shape)) * np.dtype(a.dtype).itemsize
@@ -292,11 +344,15 @@ def layout_nbytes(state) -> list[dict[str, int]]:
     rows = []
     for per_layer in state:
         row = {"data_bytes": 0, "scale_bytes": 0, "residual_bytes": 0, "sink_bytes": 0}
+        row["static_bytes"] = 0
         for arrays in per_layer.values():
             row["data_bytes"] += nbytes(arrays["pages"])
-            for name in ("scales", "tensor_scale"):
+            for name in ("scales", "zero_points", "tensor_scale"):
                 if name in arrays:
                     row["scale_bytes"] += nbytes(arrays[name])
+            for name in ("static_scale", "static_zero_point", "clip_counts"):
+                if name in arrays:
+                    row["static_bytes"] += nbytes(arrays[name])
             row["residual_bytes"] += nbytes(arrays["residual"]) if "residual" in arrays else 0
             row["sink_bytes"] += nbytes(arrays["sinks"]) if "sinks" in arrays else 0
         rows.append(row)

@@ -6,7 +6,9 @@ the bytes back from the real arrays. Pages are granted on demand as a sequence g
 (`prepare` before each step), through `PageAllocator`'s tenant quotas; a refusal is a
 `PoolExhausted`, a sequence whose pages were taken by another tenant's guarantee raises
 `SequencePreempted` at its next step. Unless told its size, the pool takes the memory its
-device has left after the weights and the runtime reserve (`device_memory_bytes`).
+device has left after the weights and the runtime reserve (`device_memory_bytes`). A plan with
+static (tensor/head) KV axes needs `kv_scales` (calibrated: `tenantq.quant.kv_calibration`);
+`kv_clip_report` says what share of the written elements those scales clipped.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tenantq.engine.allocator import DEFAULT_TENANT, PageAllocator, PoolExhauste
 from tenantq.engine.cache import CacheFull
 from tenantq.engine.paged import PagedLayout, layout_nbytes
 from tenantq.model.config import ModelConfig
+from tenantq.quant.kv_calibration import KVScales
 from tenantq.quant.plan import QuantPlan
 from tenantq.quant.storage import (
     DEFAULT_RESERVE_FRACTION,
@@ -79,7 +82,8 @@ class PagedPool:
       reserve, capped at what `max_seqs` sequences of `max_seq_tokens` can use; an error
       naming the figures when not one such sequence fits.
     `tp` is the tensor-parallel degree: arrays are allocated whole and sharded by KV head,
-    so each device holds the bytes of `kv_storage(..., tp=tp)`.
+    so each device holds the bytes of `kv_storage(..., tp=tp)`. `kv_scales` (a
+    `tenantq.quant.kv_calibration.KVScales`) gives the static scales of tensor/head axes.
     """
 
     def __init__(
@@ -95,8 +99,14 @@ class PagedPool:
         max_seq_tokens: int | None = None,
         weights_bytes: int = 0,
         tp: int = 1,
+        kv_scales: KVScales | None = None,
     ):
         plan = plan or QuantPlan()
+        if plan.needs_kv_scales and kv_scales is None:
+            raise ValueError(
+                "the plan's KV uses static scales (key_axis/value_axis 'tensor' or 'head'); "
+                "pass kv_scales=tenantq.quant.kv_calibration.kv_static_scales(model_path, plan)"
+            )
         _check_count("page_tokens", page_tokens)
         _check_count("max_seqs", max_seqs)
         tokens = config.max_position_embeddings if max_seq_tokens is None else max_seq_tokens
@@ -131,7 +141,8 @@ class PagedPool:
             dtype=str(jnp.dtype(dtype)),
         )
         self.storage_per_device = per_device
-        self.state = self.layout.init_state()
+        self.state = self._with_static_scales(self.layout.init_state(), kv_scales)
+        self.kv_scales = kv_scales
         self.max_seqs, self.max_seq_tokens, self.page_tokens = max_seqs, tokens, page_tokens
         self.num_pages = int(num_pages)
         self.allocator = PageAllocator(self.num_pages, page_tokens)
@@ -141,6 +152,52 @@ class PagedPool:
         self._preempted: set[int] = set()
         self._next_id = 0
 
+    def _with_static_scales(self, state, kv_scales):
+        """`state` with each static tensor's calibrated scale (and int2 zero point) written."""
+        if kv_scales is None:
+            return state
+        out = []
+        for storage, arrays in zip(self.layout.layers, state, strict=True):
+            layer = dict(arrays)
+            for name, spec in storage.tensors:
+                if not spec.static:
+                    continue
+                scale, zp = kv_scales.for_tensor(storage.layer, name, spec)
+                want = arrays[name]["static_scale"].shape
+                if np.size(scale) != np.prod(want):
+                    raise ValueError(
+                        f"kv_scales give {np.size(scale)} {name} scales for layer "
+                        f"{storage.layer} (axis {spec.axis!r}); this model needs "
+                        f"{int(np.prod(want))}: calibrate on this model"
+                    )
+                tensor = dict(arrays[name])
+                tensor["static_scale"] = jnp.asarray(scale, jnp.float32).reshape(want)
+                if "static_zero_point" in tensor:
+                    tensor["static_zero_point"] = jnp.asarray(zp, jnp.float32).reshape(want)
+                layer[name] = tensor
+            out.append(layer)
+        return tuple(out)
+
+    def kv_clip_report(self) -> list[dict]:
+        """Per static (tensor/head) KV tensor: elements written, elements clipped at the
+        format's range under the calibrated scale, and their ratio (`clip_rate`)."""
+        rows = []
+        per_token = self.layout.kv_heads * self.layout.head_dim
+        for storage, arrays in zip(self.layout.layers, self.state, strict=True):
+            for name, spec in storage.tensors:
+                if "clip_counts" not in arrays[name]:
+                    continue
+                clipped, tokens = (int(v) for v in np.asarray(arrays[name]["clip_counts"]))
+                elements = tokens * per_token
+                rows.append(
+                    {
+                        "layer": storage.layer, "tensor": name, "format": spec.format,
+                        "axis": spec.axis, "elements": elements, "clipped": clipped,
+                        "clip_rate": clipped / elements if elements else 0.0,
+                    }
+                )  # fmt: skip
+        return rows
+
     def _pages_from_memory(self, per_device, max_seqs, max_seq_tokens, weights_bytes) -> int:
         max_pages = -(-max_seq_tokens // per_device[0].page_tokens)
         memory, source = device_memory_bytes()
@@ -148,6 +205,7 @@ class PagedPool:
         pool = pool_bytes_left(memory, weights_bytes, reserve)
         page = sum(lay.page_bytes for lay in per_device)
         slots = max_seqs * sum(lay.slot_bytes for lay in per_device)
+        slots += sum(lay.static_bytes for lay in per_device)
         one_sequence = max_pages * page + slots
         if pool < one_sequence:
             raise ValueError(

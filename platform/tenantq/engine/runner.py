@@ -282,7 +282,10 @@ class Engine:
         dict of plain values: log it with a run, key caches of its outputs by it."""
         cache = self.cache
         paged = isinstance(cache, PagedPool)
+        # static KV scales change results: their fingerprint, only where a plan uses them
+        scales = _kv_scales_fingerprint(cache)
         return {
+            **({"kv_scales": scales} if scales is not None else {}),
             "dtype": self.dtype.name,
             "tp": self.tp,
             "scale_scope": self.scale_scope if self.mesh is not None else "global",
@@ -294,6 +297,17 @@ class Engine:
             "max_seq_tokens": cache.max_seq_tokens,
             "plan_fingerprint": self.plan.fingerprint(),
         }
+
+    def kv_clip_rate(self) -> float | None:
+        """Share of the KV elements written under static (tensor/head) scales that fell
+        outside the format's range and were clipped, over every such tensor since the engine
+        was built; None when the plan has no static KV scales. Per tensor:
+        `engine.cache.kv_clip_report()`."""
+        rows = self.cache.kv_clip_report() if hasattr(self.cache, "kv_clip_report") else []
+        elements = sum(r["elements"] for r in rows)
+        if not rows:
+            return None
+        return sum(r["clipped"] for r in rows) / elements if elements else 0.0
 
     def add_tenant(self, name: str, guaranteed_pages: int = 0) -> None:
         """Give `name` a guaranteed share of the pool's pages; it may borrow free pages above
@@ -497,6 +511,11 @@ def token_rows(
             )
         out.append([int(t) for t in row])
     return out
+
+
+def _kv_scales_fingerprint(cache) -> str | None:
+    scales = getattr(cache, "kv_scales", None)
+    return None if scales is None else scales.fingerprint()
 
 
 def _check_whole(name: str, value) -> None:

@@ -182,12 +182,27 @@ class Evaluator:
 
     def build_engine(self, plan):
         from tenantq.engine import Engine
+        from tenantq.evals.sensitivity import calibration_windows
+        from tenantq.quant import kv_calibration as kvc
 
+        options = dict(self.engine_options)
+        if plan.needs_kv_scales and "kv_scales" not in options:  # static KV: calibrate once
+            if getattr(self, "_kv_scales", None) is None:
+                windows, _ = calibration_windows(  # the weights' calibration text, if given
+                    self.tokenizer, self.config, source=self.calibrator.data.source,
+                    num_sequences=kvc.DEFAULT_KV_SEQUENCES,
+                    seq_tokens=min(kvc.DEFAULT_KV_SEQ_TOKENS, self.config.max_position_embeddings),
+                )  # fmt: skip
+                self._kv_scales = kvc.kv_static_scales(
+                    self.model_path, windows, model_id=self.identity,
+                    data_hash=data.array_hash(windows), cache_dir=self.cache_dir / "calibration",
+                    params=self.params,
+                )  # fmt: skip
+            options["kv_scales"] = self._kv_scales
         try:
             return Engine(
                 self.config, self.calibrator.params_for(plan), plan, dtype=self.dtype,
-                tokenizer=self.tokenizer,
-                **self.engine_options,
+                tokenizer=self.tokenizer, **options,
             )  # fmt: skip
         except (TypeError, NotImplementedError) as err:
             raise ValueError(f"cannot build the engine for this plan: {err}") from None

@@ -20,7 +20,13 @@ import numpy as np
 from tenantq.numerics import elements
 from tenantq.numerics.formats import FormatSpec, get_format
 from tenantq.numerics.layout import Layout, resolve_layout
-from tenantq.numerics.packing import pack_nibbles, sign_extend_int4, unpack_nibbles
+from tenantq.numerics.packing import (
+    _pack2_jit,
+    _unpack2_jit,
+    pack_nibbles,
+    sign_extend_int4,
+    unpack_nibbles,
+)
 from tenantq.numerics.qarray import QArray
 
 _TINY = np.float32(np.finfo(np.float32).tiny)  # smallest normal float32; XLA:CPU flushes below
@@ -119,7 +125,7 @@ def quantize_with_scale_zero_point(
     x = _float_input(x, spec)
     symmetric = zero_point is None
     if not symmetric and not spec.is_int:
-        raise ValueError(f"{spec.name}: zero_point exists only for int8 and int4; pass None")
+        raise ValueError(f"{spec.name}: zero_point exists only for int8, int4 and int2; pass None")
     layout = resolve_layout(x.shape, spec, axis=axis, group_size=group_size, symmetric=symmetric)
     scale, zero_point = _given_scales(layout, scale, zero_point)
     return _quantize_with_jit(x, layout, scale, zero_point)
@@ -288,6 +294,16 @@ def _given_scales(layout: Layout, scale, zero_point):
         return _broadcast_to_scale(codes, layout, "scale", jnp.uint8), None
     _check_positive(scale, spec, "scale")
     scale = _broadcast_to_scale(scale, layout, "scale", jnp.float32)
+    if spec.asymmetric_only:
+        if zero_point is None:
+            raise ValueError(
+                f"{spec.name} is asymmetric: pass zero_point (float32, one per scale) as "
+                "compute_scale_zero_point returns it"
+            )
+        zp = jnp.asarray(zero_point, jnp.float32)
+        if _eager(zp) and not bool(jnp.all(jnp.isfinite(zp))):
+            raise ValueError(f"{spec.name}: every zero_point must be finite")
+        return scale, _broadcast_to_scale(zp, layout, "zero_point", jnp.float32)
     if zero_point is not None:
         qmax = int(spec.max_finite)
         zp = jnp.asarray(zero_point)
@@ -387,6 +403,22 @@ def _scales_asymmetric_int(x, layout, amax, amin):
     return jnp.where(bad, _NAN, scale), zp.astype(jnp.int8)
 
 
+def _scales_int2(x, layout, amax, amin):
+    """int2 (KIVI, Liu et al. 2024): [lo, hi] = [min(x), max(x)] of the group onto codes
+    0..3, scale = (hi - lo) / 3, float32 zero point -lo / scale (0 need not be in range, so
+    a channel of keys that is all positive keeps its 4 levels)."""
+    lo = _group_reduce(x, layout, jnp.min) if amin is None else amin
+    hi = _group_reduce(x, layout, jnp.max) if amax is None else amax
+    bad = ~(jnp.isfinite(lo) & jnp.isfinite(hi))
+    span = hi - lo
+    scale = jnp.where(
+        jnp.isfinite(span), _true_divide(span, 3.0), _true_divide(hi, 3.0) - _true_divide(lo, 3.0)
+    )
+    scale = _or_one(scale)
+    zp = -_true_divide(jnp.where(bad, 0.0, lo), scale)
+    return jnp.where(bad, _NAN, scale), zp
+
+
 def _scales_mx(x, layout, amax):
     """OCP MX v1.0 section 6.3: X = 2^(floor(log2(amax)) - emax_elem), stored as its E8M0
     code floor(log2 amax) - emax + 127 clamped to [0, 254]; an all-zero block takes the
@@ -417,6 +449,8 @@ def _scales_impl(x, layout: Layout, amax=None, amin=None, tensor_scale=None):
     family = layout.spec.family
     if family == "cast":
         return None, None
+    if layout.spec.asymmetric_only:
+        return _scales_int2(x, layout, amax, amin)
     if family == "float" or (family == "int" and layout.symmetric):
         return _scales_float_or_symmetric_int(x, layout, amax)
     if family == "int":
@@ -450,8 +484,13 @@ def _elements_float(x, layout, scale):
 
 
 def _elements_int(x, layout, scale, zero_point):
-    """int8/int4: round half to even, add the zero point, clip, cast (and pack int4)."""
+    """int8/int4: round half to even, add the zero point, clip, cast (and pack int4).
+    int2: round(x / scale + zero_point) half to even, clipped to 0..3, four per byte."""
     spec = layout.spec
+    if spec.asymmetric_only:
+        q = jnp.round(_true_divide(x, _expand(scale, layout)) + _expand(zero_point, layout))
+        q = jnp.where(_expand(jnp.isnan(scale), layout), 0.0, q)
+        return _pack2_jit(jnp.clip(q, 0, spec.max_finite).astype(jnp.uint8))
     qmax = spec.max_finite  # 127 or 7
     # symmetric grids drop -128/-8 so that +-amax are both representable
     qmin = -qmax if zero_point is None else -qmax - 1
@@ -515,6 +554,9 @@ def _dequantize_impl(data, scale, zero_point, tensor_scale, layout: Layout):
         return data.astype(jnp.float32)
     if family == "float":
         return data.astype(jnp.float32) * _expand(scale, layout)
+    if family == "int" and layout.spec.asymmetric_only:
+        q = _unpack2_jit(data, layout.shape[-1]).astype(jnp.float32)
+        return (q - _expand(zero_point, layout)) * _expand(scale, layout)
     if family == "int":
         q = data
         if layout.spec.packed:

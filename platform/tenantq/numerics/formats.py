@@ -3,7 +3,8 @@
 A `FormatSpec` is the static description (element type, block, scale type, range) that
 the capacity planner, the quantizers and the CLI all read; nothing here touches arrays.
 Figures follow the OCP 8-bit FP spec (E4M3FN/E5M2), OCP Microscaling v1.0 (MXFP8/MXFP4)
-and NVIDIA's NVFP4 (E2M1 elements, E4M3 block scale per 16, FP32 tensor scale).
+and NVIDIA's NVFP4 (E2M1 elements, E4M3 block scale per 16, FP32 tensor scale). int2 is
+KIVI's asymmetric 2-bit code (Liu et al. 2024): codes 0..3 over [min, max] of a group.
 """
 
 from __future__ import annotations
@@ -31,10 +32,32 @@ class FormatSpec:
     default_group_size: int | None = None
     has_tensor_scale: bool = False
     family: str = "cast"  # "cast" | "float" | "int" | "mx" | "nvfp4": which quantizer runs
+    # int2: always asymmetric (scale + float32 zero point over the group's [min, max], codes
+    # 0..3, as KIVI); `symmetric` is not a choice for it.
+    asymmetric_only: bool = False
 
     @property
     def is_int(self) -> bool:
         return self.family == "int"
+
+    @property
+    def elements_per_byte(self) -> int:
+        """Elements one stored byte holds: 2 for 4-bit packed formats, 4 for int2, else 1."""
+        return 8 // self.element_bits if self.packed else 1
+
+    def int_codes(self, symmetric: bool) -> tuple[int, int]:
+        """(lowest, highest) stored integer code: symmetric int [-qmax, qmax], asymmetric
+        [-qmax - 1, qmax], int2 [0, 3]."""
+        if self.asymmetric_only:
+            return 0, int(self.max_finite)
+        qmax = int(self.max_finite)
+        return (-qmax if symmetric else -qmax - 1), qmax
+
+    @property
+    def zero_point_bytes(self) -> int:
+        """Bytes of one stored zero point: float32 for int2 (KIVI keeps the min in float),
+        int8 for asymmetric int8/int4."""
+        return 4 if self.asymmetric_only else 1
 
     @property
     def scale_bytes(self) -> int:
@@ -53,6 +76,19 @@ _SPECS = (
     FormatSpec("mxfp4", "float4_e2m1fn", 4, 32, "e8m0", 6.0, True, family="mx"),
     FormatSpec(
         "nvfp4", "float4_e2m1fn", 4, 16, "e4m3", 6.0, True, has_tensor_scale=True, family="nvfp4"
+    ),
+    # KIVI groups 32 elements (Liu et al. 2024, sec. 4: G = 32); max_finite is the top code.
+    FormatSpec(
+        "int2",
+        "uint8",
+        2,
+        None,
+        "float32",
+        3.0,
+        True,
+        default_group_size=32,
+        family="int",
+        asymmetric_only=True,
     ),
 )
 

@@ -14,9 +14,10 @@ import operator
 from tenantq.numerics.formats import FormatSpec, get_format
 
 
-def packed_length(n: int) -> int:
-    """Bytes along the last axis that hold `n` packed 4-bit values."""
-    return (n + 1) // 2
+def packed_length(n: int, per_byte: int = 2) -> int:
+    """Bytes along the last axis that hold `n` packed values, `per_byte` to a byte (2 for
+    4-bit formats, 4 for int2)."""
+    return -(-n // per_byte)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,8 @@ class Layout:
     @property
     def data_shape(self) -> tuple[int, ...]:
         if self.spec.packed:
-            return self.shape[:-1] + (packed_length(self.shape[-1]),)
+            per_byte = self.spec.elements_per_byte
+            return self.shape[:-1] + (packed_length(self.shape[-1], per_byte),)
         return self.shape
 
     @property
@@ -73,7 +75,9 @@ class Layout:
 
     @property
     def zero_point_nbytes(self) -> int:
-        return 0 if self.symmetric else math.prod(self.scale_shape)  # one int8 per scale
+        if self.symmetric:
+            return 0
+        return math.prod(self.scale_shape) * self.spec.zero_point_bytes  # one per scale
 
     @property
     def tensor_scale_nbytes(self) -> int:
@@ -108,8 +112,10 @@ def resolve_layout(
         raise ValueError(f"{spec.name} packs along the last axis and needs ndim >= 1; got 0-d")
     if not symmetric and not spec.is_int:
         raise ValueError(
-            f"{spec.name}: symmetric=False (zero points) exists only for int8 and int4"
+            f"{spec.name}: symmetric=False (zero points) exists only for int8, int4 and int2"
         )
+    if spec.asymmetric_only:
+        symmetric = False  # int2 is KIVI's asymmetric code: a zero point always
     if group_size is not None:
         given_group_size, group_size = group_size, _as_int(group_size)
         if group_size is None or group_size <= 0:

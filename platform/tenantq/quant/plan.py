@@ -25,7 +25,11 @@ from pydantic import ValidationError as _PydanticError
 from tenantq.model.config import ModelConfig, TensorInfo
 from tenantq.numerics import FORMATS, get_format
 
-FORMAT_NAMES = tuple(FORMATS)  # the numerics registry's names, in its order
+# Formats only the KV cache may use (asymmetric 2-bit: KIVI's cache format; int2 weights
+# would need their own grouping study and are not supported in rules).
+KV_ONLY_FORMATS = tuple(n for n, s in FORMATS.items() if s.asymmetric_only)
+# Weight formats: the numerics registry's names, in its order, less the KV-only ones.
+FORMAT_NAMES = tuple(n for n in FORMATS if n not in KV_ONLY_FORMATS)
 # Algorithms a rule may name. Only "rtn" is built in; GPTQ/AWQ/SmoothQuant register
 # themselves in tenantq.quant.apply when they land.
 ALGORITHM_NAMES = ("rtn", "gptq", "awq", "smoothquant")
@@ -37,9 +41,28 @@ ACTIVATION_NAMES = tuple(ACTIVATION_FORMATS)
 ACTIVATION_SCALES = ("dynamic", "static")
 # A static scale is one float32 per tensor (model.layers.StaticActQArray.act_scale).
 STATIC_ACT_SCALE_BYTES = 4
-KV_AXES = ("channel", "token")
-# Formats a KV page may use. fp16 is allowed; bf16 is the baseline.
-KV_FORMAT_NAMES = FORMAT_NAMES
+# "channel": a scale per (head, channel) per page (KIVI keys); "token": per (token, head)
+# (KIVI values); "tensor": one static scale per layer; "head": one static scale per KV head
+# per layer (vLLM-style static scales, calibrated: `tenantq.quant.kv_calibration`).
+KV_AXES = ("channel", "token", "tensor", "head")
+STATIC_KV_AXES = ("tensor", "head")
+# Formats a KV page may use: every registry format (int2 included). bf16 is the baseline.
+KV_FORMAT_NAMES = tuple(FORMATS)
+# Formats a static (tensor/head) scale applies to: one float scale with no block of its own.
+STATIC_KV_FORMATS = tuple(
+    n for n, s in FORMATS.items() if s.scale_dtype == "float32" and s.block_size is None
+)
+# Each KV format's default (key axis, value axis), chosen on the quick quality suite (README,
+# "KV cache formats and static scales"): QuantPlan.uniform and `tenantq capacity --kv` use
+# them. 8-bit: one static scale per tensor (KL within 1/10 of the gate's tolerance, no scale
+# bytes per token); 4/2-bit: KIVI's per-channel keys, per-token values (static scales are a
+# KL regression at int4). fp8_e5m2 follows fp8_e4m3 by analogy (not measured).
+DEFAULT_KV_AXES = {
+    **{name: ("channel", "token") for name in KV_FORMAT_NAMES},
+    "fp8_e4m3": ("tensor", "tensor"),
+    "fp8_e5m2": ("tensor", "tensor"),
+    "int8": ("tensor", "tensor"),
+}
 
 
 # ------------------------------------------------------------------------ typed validation
@@ -112,6 +135,11 @@ def _validated(model: type[BaseModel], raw: Any, where: str) -> BaseModel:
             valid = e["ctx"]["expected"].replace("'", "").replace(" or ", ", ")
             noun = "format" if key.endswith("format") else key
             message = f"{where}.{loc}: unknown {noun} {e['input']!r}; valid {noun}s: {valid}"
+            if e["input"] in KV_ONLY_FORMATS:
+                message = (
+                    f"{where}.{loc}: {e['input']} is a KV-cache format only (weights in "
+                    f"{e['input']} are not supported); valid weight formats: {valid}"
+                )
         else:
             allowed = e["msg"][0].lower() + e["msg"][1:]
             message = f"{where}.{loc}: {e['input']!r} is not allowed; {allowed}"
@@ -210,11 +238,16 @@ class KVTensorSpec:
     """
 
     format: str
-    axis: str  # "channel" | "token"
+    axis: str  # "channel" | "token" | "tensor" | "head"
 
     @property
     def quantized(self) -> bool:
         return self.format != "bf16"
+
+    @property
+    def static(self) -> bool:
+        """Scaled by calibrated static scales (tensor/head) held beside the pool, not per page."""
+        return self.quantized and self.axis in STATIC_KV_AXES
 
     @property
     def needs_residual(self) -> bool:
@@ -223,6 +256,8 @@ class KVTensorSpec:
 
     @property
     def axis_index(self) -> int:
+        """The page axis the codec reduces over: tokens (0) for channel scales, head_dim (-1)
+        otherwise (a static scale is given per head or per tensor and broadcast along it)."""
         return 0 if self.axis == "channel" else -1
 
 
@@ -247,6 +282,19 @@ class LayerKV:
     @property
     def is_bf16(self) -> bool:
         return self.key_format == "bf16" and self.value_format == "bf16"
+
+
+def _check_kv_axis(name: str, axis: str, formats: set[str]) -> None:
+    """A static axis needs a format with one free float32 scale (not MX/nvfp4 blocks)."""
+    if axis not in STATIC_KV_AXES:
+        return
+    bad = sorted(f for f in formats if f != "bf16" and f not in STATIC_KV_FORMATS)
+    if bad:
+        raise ValueError(
+            f"kv.{name}: {axis!r} (a static scale) needs a format with a float32 scale "
+            f"({', '.join(STATIC_KV_FORMATS)}); {', '.join(bad)} fixes its own block scales: "
+            "use 'channel' or 'token'"
+        )
 
 
 @dataclass(frozen=True)
@@ -274,6 +322,12 @@ class KVPlan:
             for e in raw["layer_formats"]
         ] if isinstance(raw["layer_formats"], list) else raw["layer_formats"]  # fmt: skip
         checked = _validated(_KVFields, raw, "kv")
+        for fmt_key, axis_key in (("key_format", "key_axis"), ("value_format", "value_axis")):
+            formats = {getattr(self, fmt_key)} | {
+                e.key_format if fmt_key == "key_format" else e.value_format
+                for e in checked.layer_formats
+            }
+            _check_kv_axis(axis_key, getattr(self, axis_key), formats)
         object.__setattr__(self, "bf16_layers", tuple(checked.bf16_layers))
         object.__setattr__(
             self,
@@ -406,9 +460,28 @@ class QuantPlan:
     def uniform(
         cls, weights: str = "bf16", kv: str = "bf16", *, group_size: int | None = None
     ) -> QuantPlan:
-        """Every linear weight (embedding included) in `weights`, every KV layer in `kv`."""
+        """Every linear weight (embedding included) in `weights`, every KV layer in `kv` with
+        that format's default axes (`DEFAULT_KV_AXES`)."""
         rules = () if weights == "bf16" else (Rule(".*", weights, group_size=group_size),)
-        return cls(rules=rules, kv=KVPlan(key_format=kv, value_format=kv))
+        key_axis, value_axis = DEFAULT_KV_AXES.get(kv, ("channel", "token"))
+        return cls(
+            rules=rules,
+            kv=KVPlan(key_format=kv, key_axis=key_axis, value_format=kv, value_axis=value_axis),
+        )
+
+    @property
+    def needs_kv_scales(self) -> bool:
+        """True when some KV tensor uses a static (tensor/head) axis: the engine then needs
+        calibrated scales (`tenantq.quant.kv_calibration.kv_static_scales`)."""
+        kv = self.kv
+        formats = {
+            "key": {kv.key_format} | {e[1] for e in kv.layer_formats},
+            "value": {kv.value_format} | {e[2] for e in kv.layer_formats},
+        }
+        return any(
+            axis in STATIC_KV_AXES and formats[which] - {"bf16"}
+            for which, axis in (("key", kv.key_axis), ("value", kv.value_axis))
+        )
 
     # ---------------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:

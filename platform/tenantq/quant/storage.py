@@ -82,6 +82,16 @@ def kv_heads_per_chip(config: ModelConfig, tp: int) -> int:
 
 
 # ----------------------------------------------------------------------- KV storage
+def kv_quant_args(spec: KVTensorSpec, head_dim: int) -> dict[str, Any]:
+    """The codec's (axis, group_size) for one page [page_tokens, kv_heads, head_dim] of a KV
+    tensor: channel reduces over the page's tokens, token over head_dim in the format's
+    groups (int4 128, int2 32 as KIVI), static axes one group per (token, head) row, with
+    the calibrated per-head/per-tensor scale broadcast into it."""
+    if spec.static:
+        return {"axis": -1, "group_size": head_dim}
+    return {"axis": spec.axis_index}
+
+
 # Unquantized KV (bf16-format pages, residual windows, sink copies) is stored in one of these.
 KV_STORE_DTYPES = {"bfloat16": 2, "float32": 4}  # name -> bytes per element
 _SCALE_DTYPES = {"float32": "float32", "e8m0": "uint8", "e4m3": "float8_e4m3fn"}
@@ -91,8 +101,9 @@ _SCALE_DTYPES = {"float32": "float32", "e8m0": "uint8", "e4m3": "float8_e4m3fn"}
 class KVArray:
     """One array of one KV tensor: `shape` per page (per="page") or per sequence slot."""
 
-    name: str  # pages | scales | tensor_scale | residual | sinks
-    per: str  # "page" | "slot"
+    name: str  # pages | scales | zero_points | tensor_scale | static_scale | static_zero_point
+    #            | residual | sinks
+    per: str  # "page" | "slot" | "layer" (static: once per layer, whatever the pool's size)
     shape: tuple[int, ...]
     dtype: str  # logical dtype (the engine may hold 8/16-bit floats as their bit patterns)
     itemsize: int
@@ -109,9 +120,11 @@ class LayerKVStorage:
     A page holds keys `[page_tokens, kv_heads, head_dim]` and values of the same shape in the
     plan's formats (axis "channel": scales over the page's tokens, so the newest, partial
     page waits in a per-slot residual window of the storage dtype; "token": scales over
-    head_dim, quantized at write time). A quantized tensor keeps an unquantized copy of its
-    first `sink_tokens` tokens per slot. `arrays` is what the pool allocates; every byte
-    figure is read from it.
+    head_dim, quantized at write time; "tensor"/"head": calibrated static scales held once
+    per layer, `(1,)` or `(1, 1, kv_heads, 1)` so the head axis stays at index 2, and no
+    scale bytes in the page). int2 adds a float32 zero point per scale (a static one for
+    static axes). A quantized tensor keeps an unquantized copy of its first `sink_tokens`
+    tokens per slot. `arrays` is what the pool allocates; every byte figure is read from it.
     """
 
     layer: int
@@ -150,18 +163,56 @@ class LayerKVStorage:
         if not spec.quantized:
             return (KVArray("pages", "page", self.page_shape, *store),)
         fmt = get_format(spec.format)
-        lay = resolve_layout(self.page_shape, fmt, axis=spec.axis_index)
+        lay = resolve_layout(self.page_shape, fmt, **kv_quant_args(spec, d))
         data = ("uint8", 1) if fmt.packed else (fmt.element_dtype, fmt.element_bits // 8)
         out = [KVArray("pages", "page", lay.data_shape, *data)]
-        if lay.scale_shape is not None:
+        if spec.static:
+            shape = (1,) if spec.axis == "tensor" else (1, 1, h, 1)
+            out.append(KVArray("static_scale", "layer", shape, "float32", 4))
+            if fmt.asymmetric_only:
+                out.append(KVArray("static_zero_point", "layer", shape, "float32", 4))
+            # [elements clipped, tokens written] since the pool was built (replicated)
+            out.append(KVArray("clip_counts", "layer", (2,), "int32", 4))
+        elif lay.scale_shape is not None:
             dtype = _SCALE_DTYPES[fmt.scale_dtype]
             out.append(KVArray("scales", "page", lay.scale_shape, dtype, fmt.scale_bytes))
+            if fmt.asymmetric_only:
+                out.append(KVArray("zero_points", "page", lay.scale_shape, "float32", 4))
         if fmt.has_tensor_scale:
             out.append(KVArray("tensor_scale", "page", (), "float32", 4))
         if spec.needs_residual:
             out.append(KVArray("residual", "slot", self.page_shape, *store))
         if self.sink_tokens:
             out.append(KVArray("sinks", "slot", (self.sink_tokens, h, d), *store))
+        return tuple(out)
+
+    def byte_lines(self) -> tuple[str, ...]:
+        """One line per array of this layer: what it holds and its bytes per page, per
+        sequence slot or (static scales) per layer, e.g. "K scales: 1 per layer, 4 B, static"."""
+        what = {
+            "pages": "elements", "scales": "scales", "zero_points": "zero points",
+            "tensor_scale": "tensor scale", "static_scale": "scales",
+            "static_zero_point": "zero points", "clip_counts": "clip counters",
+            "residual": "residual window",
+            "sinks": "sink tokens",
+        }  # fmt: skip
+        out = []
+        for name, spec in self.tensors:
+            tag = "K" if name == "keys" else "V"
+            for a in self.arrays(spec):
+                count = math.prod(a.shape)
+                if a.name == "clip_counts":
+                    line = f"{tag} {what[a.name]}: 2 x 4 B (int32) = 8 B per layer, static"
+                elif a.per == "layer":
+                    unit = "layer" if spec.axis == "tensor" else "KV head per layer"
+                    line = f"{tag} {what[a.name]}: 1 per {unit}, {a.nbytes:,} B, static"
+                else:
+                    per = "page" if a.per == "page" else "sequence slot"
+                    line = (
+                        f"{tag} {what[a.name]}: {count:,} x {a.itemsize} B ({a.dtype}) = "
+                        f"{a.nbytes:,} B per {per}"
+                    )
+                out.append(line)
         return tuple(out)
 
     def _sum(self, names: tuple[str, ...]) -> int:
@@ -174,8 +225,14 @@ class LayerKVStorage:
 
     @property
     def page_scale_bytes(self) -> int:
-        """Scale bytes of one page (block/group scales and nvfp4's tensor scale)."""
-        return self._sum(("scales", "tensor_scale"))
+        """Scale bytes of one page (block/group scales, int2 zero points, nvfp4's tensor
+        scale)."""
+        return self._sum(("scales", "zero_points", "tensor_scale"))
+
+    @property
+    def static_bytes(self) -> int:
+        """Once per layer: static (tensor/head) scales, zero points and clip counters."""
+        return self._sum(("static_scale", "static_zero_point", "clip_counts"))
 
     @property
     def page_bytes(self) -> int:
@@ -204,6 +261,7 @@ class LayerKVStorage:
             scale_bytes=num_pages * self.page_scale_bytes,
             residual_bytes=num_slots * self.residual_bytes,
             sink_bytes=num_slots * self.sink_bytes,
+            static_bytes=self.static_bytes,
         )
 
 
@@ -215,6 +273,7 @@ def layer_bytes_row(
     scale_bytes: int,
     residual_bytes: int,
     sink_bytes: int,
+    static_bytes: int = 0,
 ) -> dict[str, Any]:
     """The one per-layer KV report row (planner: counted; engine: read from its arrays)."""
     pages_bytes = data_bytes + scale_bytes
@@ -231,7 +290,8 @@ def layer_bytes_row(
         "pages_bytes": pages_bytes,
         "residual_bytes": residual_bytes,
         "sink_bytes": sink_bytes,
-        "total_bytes": pages_bytes + residual_bytes + sink_bytes,
+        "static_bytes": static_bytes,
+        "total_bytes": pages_bytes + residual_bytes + sink_bytes + static_bytes,
     }
 
 
@@ -273,14 +333,17 @@ def pool_bytes_left(memory_bytes: int, weights_bytes: int, reserve_bytes: int) -
 
 
 def pages_that_fit(layers: tuple[LayerKVStorage, ...], pool_bytes: int, max_seqs: int) -> int:
-    """Pages (one in every layer) that `pool_bytes` buys once `max_seqs` slots' residual and
-    sink buffers are paid for; ValueError naming the figures when not even one page fits."""
+    """Pages (one in every layer) that `pool_bytes` buys once the static scales and
+    `max_seqs` slots' residual and sink buffers are paid for; ValueError naming the figures
+    when not even one page fits."""
     page = sum(lay.page_bytes for lay in layers)
-    slots = max_seqs * sum(lay.slot_bytes for lay in layers)
+    slots = max_seqs * sum(lay.slot_bytes for lay in layers) + sum(
+        lay.static_bytes for lay in layers
+    )
     if pool_bytes < slots + page:
         raise ValueError(
             f"a KV pool of {pool_bytes:,} bytes cannot hold the {max_seqs} sequence slots' "
-            f"residual/sink buffers ({slots:,} bytes) and one page in every layer "
-            f"({page:,} bytes); give it more memory or fewer max_seqs"
+            f"residual/sink buffers and static scales ({slots:,} bytes) and one page in every "
+            f"layer ({page:,} bytes); give it more memory or fewer max_seqs"
         )
     return (pool_bytes - slots) // page

@@ -1,0 +1,94 @@
+"""KV format x scale axis on the reference model with the quick suite (README "KV cache formats").
+
+Regenerate: `JAX_PLATFORMS=cpu python experiments/kv_granularity/measure.py` (writes
+results.json beside this file and prints the table). Static axes are calibrated on the
+reference train split (64 x 512 tokens) by the evaluator; the clip rate is over the trial's
+own writes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from tenantq.evals import Evaluator, load_suite
+from tenantq.quant.plan import KVPlan, QuantPlan
+from tenantq.reference import reference_model_path
+
+GRID = [
+    ("fp8_e4m3", "tensor", "tensor"), ("fp8_e4m3", "head", "head"),
+    ("fp8_e4m3", "channel", "token"), ("int8", "tensor", "tensor"), ("int8", "head", "head"),
+    ("int8", "channel", "token"), ("int4", "channel", "token"), ("int4", "token", "token"),
+    ("int4", "head", "head"), ("int4", "tensor", "tensor"), ("int2", "channel", "token"),
+    ("int2", "token", "token"),
+]  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    """The README table: quality on the reference model, bytes on Llama-3.1-8B (planner)."""
+    from tenantq.capacity import Deployment, budget, get_model_config
+
+    llama, v6e = get_model_config("llama-3.1-8b"), Deployment.of("tpu-v6e", 1)
+    out = [
+        "| KV format | keys | values | mean KL [95% CI] | needle Δ [95% CI] | structured Δ "
+        "| verdicts (KL, needle) | clip rate | 8B B/token | 8B slot B | 8B static B |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        plan = QuantPlan(kv=KVPlan(r["format"], r["key_axis"], r["format"], r["value_axis"]))
+        b = budget(llama, plan, v6e, 8192)
+        v = r["verdicts"]
+        verdicts = ", ".join(
+            v[k].replace("no detectable change", "ok")
+            for k in ("verdict.fidelity.kl_mean", "verdict.needle.acc_delta.len1019")
+        )
+        clip = "-" if r["clip_rate"] is None else f"{r['clip_rate']:.2g}"
+        lo, hi = r["kl_mean_ci"]
+        nlo, nhi = r["needle_ci"]
+        out.append(
+            f"| {r['format']} | {r['key_axis']} | {r['value_axis']} | {r['kl_mean']:.5f} "
+            f"[{lo:.5f}, {hi:.5f}] | {r['needle_delta']:+.3f} [{nlo:+.3f}, {nhi:+.3f}] | "
+            f"{r['structured_delta']:+.3f} | {verdicts} | {clip} | "
+            f"{int(b.kv_bytes_per_token):,} | {b.tenant_slot_bytes_per_chip:,} | "
+            f"{b.kv_static_bytes_per_chip:,} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    out = Path(__file__).with_name("results.json")
+    rows = json.loads(out.read_text()) if out.is_file() else []
+    done = {(r["format"], r["key_axis"], r["value_axis"]) for r in rows}
+    todo = [g for g in GRID if g not in done]
+    if todo:
+        ev = Evaluator(reference_model_path(), load_suite("quick"))
+        ev.baseline()
+    for fmt, k_axis, v_axis in todo:
+        plan = QuantPlan(kv=KVPlan(fmt, k_axis, fmt, v_axis))
+        began = time.perf_counter()
+        result = ev.evaluate(plan)
+        s = result.summary
+        needle = "needle.acc_delta.len1019"
+        engine = ev.build_engine(plan)  # same scales; the clip rate of one quick-suite pass
+        engine.logits(ev.fidelity_rows[:4].tolist())
+        row = {
+            "format": fmt, "key_axis": k_axis, "value_axis": v_axis,
+            "kl_mean": s["fidelity.kl_mean"],
+            "kl_mean_ci": [s["fidelity.kl_mean.ci_low"], s["fidelity.kl_mean.ci_high"]],
+            "needle_delta": s[needle],
+            "needle_ci": [s[f"{needle}.ci_low"], s[f"{needle}.ci_high"]],
+            "structured_delta": s.get("structured.acc_delta"),
+            "verdicts": {k: v for k, v in s.items() if k.startswith("verdict.")},
+            "clip_rate": engine.kv_clip_rate(),
+            "seconds": time.perf_counter() - began,
+        }  # fmt: skip
+        rows.append(row)
+        out.write_text(json.dumps(rows, indent=1))
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
