@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from tenantq.model.config import ModelConfig
-from tenantq.quant.plan import KVPlan, QuantPlan, Rule
+from tenantq.quant.plan import (
+    DEFAULT_KV_AXES,
+    STATIC_KV_AXES,
+    STATIC_KV_FORMATS,
+    KVPlan,
+    QuantPlan,
+    Rule,
+)
 from tenantq.search.spec import SpaceSpec
 
 # Structured tensor classes: parameter name -> regex over tensor paths (DESIGN.md paths).
@@ -78,6 +85,8 @@ def parameter_choices(
     out["kv.key_format"] = space.key_formats
     out["kv.key_axis"] = space.key_axes
     out["kv.value_format"] = space.value_formats
+    if space.value_axes != ["token"]:  # a parameter only when searched (older studies: none)
+        out["kv.value_axis"] = space.value_axes
     out["kv.sink_tokens"] = space.sink_tokens
     if space.kind != "sensitivity" or profile is None or not profile.kv_layer_order:
         out["kv.bf16_layers"] = space.kv_bf16_layers
@@ -172,15 +181,22 @@ def _canonical_kv(params: dict[str, Any], bf16_layers: tuple[int, ...], config: 
         return KVPlan()  # axis, sinks and bf16 layers cannot matter
     if len(layers) == n:
         return KVPlan()
-    key_axis = params["kv.key_axis"] if key != "bf16" else "channel"
     return KVPlan(
         key_format=key,
-        key_axis=key_axis,
+        key_axis=_kv_axis(key, params["kv.key_axis"], 0),
         value_format=value,
-        value_axis="token",
+        value_axis=_kv_axis(value, params.get("kv.value_axis", "token"), 1),
         sink_tokens=int(params["kv.sink_tokens"]),
         bf16_layers=layers,
     )
+
+
+def _kv_axis(fmt: str, axis: str, which: int) -> str:
+    """The axis a KV tensor of `fmt` really gets: bf16 has none (the default stands in); a
+    static axis on a format without one float scale falls back to the format's default."""
+    if fmt == "bf16" or (axis in STATIC_KV_AXES and fmt not in STATIC_KV_FORMATS):
+        return DEFAULT_KV_AXES[fmt][which] if fmt != "bf16" else ("channel", "token")[which]
+    return axis
 
 
 # ---------------------------------------------------------------- baselines
@@ -206,6 +222,8 @@ def baseline_params(space: SpaceSpec, config: ModelConfig, profile=None) -> list
                 params[name] = kv
             elif name == "kv.key_axis":
                 params[name] = "channel" if "channel" in opts else opts[0]
+            elif name == "kv.value_axis":
+                params[name] = "token" if "token" in opts else opts[0]
             elif name == "kv.sink_tokens":
                 params[name] = min(opts)
             elif name == "kv.bf16_layers":

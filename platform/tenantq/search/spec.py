@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tenantq.quant.plan import ALGORITHM_NAMES, FORMAT_NAMES, KV_AXES
+from tenantq.quant.plan import ALGORITHM_NAMES, FORMAT_NAMES, KV_AXES, KV_FORMAT_NAMES
 
 REFERENCE_MODEL = "reference"  # the shipped checkpoint (tenantq.reference.reference_model_path)
 SAMPLERS = ("nsga2", "tpe", "gp", "random", "grid", "capacity_aware")
@@ -29,6 +29,7 @@ class _Strict(BaseModel):
 
 
 Format = Literal[FORMAT_NAMES]  # type: ignore[valid-type]
+KVFormat = Literal[KV_FORMAT_NAMES]  # type: ignore[valid-type]  # int2 is KV-only
 
 
 class DeploymentSpec(_Strict):
@@ -74,11 +75,17 @@ class SpaceSpec(_Strict):
     group_size: int | None = Field(128, ge=1, description="group size for int4/int8 weights")
     bf16_first_layers: list[int] = Field(default_factory=lambda: [0, 1], description="choices")
     bf16_last_layers: list[int] = Field(default_factory=lambda: [0, 1], description="choices")
-    key_formats: list[Format] = Field(default_factory=lambda: ["bf16", "fp8_e4m3", "int8", "int4"])
-    key_axes: list[Literal[KV_AXES]] = Field(default_factory=lambda: ["channel", "token"])  # type: ignore[valid-type]
-    value_formats: list[Format] = Field(
+    key_formats: list[KVFormat] = Field(
         default_factory=lambda: ["bf16", "fp8_e4m3", "int8", "int4"]
     )
+    # "tensor"/"head" (static, calibrated scales) apply to formats with one float scale
+    # (quant.plan.STATIC_KV_FORMATS); paired with another format they fall back to that
+    # format's default axis (quant.plan.DEFAULT_KV_AXES), so the plan is the same.
+    key_axes: list[Literal[KV_AXES]] = Field(default_factory=lambda: ["channel", "token"])  # type: ignore[valid-type]
+    value_formats: list[KVFormat] = Field(
+        default_factory=lambda: ["bf16", "fp8_e4m3", "int8", "int4"]
+    )
+    value_axes: list[Literal[KV_AXES]] = Field(default_factory=lambda: ["token"])  # type: ignore[valid-type]
     sink_tokens: list[int] = Field(default_factory=lambda: [0, 4])
     kv_bf16_layers: list[Literal[KV_BF16_LAYER_CHOICES]] = Field(  # type: ignore[valid-type]
         default_factory=lambda: ["none", "first_last"]
@@ -91,6 +98,7 @@ class SpaceSpec(_Strict):
         "key_formats",
         "value_formats",
         "key_axes",
+        "value_axes",
         "sink_tokens",
         "kv_bf16_layers",
         "bf16_first_layers",

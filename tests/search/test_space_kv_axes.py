@@ -1,0 +1,55 @@
+"""The search space reaches the KV cache's static axes and int2, and canonicalises pairs that
+cannot exist (a static axis on a format without one float scale) to the plan they become."""
+
+from __future__ import annotations
+
+import pytest
+
+from tenantq.model.config import ModelConfig
+from tenantq.reference import reference_model_path
+from tenantq.search.space import baseline_params, parameter_choices, plan_from_params
+from tenantq.search.spec import SpaceSpec
+
+CONFIG = ModelConfig.from_file(reference_model_path() / "config.json")
+
+
+def _params(space: SpaceSpec, **kv) -> dict:
+    params = {k: (v[0] if isinstance(v, list) else v.start) for k, v in
+              parameter_choices(space, CONFIG).items()}  # fmt: skip
+    params.update({k.replace("__", "."): v for k, v in kv.items()})
+    return params
+
+
+def test_static_axes_and_int2_are_searchable():
+    space = SpaceSpec(
+        key_formats=["fp8_e4m3", "int2"], key_axes=["channel", "tensor", "head"],
+        value_formats=["int8", "int2"], value_axes=["token", "tensor"],
+    )  # fmt: skip
+    choices = parameter_choices(space, CONFIG)
+    assert choices["kv.value_axis"] == ["token", "tensor"]
+    plan = plan_from_params(
+        space, _params(space, kv__key_format="fp8_e4m3", kv__key_axis="head",
+                       kv__value_format="int8", kv__value_axis="tensor"), CONFIG,
+    )  # fmt: skip
+    assert (plan.kv.key_axis, plan.kv.value_axis) == ("head", "tensor")
+    int2 = plan_from_params(space, _params(space, kv__key_format="int2"), CONFIG)
+    assert int2.kv.key_format == "int2"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_a_static_axis_on_a_block_format_is_the_formats_default_plan(fmt):
+    # MX/nvfp4 carry a scale per block; a per-tensor scale does not apply, so the trial's
+    # plan is the format's default axis and shares its fingerprint (evaluated once).
+    space = SpaceSpec(key_formats=[fmt], key_axes=["tensor", "channel"])
+    static = plan_from_params(space, _params(space, kv__key_axis="tensor"), CONFIG)
+    default = plan_from_params(space, _params(space, kv__key_axis="channel"), CONFIG)
+    assert static.kv.key_axis == "channel" and static.fingerprint() == default.fingerprint()
+
+
+def test_value_axis_is_no_parameter_unless_searched_and_baselines_still_build():
+    plain = SpaceSpec()
+    assert "kv.value_axis" not in parameter_choices(plain, CONFIG)
+    searched = SpaceSpec(value_axes=["tensor", "token"])
+    for params in baseline_params(searched, CONFIG):
+        plan = plan_from_params(searched, params, CONFIG)
+        assert plan.kv.value_axis == "token"
