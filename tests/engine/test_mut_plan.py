@@ -10,7 +10,15 @@ import os
 
 import pytest
 
-from tenantq.quant.plan import KVPlan, LayerKV, QuantPlan, Rule, TensorQuant, check_w8a8
+from tenantq.quant.plan import (
+    DEFAULT_KV_AXES,
+    KVPlan,
+    LayerKV,
+    QuantPlan,
+    Rule,
+    TensorQuant,
+    check_w8a8,
+)
 from tenantq.testing import tiny_config
 
 
@@ -49,12 +57,17 @@ def test_resolve_accepts_the_inventory_itself():
 
 def test_uniform_plans():
     # bf16 weights: no rule at all (the baseline is QuantPlan()); otherwise one catch-all.
+    # The KV part takes its format's default axes (DEFAULT_KV_AXES: static per-tensor scales
+    # for 8-bit formats, KIVI channel/token for 4-bit ones).
     assert QuantPlan.uniform() == QuantPlan()
-    assert QuantPlan.uniform("bf16", "int8") == QuantPlan(kv=KVPlan("int8", value_format="int8"))
-    plan = QuantPlan.uniform("int4", "fp8_e5m2", group_size=32)
+    key_axis, value_axis = DEFAULT_KV_AXES["int8"]
+    assert QuantPlan.uniform("bf16", "int8") == QuantPlan(
+        kv=KVPlan("int8", key_axis, "int8", value_axis)
+    )
+    plan = QuantPlan.uniform("int4", "int4", group_size=32)
     assert plan.rules == (Rule(".*", "int4", group_size=32),)
-    assert (plan.kv.key_format, plan.kv.value_format) == ("fp8_e5m2", "fp8_e5m2")
-    assert (plan.kv.key_axis, plan.kv.value_axis) == ("channel", "token")  # KIVI defaults
+    assert (plan.kv.key_format, plan.kv.value_format) == ("int4", "int4")
+    assert (plan.kv.key_axis, plan.kv.value_axis) == DEFAULT_KV_AXES["int4"]
     assert QuantPlan.uniform("int8").rules == (Rule(".*", "int8"),)
 
 
