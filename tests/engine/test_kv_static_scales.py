@@ -135,6 +135,13 @@ def test_engine_reports_the_clip_rate_and_records_the_scales(config, params) -> 
     assert engine.kv_clip_rate() > 0.5
     assert engine.settings()["kv_scales"] == _scales(config, 1e-3).fingerprint()
     assert Engine(config, params, QuantPlan(), max_seqs=1).kv_clip_rate() is None
+    # The printed memory report names each layer's static bytes (scales + clip counters).
+    rows = engine.memory_report().kv_layers
+    lines = [x for x in str(engine.memory_report()).splitlines() if x.strip().startswith("layer")]
+    assert all(r["static_bytes"] > 0 for r in rows)
+    assert len(lines) == len(rows)
+    for row, line in zip(rows, lines, strict=True):
+        assert f"static {row['static_bytes']:,} B" in line
 
 
 def test_scales_of_another_model_are_refused_by_name(config) -> None:

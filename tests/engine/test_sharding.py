@@ -92,6 +92,15 @@ def test_static_w8a8_weight_keeps_its_node_type_and_replicates_its_scale():
     assert jax.tree.structure(paired) == jax.tree.structure(value)
 
 
+def test_a_shard_that_would_split_a_packed_byte_is_refused():
+    # int4 packs 2 elements per byte along the last axis: 12 columns over tp=4 is 3 a shard.
+    w = RNG.standard_normal((64, 12)).astype(np.float32)
+    packed = quantize(w, "int4", axis=0)
+    with pytest.raises(ValueError, match="packs 2 elements per byte along axis 1; a shard of 3"):
+        param_spec("layers/0/mlp/gate_proj", packed, CONFIG, 4)
+    assert param_spec("layers/0/mlp/gate_proj", packed, CONFIG, 2).data == P(None, "tp")
+
+
 def test_groups_straddling_shards_are_an_error_under_global_scales():
     w = RNG.standard_normal((128, 64)).astype(np.float32)
     q = quantize(w, "int4", axis=0, group_size=64)  # 2 groups, 4 shards of 32 rows

@@ -55,6 +55,7 @@ class MemoryReport:
                 f"  layer {row.get('layer', '?'):>3} {formats:<24}"
                 f" pages {row['pages_bytes']:>12,} B"
                 f"  residual {row['residual_bytes']:>10,} B  sinks {row['sink_bytes']:>10,} B"
+                + (f"  static {row['static_bytes']:,} B" if row.get("static_bytes") else "")
             )
         lines.append(f"total {self.total_bytes:,} B")
         return "\n".join(lines)

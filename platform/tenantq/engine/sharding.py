@@ -75,10 +75,12 @@ def _qarray_spec(path: str, value: QArray, config: ModelConfig, tp: int, axis: i
     if length % tp:
         raise ValueError(f"{path}: tp={tp} does not divide its axis {axis} of length {length}")
     shard = length // tp
-    if get_format(value.fmt).packed and axis == value.ndim - 1 and shard % 2:
+    per_byte = get_format(value.fmt).elements_per_byte
+    if axis == value.ndim - 1 and shard % per_byte:
         raise ValueError(
-            f"{path}: {value.fmt} packs two elements per byte along axis {axis}; a shard of "
-            f"{shard} elements would split a byte (use an even shard width)"
+            f"{path}: {value.fmt} packs {per_byte} elements per byte along axis {axis}; a "
+            f"shard of {shard} elements would split a byte (use a shard width that is a "
+            f"multiple of {per_byte})"
         )
     data = _spec(value.ndim, axis)
     scale = None if value.scale is None else _scale_spec(path, value, axis, shard, tp)
