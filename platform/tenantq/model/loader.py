@@ -11,8 +11,8 @@ Why not `safetensors.safe_open`: it validates headers too, but its errors name n
 file nor, for several faults, the tensor, and its numpy `get_tensor` copies every tensor.
 Here the header is validated completely first (`SafetensorsHeader`, with named messages);
 each tensor is then a read-only `np.memmap` of exactly the span the header gives it,
-checked for NaN/inf block by block as `read_tensor` copies it (figures in its docstring and
-from `python -m tenantq.bench load`).
+checked for NaN/inf in cache-sized blocks (`read_tensor`; its cost is measured by
+`python -m tenantq.bench load`).
 """
 
 from __future__ import annotations
@@ -151,17 +151,13 @@ def check_finite(array: np.ndarray, what: str) -> None:
     )
 
 
-def iter_checkpoint(
-    folder: str | Path, config: ModelConfig, *, dtype: Any = None
-) -> Iterator[tuple[str, np.ndarray]]:
+def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """(engine path, float array in engine layout) per tensor, one at a time, in order.
 
     Every file's header is validated (`SafetensorsHeader`) and every expected tensor found
-    with its config.json shape before the first tensor is read. Arrays are read-only and
-    come from `read_tensor`: untransposed tensors as aligned copies in `dtype` (None keeps
-    the stored dtype; a callable maps the engine path to a dtype), transposed ones as views
-    of the file in its dtype. Convert with `to_device(array, dtype)`; a consumer that keeps
-    a view past the next tensor must copy it.
+    with its config.json shape before the first tensor is read. Arrays are read-only
+    memory maps, checked for NaN/inf (`read_tensor`): a consumer that keeps one past the
+    next tensor must copy or convert it.
     """
     from tenantq.model.decoder import check_supported
 
@@ -208,8 +204,7 @@ def iter_checkpoint(
     for path, (hf, transpose) in names.items():
         file = where[hf]
         mapped = map_tensor(headers[file], headers[file].entries[hf])
-        want = dtype(path) if callable(dtype) else dtype
-        yield path, read_tensor(mapped, f"tensor {hf} ({path}) in {file.name}", transpose, want)
+        yield path, read_tensor(mapped, f"tensor {hf} ({path}) in {file.name}", transpose)
         del mapped
 
 
@@ -229,74 +224,29 @@ def map_tensor(header: SafetensorsHeader, entry: TensorEntry) -> np.ndarray:
     return mapped.reshape(entry.shape)
 
 
-_ALIGN_BYTES = 64  # XLA:CPU aliases a host buffer this aligned instead of copying it
-_BLOCK_BYTES = 1 << 20  # source bytes per block: checked while in cache, then copied
+_BLOCK_BYTES = 1 << 20  # rows checked together: both integer reductions read them from L2
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN_BYTES, np.uint8)
-    start = (-raw.ctypes.data) % _ALIGN_BYTES
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+def read_tensor(source: np.ndarray, what: str, transpose: bool = False) -> np.ndarray:
+    """`source` (a file-layout memory map) checked for NaN/inf, in engine layout (its
+    transposed view for HF `[out, in]` linears); the bytes are not copied here.
 
-
-def read_tensor(
-    source: np.ndarray, what: str, transpose: bool = False, dtype: Any = None
-) -> np.ndarray:
-    """`source` (a file-layout memory map), finite-checked, in engine layout.
-
-    Untransposed: copied block by block into a new read-only, C-contiguous, 64-byte aligned
-    array of `dtype` (None keeps the stored dtype). Each ~1 MiB block is checked
-    (`_all_finite`) right before it is copied, so both read it while it is in cache and the
-    check adds no pass over memory; the aligned result lets `jax.device_put` alias it on
-    CPU instead of copying it again.
-
-    Transposed (HF `[out, in]` linears): the source is checked block by block and returned
-    as its read-only transposed view in the stored dtype, because jax's transposing copy
-    (`jnp.asarray(view, dtype)`, which also casts) is faster than any numpy copy of a
-    transposed view (measured: 0.24 s against 0.27–0.33 s for row blocks or tiles on 92M
-    bf16 weights). The check here is then its own pass, paid for by the copy the aligned
-    untransposed tensors save; `python -m tenantq.bench load` measures the total.
-
-    A failing block falls back to `check_finite` over the whole tensor, which names the
-    count and the first offending index.
+    The check runs over blocks of ~1 MiB of rows, so the second of `_all_finite`'s two
+    integer reductions reads the block from cache: one pass over memory, which also maps the
+    pages that the consumer's copy (`jnp.asarray`) then reads. Measured with one load per
+    process, page cache warm (`python -m tenantq.bench load`): figures in the README's
+    checkpoint section. A failing block falls back to `check_finite` over the whole tensor,
+    which names the count and the first offending index.
     """
     if transpose and source.ndim != 2:
         raise ValueError(f"{what}: only 2-D tensors are transposed, this one has {source.ndim}")
-    if source.size == 0:
-        out = np.zeros(source.shape[::-1] if transpose else source.shape, dtype or source.dtype)
-        out.flags.writeable = False
-        return out
-    rows = source.reshape(source.shape[0], -1) if source.ndim > 1 else source.reshape(-1, 1)
-    step = max(1, _BLOCK_BYTES // max(rows.shape[1] * source.dtype.itemsize, 1))
-    if transpose:
+    if source.size:
+        rows = source.reshape(source.shape[0], -1) if source.ndim > 1 else source.reshape(-1, 1)
+        step = max(1, _BLOCK_BYTES // (rows.shape[1] * source.dtype.itemsize))
         for start in range(0, rows.shape[0], step):
             if not _all_finite(rows[start : start + step]):
                 check_finite(source, what)  # raises with the count and the first index
-        return source.T
-    out = aligned_empty(source.shape, source.dtype if dtype is None else dtype)
-    flat_out = out.reshape(rows.shape)
-    for start in range(0, rows.shape[0], step):
-        block = rows[start : start + step]
-        if not _all_finite(block):
-            check_finite(source, what)
-        np.copyto(flat_out[start : start + step], block, casting="unsafe")
-    out.flags.writeable = False
-    return out
-
-
-def to_device(array: np.ndarray, dtype: Any):
-    """A jax array of `dtype` from a `read_tensor` result: aliased when it is already an
-    aligned contiguous array of that dtype (CPU), otherwise one transposing/casting copy."""
-    import jax
-    import jax.numpy as jnp
-
-    dtype = jnp.dtype(dtype)
-    if array.dtype == dtype and array.flags.c_contiguous:
-        return jax.device_put(array)
-    return jnp.asarray(array, dtype=dtype)
+    return source.T if transpose else source
 
 
 def _all_finite(array: np.ndarray) -> bool:
@@ -336,8 +286,7 @@ def load_params(folder: str | Path, config: ModelConfig, *, dtype: Any = "bfloat
     """
     import jax.numpy as jnp
 
-    dtype = jnp.dtype(dtype)
     return {
-        path: to_device(array, dtype)
-        for path, array in iter_checkpoint(folder, config, dtype=dtype)
+        path: jnp.asarray(array, dtype=jnp.dtype(dtype))
+        for path, array in iter_checkpoint(folder, config)
     }

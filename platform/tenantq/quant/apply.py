@@ -176,18 +176,16 @@ def load_quantized(
     """
     import numpy as np
 
-    from tenantq.model.loader import iter_checkpoint, to_device
+    from tenantq.model.loader import iter_checkpoint
 
     resolved = (plan or QuantPlan()).resolve(config)
-    kept = jnp.dtype(dtype)
-
-    def read_as(path: str):  # quantized tensors are read as float32, the rest as `dtype`
-        return np.float32 if path in resolved else kept
-
     params: dict[str, Any] = {}
-    for path, array in iter_checkpoint(folder, config, dtype=read_as):
+    for path, array in iter_checkpoint(folder, config):
         how = resolved.get(path)
-        params[path] = to_device(array, kept) if how is None else quantize_tensor(array, how)
+        if how is None:
+            params[path] = jnp.asarray(array, dtype=jnp.dtype(dtype))
+        else:
+            params[path] = quantize_tensor(np.asarray(array, dtype=np.float32), how)
         del array
     return params
 
