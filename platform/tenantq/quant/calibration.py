@@ -186,6 +186,20 @@ class _Accumulator:
         )  # fmt: skip
 
 
+def check_windows(windows, config: ModelConfig) -> np.ndarray:
+    """Calibration windows as int32 [sequences, tokens], every id in the vocabulary."""
+    windows = np.asarray(windows, np.int32)
+    if windows.ndim != 2 or windows.size == 0:
+        raise ValueError(
+            f"windows must be a non-empty int [sequences, tokens], got {windows.shape}"
+        )
+    if windows.max() >= config.vocab_size or windows.min() < 0:
+        raise ValueError(
+            f"token ids must lie in [0, {config.vocab_size}), got {windows.min()}..{windows.max()}"
+        )
+    return windows
+
+
 def compute_statistics(
     config: ModelConfig,
     params: dict,
@@ -204,15 +218,7 @@ def compute_statistics(
 
     from tenantq.model.decoder import Decoder
 
-    windows = np.asarray(windows, np.int32)
-    if windows.ndim != 2 or windows.size == 0:
-        raise ValueError(
-            f"windows must be a non-empty int [sequences, tokens], got {windows.shape}"
-        )
-    if windows.max() >= config.vocab_size or windows.min() < 0:
-        raise ValueError(
-            f"token ids must lie in [0, {config.vocab_size}), got {windows.min()}..{windows.max()}"
-        )
+    windows = check_windows(windows, config)
     cast = {p: v if not hasattr(v, "astype") else jnp.asarray(v, dtype) for p, v in params.items()}
     model = Decoder(config, cast, dtype=dtype)
     n, t = windows.shape

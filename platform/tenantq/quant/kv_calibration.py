@@ -29,6 +29,7 @@ from tenantq.quant.calibration import (
     _PrefillKV,
     _rank_of,
     cache_key,
+    check_windows,
     default_cache_dir,
 )
 
@@ -141,15 +142,7 @@ def compute_kv_statistics(
 
     from tenantq.model.decoder import Decoder
 
-    windows = np.asarray(windows, np.int32)
-    if windows.ndim != 2 or windows.size == 0:
-        raise ValueError(
-            f"windows must be a non-empty int [sequences, tokens], got {windows.shape}"
-        )
-    if windows.max() >= config.vocab_size or windows.min() < 0:
-        raise ValueError(
-            f"token ids must lie in [0, {config.vocab_size}), got {windows.min()}..{windows.max()}"
-        )
+    windows = check_windows(windows, config)
     cast = {
         p: jnp.asarray(v, jnp.bfloat16) if hasattr(v, "astype") else v for p, v in params.items()
     }
