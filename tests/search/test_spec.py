@@ -46,7 +46,10 @@ MISTAKES = [
         ["objectives.0.direction", "'maximize' or 'minimize'"],
     ),
     (lambda d: d.update(workers={"kind": "tpu"}), ["tpu_topology", "TPU-V6E"]),
-    (lambda d: d.update(space={"key_axes": ["row"]}), ["space.key_axes", "'channel' or 'token'"]),
+    (
+        lambda d: d.update(space={"key_axes": ["row"]}),
+        ["space.key_axes", "'channel', 'token', 'tensor' or 'head'"],
+    ),
     (lambda d: d.update(space={"sink_tokens": []}), ["space.sink_tokens", "at least one"]),
 ]
 

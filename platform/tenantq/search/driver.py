@@ -29,7 +29,7 @@ from tenantq.search.space import (
     plan_from_params,
     suggest,
 )
-from tenantq.search.spec import CAPACITY_METRIC, Spec
+from tenantq.search.spec import CAPACITY_METRIC, Spec, wants_baselines
 
 HEARTBEAT_INTERVAL_S = 5  # Optuna RDB heartbeat of every trial this driver has in flight
 GRACE_PERIOD_S = 15  # a trial whose heartbeat is older than this belongs to a dead driver
@@ -91,7 +91,7 @@ def prepare(spec: Spec, spec_text: str) -> _Prepared:
         else None
     )
     parameter_choices(spec.space, config, profile)  # raises on choices the model cannot take
-    baselines = baseline_params(spec.space, config, profile) if spec.study.baselines else []
+    baselines = baseline_params(spec.space, config, profile) if wants_baselines(spec) else []
     return _Prepared(
         spec, spec_text, model_path, config, capacity_config, deployment, profile, baselines
     )

@@ -204,8 +204,21 @@ class StudySpec(_Strict):
     name: str = Field(description="Optuna study name")
     trials: int = Field(ge=1, description="trials to complete (baselines included)")
     storage: str = Field("sqlite:///optuna.db", description="Optuna RDB URL")
-    baselines: bool = Field(True, description="enqueue bf16, fp8+fp8 KV, int4 g128 first")
+    baselines: bool | None = Field(
+        None,
+        description="enqueue bf16, fp8+fp8 KV, int4 g128 first; absent: yes, except with the "
+        "capacity_aware sampler, which measures the space's most precise plan first itself",
+    )
     max_trial_retries: int = Field(1, ge=0, description="retries of a trial left stale")
+
+
+def wants_baselines(spec: Spec) -> bool:
+    """Whether the study enqueues the three baselines (see StudySpec.baselines): on the
+    168-plan space, counting them cost capacity_aware 12.5 points of front coverage at 25
+    evaluations (experiments/findings/sampler-efficiency.md)."""
+    if spec.study.baselines is not None:
+        return spec.study.baselines
+    return spec.sampler.kind != "capacity_aware"
 
 
 class TrackingSpec(_Strict):
