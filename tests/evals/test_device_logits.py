@@ -67,7 +67,14 @@ def test_device_logits_refuses_bad_ids(engine) -> None:
         list(engine.device_logits([[1, engine.config.vocab_size]]))
 
 
-def test_decode_steps_share_one_executable_across_batch_sizes() -> None:
+def test_decode_steps_share_one_executable_across_batch_sizes(monkeypatch) -> None:
+    # A fresh executable cache: an earlier test in the process may have compiled the same
+    # tiny-model shapes, which would make the counts below depend on test order.
+    from collections import OrderedDict
+
+    from tenantq.engine import steps
+
+    monkeypatch.setattr(steps, "_EXECUTABLES", OrderedDict())
     config = tiny_config()
     eng = Engine(config, tiny_params(config, seed=3), dtype="float32", max_seqs=4,
                  max_seq_tokens=64)  # fmt: skip
