@@ -19,7 +19,7 @@ import pytest
 from _study_metrics import documented_study_metrics
 
 from conftest import client_env
-from tenantq.testing import tiny_study_spec
+from tenantq.testing import TINY_SUITE, tiny_study_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -135,21 +135,6 @@ def test_submitted_job_runs_and_exports_the_study_metrics(local_cluster, tmp_pat
     assert "PROBE done True" in logs
     # The Prometheus names the Grafana dashboard queries are the ones Ray really exports.
     assert expected <= found, f"missing {sorted(expected - found)}; saw {sorted(found)}"
-
-
-# Fidelity on 2 windows of 64 tokens: the smallest suite that still runs a worker's whole path.
-TINY_SUITE = """
-seed = 0
-split = "search"
-resamples = 200
-[fidelity]
-rows = 2
-row_tokens = 64
-[[gates]]
-metric = "fidelity.kl_mean"
-tolerance = 0.05
-higher_is_better = false
-"""
 
 
 def _run_study(cluster, tmp_path: Path, name: str) -> tuple[Path, dict, str]:

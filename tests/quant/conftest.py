@@ -22,6 +22,19 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+@pytest.fixture(scope="session")
+def reference_float32():
+    """The shipped reference model: (path, config, float32 host params, tokenizer)."""
+    from tenantq.model.loader import load_params
+    from tenantq.model.tokenizer import load_tokenizer
+    from tenantq.reference import reference_model_path
+
+    path = reference_model_path()
+    config = ModelConfig.from_file(path)
+    params = {k: np.asarray(v, np.float32) for k, v in load_params(path, config).items()}
+    return path, config, params, load_tokenizer(path)
+
+
 def write_checkpoint(folder: Path, config: ModelConfig, params) -> Path:
     """HF layout (bf16 safetensors + config.json) of `params` (our [in, out] layout)."""
     from tenantq.model.loader import hf_names

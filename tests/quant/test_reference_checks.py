@@ -7,7 +7,6 @@ windows (their own Gram), so a method that only fits its calibration set would n
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from tenantq.numerics import dequantize
@@ -21,18 +20,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(reference_float32):
     from tenantq.evals.sensitivity import calibration_windows
-    from tenantq.model.config import ModelConfig
-    from tenantq.model.loader import load_params
-    from tenantq.model.tokenizer import load_tokenizer
-    from tenantq.reference import reference_model_path
 
-    path = reference_model_path()
-    config = ModelConfig.from_file(path)
-    params = {k: np.asarray(v, np.float32) for k, v in load_params(path, config).items()}
+    _, config, params, tokenizer = reference_float32
     calib, held = calibration_windows(
-        load_tokenizer(path), config, num_sequences=8, seq_tokens=128, held_out=4
+        tokenizer, config, num_sequences=8, seq_tokens=128, held_out=4
     )
     fit = cal.CalibrationStats("ref", "fit", cal.compute_statistics(config, params, calib)[0])
     test = cal.CalibrationStats("ref", "held", cal.compute_statistics(config, params, held)[0])

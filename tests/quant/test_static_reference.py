@@ -11,7 +11,6 @@ statistics equal the folded model's. KL figures for static vs dynamic: the bench
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from tenantq.quant import calibration as cal
@@ -23,17 +22,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(reference_float32):
     from tenantq.evals.sensitivity import calibration_windows
-    from tenantq.model.config import ModelConfig
-    from tenantq.model.loader import load_params
-    from tenantq.model.tokenizer import load_tokenizer
-    from tenantq.reference import reference_model_path
 
-    path = reference_model_path()
-    config = ModelConfig.from_file(path)
-    params = {k: np.asarray(v, np.float32) for k, v in load_params(path, config).items()}
-    windows, _ = calibration_windows(load_tokenizer(path), config, num_sequences=4, seq_tokens=128)
+    _, config, params, tokenizer = reference_float32
+    windows, _ = calibration_windows(tokenizer, config, num_sequences=4, seq_tokens=128)
     sites, _ = cal.compute_statistics(config, params, windows, dtype=jnp.float32)
     return config, params, windows, cal.CalibrationStats("ref", "fit", sites)
 

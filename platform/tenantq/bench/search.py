@@ -21,20 +21,10 @@ import time
 import tomllib
 from pathlib import Path
 
+from tenantq.testing import TINY_SUITE
+
 PHASES = ("load", "quantize", "compile", "fidelity", "needles", "structured")
 SMOKE_ENV = "TENANTQ_BENCH_SMOKE"  # the test suite's smoke run: one worker, a tiny suite
-# Fidelity on 2 windows of 64 tokens and one gate: seconds per trial (smoke run only).
-SMOKE_SUITE = """seed = 0
-split = "search"
-resamples = 200
-[fidelity]
-rows = 2
-row_tokens = 64
-[[gates]]
-metric = "fidelity.kl_mean"
-tolerance = 0.05
-higher_is_better = false
-"""
 DEFAULT_SPEC = Path(__file__).resolve().parents[3] / "experiments" / "quickstart.toml"
 EVAL_PHASES = ("fidelity", "needles", "structured")
 
@@ -169,7 +159,7 @@ def main(argv: list[str]) -> int:
         root = Path(tmp)
         if args.suite is None and smoke:
             args.suite = str(root / "smoke_suite.toml")
-            Path(args.suite).write_text(SMOKE_SUITE)
+            Path(args.suite).write_text(TINY_SUITE)
         args.suite = args.suite or "quick"
         warm = root / "warm"
         baseline_s = _warm_baseline(spec.model_path(), args.suite, warm)

@@ -67,6 +67,22 @@ def tiny_tokenizer():
     return Tokenizer(inner, source="tenantq.testing.tiny_tokenizer")
 
 
+# The smallest quality suite that still runs a trial's whole path: fidelity on 2 windows of
+# 64 tokens and one gate (seconds per trial). The `ray job submit` test and the search
+# bench's smoke run write it beside their spec.
+TINY_SUITE = """seed = 0
+split = "search"
+resamples = 200
+[fidelity]
+rows = 2
+row_tokens = 64
+[[gates]]
+metric = "fidelity.kl_mean"
+tolerance = 0.05
+higher_is_better = false
+"""
+
+
 def tiny_study_spec(
     state: Any,
     *,
