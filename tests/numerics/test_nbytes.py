@@ -130,10 +130,10 @@ def test_storage_nbytes_equals_quantize_nbytes(case):
     q = quantize(x, fmt, **kwargs)
     assert storage_nbytes(shape, fmt, **kwargs) == q.nbytes
     # The stored arrays' own sizes agree with the layout the docstring pins.
-    if FORMATS[fmt].packed:
-        assert q.data.shape == shape[:-1] + (ceil_div(shape[-1], 2),)
-    else:
-        assert q.data.shape == shape
+    # Packed formats hold 8 // element_bits values per byte along the last axis (2 for the
+    # 4-bit formats, 4 for int2); the others one per element.
+    per_byte = FORMATS[fmt].elements_per_byte
+    assert q.data.shape == shape[:-1] + (ceil_div(shape[-1], per_byte),)
     if q.scale is not None:
         assert q.scale.ndim == len(shape)
 
@@ -146,3 +146,10 @@ def test_storage_nbytes_equals_traced_quantize_nbytes(case):
     shape, fmt, kwargs = case
     q = jax.eval_shape(lambda x: quantize(x, fmt, **kwargs), jax.ShapeDtypeStruct(shape, "float32"))
     assert storage_nbytes(shape, fmt, **kwargs) == q.nbytes
+
+
+@pytest.mark.parametrize(("fmt", "stored"), [("int2", 3), ("int4", 5), ("int8", 9)])
+def test_packed_data_shape_of_nine_values(fmt, stored):
+    # 9 values along the last axis: int2 packs 4 per byte (3 bytes), int4 2 (5), int8 1 (9).
+    q = quantize(np.linspace(-1, 1, 18, dtype=np.float32).reshape(2, 9), fmt, axis=-1)
+    assert q.data.shape == (2, stored)
