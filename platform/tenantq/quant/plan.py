@@ -511,15 +511,26 @@ class QuantPlan:
     # ---------------------------------------------------------------- construction
     @classmethod
     def uniform(
-        cls, weights: str = "bf16", kv: str = "bf16", *, group_size: int | None = None
+        cls,
+        weights: str = "bf16",
+        kv: str = "bf16",
+        *,
+        group_size: int | None = None,
+        kv_scale_dtype: str = "float32",
     ) -> QuantPlan:
         """Every linear weight (embedding included) in `weights`, every KV layer in `kv` with
-        that format's default axes (`DEFAULT_KV_AXES`)."""
+        that format's default axes (`DEFAULT_KV_AXES`), page/token scales as `kv_scale_dtype`."""
         rules = () if weights == "bf16" else (Rule(".*", weights, group_size=group_size),)
         key_axis, value_axis = DEFAULT_KV_AXES.get(kv, ("channel", "token"))
         return cls(
             rules=rules,
-            kv=KVPlan(key_format=kv, key_axis=key_axis, value_format=kv, value_axis=value_axis),
+            kv=KVPlan(
+                key_format=kv,
+                key_axis=key_axis,
+                value_format=kv,
+                value_axis=value_axis,
+                scale_dtype=kv_scale_dtype,
+            ),
         )
 
     @property
