@@ -35,6 +35,7 @@ SCALE_GRID = [
     ("int4", "channel", "token", "e8m0", 64), ("int2", "channel", "token", "bf16", 16),
     ("int2", "channel", "token", "float32", 64), ("int2", "channel", "token", "bf16", 64),
     ("int2", "channel", "token", "bf16", 32), ("int4", "channel", "token", "e8m0", 32),
+    ("int2", "channel", "token", "float32", 32),
     ("int8", "channel", "token", "e8m0", 16), ("fp8_e4m3", "channel", "token", "e8m0", 16),
 ]  # fmt: skip
 
