@@ -13,6 +13,7 @@ own bf16 baseline (the evaluator keys baselines by engine settings).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,25 +76,35 @@ def table(rows: list[dict]) -> str:
         out.append(
             f"| {fmt} | {k_axis} | {v_axis} | {scale_dtype} | {page_tokens} | {r['kl_mean']:.5f} "
             f"[{lo:.5f}, {hi:.5f}] | {r['needle_delta']:+.3f} [{nlo:+.3f}, {nhi:+.3f}] | "
-            f"{r['structured_delta']:+.3f} | {verdicts} | {clip} | "
+            f"{_signed(r.get('structured_delta'))} | {verdicts} | {clip} | "
             f"{int(b.kv_bytes_per_token):,} | {b.tenant_slot_bytes_per_chip:,} | "
             f"{b.kv_static_bytes_per_chip:,} |"
         )
     return "\n".join(out)
 
 
+def _signed(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.3f}"  # the quick suite has no structured tasks now
+
+
 def main() -> None:
     out = Path(__file__).with_name("results.json")
     rows = json.loads(out.read_text()) if out.is_file() else []
+    evaluators = {16: Evaluator(reference_model_path(), load_suite("quick"))}
+    # Rows of another quick suite (another dataset hash) are measured again, not mixed in.
+    dataset = evaluators[16].dataset_hash
+    stale = [r for r in rows if r.get("dataset_hash") != dataset]
+    if stale:
+        print(f"{len(stale)} rows of another suite version dropped", file=sys.stderr)
+    rows = [r for r in rows if r.get("dataset_hash") == dataset]
     done = {_key(r) for r in rows}
     grid = [(*g, "float32", 16) for g in GRID] + SCALE_GRID
     todo = [g for g in grid if g not in done]
-    evaluators: dict[int, Evaluator] = {}
     for fmt, k_axis, v_axis, scale_dtype, page_tokens in todo:
         if page_tokens not in evaluators:
             evaluators[page_tokens] = Evaluator(
                 reference_model_path(), load_suite("quick"),
-                engine_options={} if page_tokens == 16 else {"page_tokens": page_tokens},
+                engine_options={"page_tokens": page_tokens},
             )  # fmt: skip
         ev = evaluators[page_tokens]
         plan = _plan(fmt, k_axis, v_axis, scale_dtype)
@@ -114,6 +125,8 @@ def main() -> None:
             "verdicts": {k: v for k, v in s.items() if k.startswith("verdict.")},
             "clip_rate": engine.kv_clip_rate(),
             "seconds": time.perf_counter() - began,
+            "load_average_1min": os.getloadavg()[0],
+            "dataset_hash": ev.dataset_hash,
         }  # fmt: skip
         rows.append(row)
         out.write_text(json.dumps(rows, indent=1))
