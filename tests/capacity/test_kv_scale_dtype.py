@@ -12,7 +12,7 @@ import json
 import pytest
 
 from tenantq.capacity import Deployment, budget, get_model_config
-from tenantq.quant.plan import KVPlan, QuantPlan
+from tenantq.quant.plan import KVPlan, QuantPlan, Rule
 from tenantq.quant.storage import kv_storage
 
 LLAMA = "llama-3.1-8b"
@@ -124,7 +124,10 @@ def test_default_scale_dtype_keeps_plan_json_and_fingerprints_unchanged():
     # does not set it must hash the same, so earlier studies' caches and records stay valid.
     plans = {
         "2d270eac479a8377": QuantPlan(),
-        "1ed28a5bbf1385c2": QuantPlan.uniform("int4", "int4"),
+        # QuantPlan.uniform("int4", "int4") before bf16 became int4's default scale dtype
+        "1ed28a5bbf1385c2": QuantPlan(
+            rules=(Rule(".*", "int4"),), kv=KVPlan("int4", "channel", "int4", "token")
+        ),
         "473d019029a714e7": QuantPlan.uniform("fp8_e4m3", "fp8_e4m3"),
         "86ea1bb78a0e6fe8": QuantPlan(
             kv=KVPlan("int2", "channel", "int2", "token", sink_tokens=4, bf16_layers=(0, -1))
@@ -133,8 +136,10 @@ def test_default_scale_dtype_keeps_plan_json_and_fingerprints_unchanged():
     for fingerprint, plan in plans.items():
         assert plan.fingerprint() == fingerprint
         assert "scale_dtype" not in plan.to_dict()["kv"]
-    changed = QuantPlan.uniform("int4", "int4", kv_scale_dtype="bf16")
-    assert changed.fingerprint() != "1ed28a5bbf1385c2"
+    # the uniform int4 plan now names bf16 scales: another plan, another fingerprint
+    assert QuantPlan.uniform("int4", "int4").fingerprint() != "1ed28a5bbf1385c2"
+    same = QuantPlan.uniform("int4", "int4", kv_scale_dtype="float32")
+    assert same.fingerprint() == "1ed28a5bbf1385c2"
 
 
 @pytest.mark.parametrize("scale_dtype", ["bf16", "e8m0"])
@@ -171,3 +176,21 @@ def test_cli_states_the_scale_lines_in_their_dtype(cli):
 def test_cli_refuses_a_scale_dtype_that_cannot_apply(cli, extra, message):
     rc, _, err = cli(["--model", LLAMA, "--hardware", "tpu-v6e", "--context", "8192", *extra])
     assert rc == 2 and message in err and err.count("\n") == 1
+
+
+def test_uniform_plans_default_to_bf16_scales_for_int4_and_int2_only():
+    # DEFAULT_KV_SCALE_DTYPES, chosen on the quick suite (README "KV scale storage"); a KV plan
+    # that names no scale dtype stays float32 (its fingerprint unchanged, test above).
+    for kv, wanted in (("int4", "bf16"), ("int2", "bf16"), ("fp8_e4m3", "float32"),
+                       ("int8", "float32"), ("mxfp4", "float32"), ("bf16", "float32")):  # fmt: skip
+        assert QuantPlan.uniform("bf16", kv).kv.scale_dtype == wanted, kv
+    assert KVPlan("int4", "channel", "int4", "token").scale_dtype == "float32"
+    assert QuantPlan.uniform("bf16", "int4", kv_scale_dtype="float32").kv.scale_dtype == "float32"
+
+
+def test_cli_kv_int4_states_the_default_bf16_scales(cli):
+    args = ["--model", LLAMA, "--hardware", "tpu-v6e", "--context", "8192", "--json"]
+    rc, out, _ = cli([*args, "--kv", "int4"])
+    assert rc == 0 and json.loads(out)["kv_bytes_per_token"] == 37_376  # the bf16 row above
+    rc, out, _ = cli([*args, "--kv", "int4", "--kv-scale-dtype", "float32"])
+    assert rc == 0 and json.loads(out)["kv_bytes_per_token"] == 41_984

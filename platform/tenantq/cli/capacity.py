@@ -57,7 +57,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-scale-dtype",
         choices=("float32", "bf16", "e8m0"),
-        help="with --kv: how page/token KV scales (and int2 zero points) are stored (float32)",
+        help="with --kv: how page/token KV scales (and int2 zero points) are stored "
+        "(default: bf16 for int4/int2, float32 otherwise)",
     )
     p.add_argument(
         "--plan", type=_plan_path, help="a QuantPlan .json/.toml file instead of --weights/--kv"
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             plan = QuantPlan.uniform(
                 args.weights or "bf16", args.kv or "bf16",
-                kv_scale_dtype=args.kv_scale_dtype or "float32",
+                kv_scale_dtype=args.kv_scale_dtype,
             )  # fmt: skip
         except ValueError as err:
             raise ValueError(f"--kv-scale-dtype: {err}") from None
