@@ -57,11 +57,18 @@ def table(rows: list[dict]) -> str:
     llama = get_model_config("llama-3.1-8b")
     out = [
         "| KV format | keys | values | scales | page | mean KL [95% CI] | needle Δ [95% CI] "
-        "| structured Δ | verdicts (KL, needle) | clip rate | 8B B/token | 8B slot B "
-        "| 8B static B |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| verdicts (KL, needle) | clip rate | 8B B/token | 8B slot B | 8B static B |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    formats = list(dict.fromkeys(g[0] for g in GRID))
+    axes = ["tensor", "head", "channel", "token"]
+    scales = ["float32", "bf16", "e8m0"]
+
+    def order(r: dict) -> tuple:
+        fmt, k_axis, _, scale_dtype, page_tokens = _key(r)
+        return formats.index(fmt), axes.index(k_axis), page_tokens, scales.index(scale_dtype)
+
+    for r in sorted(rows, key=order):
         fmt, k_axis, v_axis, scale_dtype, page_tokens = _key(r)
         v6e = Deployment.of("tpu-v6e", 1, page_tokens=page_tokens)
         b = budget(llama, _plan(fmt, k_axis, v_axis, scale_dtype), v6e, 8192)
@@ -76,15 +83,11 @@ def table(rows: list[dict]) -> str:
         out.append(
             f"| {fmt} | {k_axis} | {v_axis} | {scale_dtype} | {page_tokens} | {r['kl_mean']:.5f} "
             f"[{lo:.5f}, {hi:.5f}] | {r['needle_delta']:+.3f} [{nlo:+.3f}, {nhi:+.3f}] | "
-            f"{_signed(r.get('structured_delta'))} | {verdicts} | {clip} | "
+            f"{verdicts} | {clip} | "
             f"{int(b.kv_bytes_per_token):,} | {b.tenant_slot_bytes_per_chip:,} | "
             f"{b.kv_static_bytes_per_chip:,} |"
         )
     return "\n".join(out)
-
-
-def _signed(x: float | None) -> str:
-    return "-" if x is None else f"{x:+.3f}"  # the quick suite has no structured tasks now
 
 
 def main() -> None:
