@@ -59,6 +59,20 @@ PLANS = {
     "int2 KIVI (keys per channel, values per token)": QuantPlan(
         kv=KVPlan("int2", "channel", "int2", "token", bf16_layers=(-1,))
     ),
+    "bf16 scales and zero points: int2 KIVI, an int4/fp8 layer, sinks": QuantPlan(
+        kv=KVPlan(
+            "int2",
+            "channel",
+            "int2",
+            "token",
+            sink_tokens=2,
+            layer_formats=((0, "int4", "fp8_e4m3"),),
+            scale_dtype="bf16",
+        )
+    ),
+    "e8m0 scales: int4 keys per channel, fp8 values per token, bf16 last layer": QuantPlan(
+        kv=KVPlan("int4", "channel", "fp8_e4m3", "token", bf16_layers=(-1,), scale_dtype="e8m0")
+    ),
 }
 
 

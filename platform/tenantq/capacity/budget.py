@@ -306,6 +306,8 @@ def _kv_summary(plan: QuantPlan, config: ModelConfig) -> str:
     else:
         text = f"K {kv.key_format}/{kv.key_axis}, V {kv.value_format}/{kv.value_axis}"
     extras = []
+    if kv.scale_dtype != "float32":
+        extras.append(f"{kv.scale_dtype} scales")
     if kv.sink_tokens:
         extras.append(f"{kv.sink_tokens} sink tokens")
     if kv.bf16_layers:

@@ -55,6 +55,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--weights", type=number_format, help="format of every weight tensor (bf16)")
     p.add_argument("--kv", type=number_format, help="format of every KV layer (bf16)")
     p.add_argument(
+        "--kv-scale-dtype",
+        choices=("float32", "bf16", "e8m0"),
+        help="with --kv: how page/token KV scales (and int2 zero points) are stored "
+        "(default: bf16 for int4/int2, float32 otherwise)",
+    )
+    p.add_argument(
         "--plan", type=_plan_path, help="a QuantPlan .json/.toml file instead of --weights/--kv"
     )
     p.add_argument(
@@ -160,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         if args.plan or args.weights or args.kv:
             raise ValueError("--compare takes --pairs, not --plan/--weights/--kv")
+        if args.kv_scale_dtype:
+            raise ValueError("--kv-scale-dtype applies with --kv, not with --compare")
         pairs = args.pairs or DEFAULT_PAIRS
         rows = [(w, kv, one(QuantPlan.uniform(w, kv))) for w, kv in pairs]
         base = next((b for w, kv, b in rows if w == kv == "bf16"), None)
@@ -188,6 +196,10 @@ def run(args: argparse.Namespace) -> int:
             print(render_compare(rows, base))
         return 0
 
+    if args.kv_scale_dtype and not args.kv:
+        raise ValueError(
+            "--kv-scale-dtype applies with --kv (a plan file sets kv.scale_dtype itself)"
+        )
     if args.plan:
         if args.weights or args.kv:
             raise ValueError("give either --plan or --weights/--kv, not both")
@@ -196,7 +208,13 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as err:
             raise ValueError(f"--plan: {err}") from None
     else:
-        plan = QuantPlan.uniform(args.weights or "bf16", args.kv or "bf16")
+        try:
+            plan = QuantPlan.uniform(
+                args.weights or "bf16", args.kv or "bf16",
+                kv_scale_dtype=args.kv_scale_dtype,
+            )  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"--kv-scale-dtype: {err}") from None
     b = one(plan)
     if args.json:
         print(json.dumps(b.to_dict(per_tensor=args.per_tensor), indent=2))

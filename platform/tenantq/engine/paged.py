@@ -6,7 +6,10 @@ dequantizes from the pool (the fresh projections are never attended to directly)
 scaled per channel wait in a bf16 residual page until the page fills; per-token tensors are
 quantized at write time, and so are tensors with calibrated static (tensor/head) scales, which
 clip at the format's range and count what they clip (`clip_counts`: elements clipped, tokens
-written). The first `sink_tokens` tokens of quantized tensors keep a bf16 copy.
+written). The first `sink_tokens` tokens of quantized tensors keep a bf16 copy. Page/token
+scales (and int2 zero points) are stored as the plan's `kv.scale_dtype` says; a write rounds
+the scale to that dtype first and quantizes with the rounded scale, so what `read` multiplies
+by is the scale the codes were made with.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tenantq.numerics import (
     quantize,
     quantize_with_scale_zero_point,
 )
+from tenantq.numerics.elements import e8m0_code_at_least, scale_by_e8m0
 from tenantq.quant.plan import KVTensorSpec
 from tenantq.quant.storage import LayerKVStorage, kv_quant_args
 
@@ -120,7 +124,10 @@ class PagedLayout:
             shape = (*count, *a.shape)
             if struct is not None and a.name in ("pages", "scales"):
                 real = struct.data if a.name == "pages" else struct.scale
-                if (tuple(real.shape), jnp.dtype(real.dtype)) != (a.shape, jnp.dtype(a.dtype)):
+                # a stored bf16/E8M0 scale replaces the codec's float32: same shape
+                dtype = a.dtype if a.name == "pages" or spec.stored_scale_dtype in (
+                    None, "float32") else real.dtype  # fmt: skip
+                if (tuple(real.shape), jnp.dtype(real.dtype)) != (a.shape, jnp.dtype(dtype)):
                     raise AssertionError(
                         f"{spec.format} {a.name}: the quantizer stores {real.shape} "
                         f"{real.dtype}, the KV storage description says {a.shape} {a.dtype}"
@@ -187,11 +194,11 @@ class PagedLayout:
             data, scale, tensor_scale = self._nvfp4_tokens(arrays, page, offset, valid, x)
             out["tensor_scale"] = tensor_scale
         else:
-            q = quantize(x, spec.format, axis=-1)
-            data, scale = q.data, q.scale
-            if q.zero_point is not None:  # int2
+            q, scale, zero_point = _quantize_stored(x, spec, axis=-1)
+            data = q.data
+            if zero_point is not None:  # int2
                 out["zero_points"] = (
-                    arrays["zero_points"].at[page, offset].set(q.zero_point, mode="drop")
+                    arrays["zero_points"].at[page, offset].set(zero_point, mode="drop")
                 )
         out["pages"] = arrays["pages"].at[page, offset].set(_to_bits(data), mode="drop")
         out["scales"] = arrays["scales"].at[page, offset].set(_to_bits(scale), mode="drop")
@@ -257,7 +264,7 @@ class PagedLayout:
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], at.shape)
         window = window.at[rows, at].set(x, mode="drop")
         pages = window.reshape(b * span, p, *x.shape[2:])
-        q = jax.vmap(lambda page: quantize(page, spec.format, axis=0))(pages)
+        q, scale, zero_point = jax.vmap(lambda page: _quantize_stored(page, spec, axis=0))(pages)
         j = jnp.arange(span)[None, :]
         full = base[:, None] + (j + 1) * p <= end[:, None]
         first = base[:, None] // p + j
@@ -265,10 +272,10 @@ class PagedLayout:
         target = jnp.where(full, block, n).reshape(-1)
         out = {
             "pages": arrays["pages"].at[target].set(_to_bits(q.data), mode="drop"),
-            "scales": arrays["scales"].at[target].set(_to_bits(q.scale), mode="drop"),
+            "scales": arrays["scales"].at[target].set(_to_bits(scale), mode="drop"),
         }
-        if q.zero_point is not None:  # int2
-            out["zero_points"] = arrays["zero_points"].at[target].set(q.zero_point, mode="drop")
+        if zero_point is not None:  # int2
+            out["zero_points"] = arrays["zero_points"].at[target].set(zero_point, mode="drop")
         if q.tensor_scale is not None:
             out["tensor_scale"] = arrays["tensor_scale"].at[target].set(q.tensor_scale, mode="drop")
         newest = jnp.clip((end - base) // p, 0, span - 1)
@@ -298,8 +305,8 @@ class PagedLayout:
                 if spec.static:
                     page_scale, page_zp = scale, zp
                 else:
-                    page_scale = _from_bits(arrays["scales"][i], struct.scale.dtype)
-                    page_zp = None if zps is None else zps[i]
+                    page_scale = _load_scale(arrays["scales"][i], spec, struct.scale.dtype)
+                    page_zp = None if zps is None else _load_scale(zps[i], spec, "float32")
                 q = QArray(
                     _from_bits(arrays["pages"][i], struct.data.dtype), page_scale, page_zp,
                     None if ts is None else ts[i], struct.shape, struct.fmt, struct.axis,
@@ -324,6 +331,46 @@ class PagedLayout:
             in_sink = (t < self.sink_tokens)[None, :, None, None]
             values = jnp.where(in_sink, sinks.astype(self.dtype), values)
         return values
+
+
+def _quantize_stored(x, spec: KVTensorSpec, *, axis: int):
+    """`quantize(x, spec.format, axis=axis)` with the scale (and int2 zero point) rounded to
+    the plan's scale dtype before the elements are made: (QArray, stored scale, stored zero
+    point or None), stored as the pool holds them (bf16 as bit patterns, E8M0 as codes).
+
+    bf16 rounds to nearest (relative error <= 2^-8); the int2 zero point is recomputed for
+    the rounded scale (zp' = bf16(zp * s / s'), so it still marks the group's minimum).
+    E8M0 rounds the scale up to a power of two (OCP MX v1.0 sec. 5.4.1), so no element clips
+    and a step grows by less than 2x."""
+    stored = spec.stored_scale_dtype
+    if stored in (None, "float32"):
+        q = quantize(x, spec.format, axis=axis)
+        return q, q.scale, q.zero_point
+    scale, zero_point = compute_scale_zero_point(x, spec.format, axis=axis)
+    if stored == "bf16":
+        kept = scale.astype(jnp.bfloat16)
+        rounded = kept.astype(jnp.float32)
+        stored_scale = _to_bits(kept)
+        if zero_point is not None:
+            zp = (zero_point * scale / rounded).astype(jnp.bfloat16)
+            zero_point = zp.astype(jnp.float32)
+            stored_zp = _to_bits(zp)
+    else:  # e8m0 (symmetric formats only: the plan refuses it for int2)
+        stored_scale = e8m0_code_at_least(scale)
+        rounded = scale_by_e8m0(jnp.ones(scale.shape, jnp.float32), stored_scale)
+    q = quantize_with_scale_zero_point(x, spec.format, rounded, zero_point, axis=axis)
+    return q, stored_scale, None if zero_point is None else stored_zp
+
+
+def _load_scale(stored, spec: KVTensorSpec, dtype):
+    """A page's stored scales (or int2 zero points) as `dtype` values (`_quantize_stored`'s
+    inverse): float32 as they are, bf16 from its bit pattern, E8M0 as 2^(code - 127)."""
+    how = spec.stored_scale_dtype
+    if how in (None, "float32"):
+        return _from_bits(stored, dtype)
+    if how == "bf16":
+        return _from_bits(stored, jnp.bfloat16).astype(jnp.float32)
+    return scale_by_e8m0(jnp.ones(stored.shape, jnp.float32), stored)
 
 
 @functools.lru_cache(maxsize=256)

@@ -77,6 +77,20 @@ def scale_by_e8m0(values: jax.Array, e8m0: jax.Array) -> jax.Array:
     return jnp.where(code == E8M0_NAN, jnp.float32(jnp.nan), out)
 
 
+def e8m0_code_at_least(x: jax.Array) -> jax.Array:
+    """uint8 E8M0 codes of the smallest power of two >= float32 `x` > 0 (a scale rounded *up*,
+    so nothing scaled by it clips), clamped to [0, 254] (2^-127..2^127); inf/NaN give 0xFF.
+
+    The OCP MX v1.0 scale type (sec. 5.4.1); MX itself derives its code from floor(log2
+    amax) (sec. 6.3), this rounds a given scale instead (the KV pool's E8M0 page scales).
+    """
+    x = jnp.asarray(x, jnp.float32)
+    exponent = floor_log2(x)
+    below = pow2(jnp.clip(exponent, -126, 127)) < x  # x is not a power of two: one up
+    code = jnp.clip(exponent + below.astype(jnp.int32), -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
+    return jnp.where(jnp.isfinite(x), code, E8M0_NAN).astype(jnp.uint8)
+
+
 def e8m0_to_float32(e8m0) -> np.ndarray:
     """The scales 2^(code-127) as a numpy float32 array (code 0: 2^-127; 0xFF: NaN).
 

@@ -63,6 +63,18 @@ DEFAULT_KV_AXES = {
     "fp8_e5m2": ("tensor", "tensor"),
     "int8": ("tensor", "tensor"),
 }
+# How page and token scales (and int2 zero points) are stored in the pool: "float32" (the
+# codec's own), "bf16" (round to nearest: relative error <= 2^-8) or "e8m0" (a power of two,
+# the OCP Microscaling v1.0 scale type, sec. 5.4.1, rounded *up* so no element clips;
+# symmetric formats only). Static (tensor/head) scales are one float32 per layer whatever
+# this says; MX and nvfp4 fix their own block scales.
+KV_SCALE_DTYPES = ("float32", "bf16", "e8m0")
+# Each KV format's default scale dtype in `QuantPlan.uniform` and `tenantq capacity --kv`
+# (a plan that names none keeps float32, so written plans and their fingerprints stay as they
+# were). Chosen on the quick suite (README "KV scale storage"): bf16 scales are within the
+# float32 KL CI with the same needle result for int4 (0.00471 vs 0.00474) and int2, and cost
+# half the bytes; E8M0 more than doubles int4's KL (0.0122, a gate regression).
+DEFAULT_KV_SCALE_DTYPES = {"int4": "bf16", "int2": "bf16"}
 
 
 # ------------------------------------------------------------------------ typed validation
@@ -107,6 +119,9 @@ class _KVFields(BaseModel):
     )
     bf16_layers: list[StrictInt] = Field([], description="layers whose KV stays bf16")
     layer_formats: list[_LayerFormatFields] = Field([], description="per-layer KV formats")
+    scale_dtype: Literal[KV_SCALE_DTYPES] = Field(
+        "float32", description="storage of page/token scales and int2 zero points"
+    )
 
 
 class _PlanFields(BaseModel):
@@ -239,10 +254,20 @@ class KVTensorSpec:
 
     format: str
     axis: str  # "channel" | "token" | "tensor" | "head"
+    scale_dtype: str = "float32"  # KV_SCALE_DTYPES: storage of page/token scales
 
     @property
     def quantized(self) -> bool:
         return self.format != "bf16"
+
+    @property
+    def stored_scale_dtype(self) -> str | None:
+        """How this tensor's page/token scales are stored: `scale_dtype` for formats whose
+        codec scale is float32 (fp8, int8, int4, int2); None when there are none to store
+        (bf16, static axes) or the format fixes its own (MX E8M0, nvfp4 E4M3)."""
+        if not self.quantized or self.static or get_format(self.format).scale_dtype != "float32":
+            return None
+        return self.scale_dtype
 
     @property
     def static(self) -> bool:
@@ -270,14 +295,15 @@ class LayerKV:
     key_axis: str
     value_format: str
     value_axis: str
+    scale_dtype: str = "float32"
 
     @property
     def keys(self) -> KVTensorSpec:
-        return KVTensorSpec(self.key_format, self.key_axis)
+        return KVTensorSpec(self.key_format, self.key_axis, self.scale_dtype)
 
     @property
     def values(self) -> KVTensorSpec:
-        return KVTensorSpec(self.value_format, self.value_axis)
+        return KVTensorSpec(self.value_format, self.value_axis, self.scale_dtype)
 
     @property
     def is_bf16(self) -> bool:
@@ -297,6 +323,31 @@ def _check_kv_axis(name: str, axis: str, formats: set[str]) -> None:
         )
 
 
+def _check_scale_dtype(scale_dtype: str, scaled: set[str]) -> None:
+    """`scale_dtype` against the formats of tensors with page/token scales (`scaled`): a
+    cheaper scale needs a float32 codec scale to replace, E8M0 a symmetric format, and some
+    tensor must have such scales (a setting that changes nothing is refused, not ignored)."""
+    if scale_dtype == "float32":
+        return
+    where = f"kv.scale_dtype: {scale_dtype!r}"
+    own = sorted(f for f in scaled if FORMATS[f].scale_dtype != "float32")
+    if own:
+        raise ValueError(
+            f"{where} replaces float32 page/token scales; {', '.join(own)} fixes its own "
+            f"block scales: use scale_dtype 'float32' or fp8_e4m3, fp8_e5m2, int8, int4, int2"
+        )
+    if scale_dtype == "e8m0" and any(FORMATS[f].asymmetric_only for f in scaled):
+        raise ValueError(
+            f"{where} is a power-of-two scale for symmetric formats; int2 (asymmetric, with a "
+            "zero point) takes scale_dtype 'float32' or 'bf16'"
+        )
+    if not scaled:
+        raise ValueError(
+            f"{where} applies to page/token scales, and no quantized KV tensor has them "
+            "(bf16 or static tensor/head axes only); use 'float32' or a channel/token axis"
+        )
+
+
 @dataclass(frozen=True)
 class KVPlan:
     """The KV-cache part of a plan (keys per channel, values per token by default, as KIVI)."""
@@ -309,6 +360,7 @@ class KVPlan:
     bf16_layers: tuple[int, ...] = ()
     # Per-layer overrides: ((layer_index, key_format, value_format), ...); negative = from end.
     layer_formats: tuple[tuple[int, str, str], ...] = ()
+    scale_dtype: str = "float32"  # KV_SCALE_DTYPES
 
     def __post_init__(self) -> None:
         raw = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -322,12 +374,16 @@ class KVPlan:
             for e in raw["layer_formats"]
         ] if isinstance(raw["layer_formats"], list) else raw["layer_formats"]  # fmt: skip
         checked = _validated(_KVFields, raw, "kv")
+        scaled: set[str] = set()  # formats of tensors with page/token scales
         for fmt_key, axis_key in (("key_format", "key_axis"), ("value_format", "value_axis")):
             formats = {getattr(self, fmt_key)} | {
                 e.key_format if fmt_key == "key_format" else e.value_format
                 for e in checked.layer_formats
             }
             _check_kv_axis(axis_key, getattr(self, axis_key), formats)
+            if getattr(self, axis_key) not in STATIC_KV_AXES:
+                scaled |= {f for f in formats if FORMATS[f].scale_dtype is not None}
+        _check_scale_dtype(self.scale_dtype, scaled)
         object.__setattr__(self, "bf16_layers", tuple(checked.bf16_layers))
         object.__setattr__(
             self,
@@ -363,15 +419,18 @@ class KVPlan:
                 )
             return j
 
+        k_axis, v_axis, scale = self.key_axis, self.value_axis, self.scale_dtype
         if layer in {norm(i) for i in self.bf16_layers}:
-            return LayerKV("bf16", self.key_axis, "bf16", self.value_axis)
+            return LayerKV("bf16", k_axis, "bf16", v_axis, scale)
         for idx, kf, vf in self.layer_formats:
             if norm(idx) == layer:
-                return LayerKV(kf, self.key_axis, vf, self.value_axis)
-        return LayerKV(self.key_format, self.key_axis, self.value_format, self.value_axis)
+                return LayerKV(kf, k_axis, vf, v_axis, scale)
+        return LayerKV(self.key_format, k_axis, self.value_format, v_axis, scale)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.scale_dtype == "float32":  # the default is left out: fingerprints stay as they were
+            del d["scale_dtype"]
         d["bf16_layers"] = list(self.bf16_layers)
         if self.layer_formats:
             d["layer_formats"] = [
@@ -458,15 +517,29 @@ class QuantPlan:
     # ---------------------------------------------------------------- construction
     @classmethod
     def uniform(
-        cls, weights: str = "bf16", kv: str = "bf16", *, group_size: int | None = None
+        cls,
+        weights: str = "bf16",
+        kv: str = "bf16",
+        *,
+        group_size: int | None = None,
+        kv_scale_dtype: str | None = None,
     ) -> QuantPlan:
         """Every linear weight (embedding included) in `weights`, every KV layer in `kv` with
-        that format's default axes (`DEFAULT_KV_AXES`)."""
+        that format's default axes (`DEFAULT_KV_AXES`) and page/token scales stored as
+        `kv_scale_dtype` (None: the format's default, `DEFAULT_KV_SCALE_DTYPES`, else float32)."""
         rules = () if weights == "bf16" else (Rule(".*", weights, group_size=group_size),)
         key_axis, value_axis = DEFAULT_KV_AXES.get(kv, ("channel", "token"))
+        if kv_scale_dtype is None:
+            kv_scale_dtype = DEFAULT_KV_SCALE_DTYPES.get(kv, "float32")
         return cls(
             rules=rules,
-            kv=KVPlan(key_format=kv, key_axis=key_axis, value_format=kv, value_axis=value_axis),
+            kv=KVPlan(
+                key_format=kv,
+                key_axis=key_axis,
+                value_format=kv,
+                value_axis=value_axis,
+                scale_dtype=kv_scale_dtype,
+            ),
         )
 
     @property

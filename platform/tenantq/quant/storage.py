@@ -95,6 +95,9 @@ def kv_quant_args(spec: KVTensorSpec, head_dim: int) -> dict[str, Any]:
 # Unquantized KV (bf16-format pages, residual windows, sink copies) is stored in one of these.
 KV_STORE_DTYPES = {"bfloat16": 2, "float32": 4}  # name -> bytes per element
 _SCALE_DTYPES = {"float32": "float32", "e8m0": "uint8", "e4m3": "float8_e4m3fn"}
+# A plan's `kv.scale_dtype` -> (stored dtype, bytes) of page/token scales and int2 zero points
+# (E8M0 is held as its uint8 biased exponent, OCP Microscaling v1.0 sec. 5.4.1).
+KV_SCALE_STORAGE = {"float32": ("float32", 4), "bf16": ("bfloat16", 2), "e8m0": ("uint8", 1)}
 
 
 @dataclass(frozen=True)
@@ -122,9 +125,11 @@ class LayerKVStorage:
     page waits in a per-slot residual window of the storage dtype; "token": scales over
     head_dim, quantized at write time; "tensor"/"head": calibrated static scales held once
     per layer, `(1,)` or `(1, 1, kv_heads, 1)` so the head axis stays at index 2, and no
-    scale bytes in the page). int2 adds a float32 zero point per scale (a static one for
-    static axes). A quantized tensor keeps an unquantized copy of its first `sink_tokens`
-    tokens per slot. `arrays` is what the pool allocates; every byte figure is read from it.
+    scale bytes in the page). Page/token scales of fp8/int formats, and int2's zero point per
+    scale, are stored as the plan's `kv.scale_dtype` says (float32, bf16 or E8M0); static
+    scales and zero points are float32. A quantized tensor keeps an unquantized copy of its
+    first `sink_tokens` tokens per slot. `arrays` is what the pool allocates; every byte
+    figure is read from it.
     """
 
     layer: int
@@ -174,10 +179,14 @@ class LayerKVStorage:
             # [elements clipped, tokens written] since the pool was built (replicated)
             out.append(KVArray("clip_counts", "layer", (2,), "int32", 4))
         elif lay.scale_shape is not None:
-            dtype = _SCALE_DTYPES[fmt.scale_dtype]
-            out.append(KVArray("scales", "page", lay.scale_shape, dtype, fmt.scale_bytes))
-            if fmt.asymmetric_only:
-                out.append(KVArray("zero_points", "page", lay.scale_shape, "float32", 4))
+            stored = spec.stored_scale_dtype
+            if stored is None:  # the format's own block scales (MX E8M0, nvfp4 E4M3)
+                scale = (_SCALE_DTYPES[fmt.scale_dtype], fmt.scale_bytes)
+            else:
+                scale = KV_SCALE_STORAGE[stored]
+            out.append(KVArray("scales", "page", lay.scale_shape, *scale))
+            if fmt.asymmetric_only:  # int2: E8M0 is refused by the plan (symmetric only)
+                out.append(KVArray("zero_points", "page", lay.scale_shape, *scale))
         if fmt.has_tensor_scale:
             out.append(KVArray("tensor_scale", "page", (), "float32", 4))
         if spec.needs_residual:

@@ -9,6 +9,8 @@ parameter sets meaning the same thing share a fingerprint and are evaluated once
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +90,8 @@ def parameter_choices(
     if space.value_axes != ["token"]:  # a parameter only when searched (older studies: none)
         out["kv.value_axis"] = space.value_axes
     out["kv.sink_tokens"] = space.sink_tokens
+    if space.kv_scale_dtypes != ["float32"]:  # a parameter only when searched (older: none)
+        out["kv.scale_dtype"] = space.kv_scale_dtypes
     if space.kind != "sensitivity" or profile is None or not profile.kv_layer_order:
         out["kv.bf16_layers"] = space.kv_bf16_layers
     return out
@@ -181,7 +185,7 @@ def _canonical_kv(params: dict[str, Any], bf16_layers: tuple[int, ...], config: 
         return KVPlan()  # axis, sinks and bf16 layers cannot matter
     if len(layers) == n:
         return KVPlan()
-    return KVPlan(
+    kv = KVPlan(
         key_format=key,
         key_axis=_kv_axis(key, params["kv.key_axis"], 0),
         value_format=value,
@@ -189,6 +193,12 @@ def _canonical_kv(params: dict[str, Any], bf16_layers: tuple[int, ...], config: 
         sink_tokens=int(params["kv.sink_tokens"]),
         bf16_layers=layers,
     )
+    scale_dtype = params.get("kv.scale_dtype", "float32")
+    # the plan refuses a scale dtype that cannot apply (e8m0 with int2, MX/nvfp4, static
+    # axes only): float32 stays, so such parameters share the float32 plan's fingerprint
+    with contextlib.suppress(ValueError):
+        kv = dataclasses.replace(kv, scale_dtype=scale_dtype)
+    return kv
 
 
 def _kv_axis(fmt: str, axis: str, which: int) -> str:
@@ -226,6 +236,8 @@ def baseline_params(space: SpaceSpec, config: ModelConfig, profile=None) -> list
                 params[name] = "token" if "token" in opts else opts[0]
             elif name == "kv.sink_tokens":
                 params[name] = min(opts)
+            elif name == "kv.scale_dtype":
+                params[name] = "float32" if "float32" in opts else opts[0]
             elif name == "kv.bf16_layers":
                 params[name] = "none" if "none" in opts else opts[0]
         if all(_allowed(choices[k], v) for k, v in params.items()):

@@ -14,7 +14,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tenantq.quant.plan import ALGORITHM_NAMES, FORMAT_NAMES, KV_AXES, KV_FORMAT_NAMES
+from tenantq.quant.plan import (
+    ALGORITHM_NAMES,
+    FORMAT_NAMES,
+    KV_AXES,
+    KV_FORMAT_NAMES,
+    KV_SCALE_DTYPES,
+)
 
 REFERENCE_MODEL = "reference"  # the shipped checkpoint (tenantq.reference.reference_model_path)
 SAMPLERS = ("nsga2", "tpe", "gp", "random", "grid", "capacity_aware")
@@ -87,6 +93,11 @@ class SpaceSpec(_Strict):
     )
     value_axes: list[Literal[KV_AXES]] = Field(default_factory=lambda: ["token"])  # type: ignore[valid-type]
     sink_tokens: list[int] = Field(default_factory=lambda: [0, 4])
+    # Storage of page/token KV scales (quant.plan.KV_SCALE_DTYPES); where a choice cannot
+    # apply (e8m0 with int2, MX/nvfp4, static axes) the plan keeps float32.
+    kv_scale_dtypes: list[Literal[KV_SCALE_DTYPES]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: ["float32"]
+    )
     kv_bf16_layers: list[Literal[KV_BF16_LAYER_CHOICES]] = Field(  # type: ignore[valid-type]
         default_factory=lambda: ["none", "first_last"]
     )
@@ -100,6 +111,7 @@ class SpaceSpec(_Strict):
         "key_axes",
         "value_axes",
         "sink_tokens",
+        "kv_scale_dtypes",
         "kv_bf16_layers",
         "bf16_first_layers",
         "bf16_last_layers",

@@ -45,6 +45,7 @@ def flatten_plan(plan: QuantPlan, config: ModelConfig) -> dict[str, str]:
     out["kv.value_axis"] = kv.value_axis
     out["kv.sink_tokens"] = str(kv.sink_tokens)
     out["kv.bf16_layers"] = ",".join(map(str, kv.bf16_layers)) or "none"
+    out["kv.scale_dtype"] = kv.scale_dtype
     out["plan.rules"] = str(len(plan.rules))
     out["plan.fingerprint"] = plan.fingerprint()
     return out
