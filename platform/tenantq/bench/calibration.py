@@ -4,7 +4,9 @@ On the reference model: statistics collection (seconds per layer), then per deco
 the seconds each algorithm takes against RTN; then, for each algorithm and format, the
 layer output error ‖XW − XŴ‖² summed over every decoder linear on *held-out* calibration
 windows (their own Gram matrices) relative to RTN's, and the whole-model KL against bf16
-on held-out text (the reference test split) with a bootstrap CI. `--synthetic-8b` times
+on held-out text (the reference test split) with a bootstrap CI, plus the paired CI of
+KL(algorithm) − KL(RTN) on the same windows (resampled by window, the same draw for both:
+the test of "below RTN", which two overlapping unpaired CIs cannot decide). `--synthetic-8b` times
 one Llama-3.1-8B-shaped layer (hidden 4096, MLP 14336, 8 KV heads) with random weights
 and a Gram from random correlated inputs, to say what an 8B calibration costs here.
 """
@@ -144,9 +146,16 @@ def reference(args) -> dict:
                                      exact=True, top_k=64)  # fmt: skip
 
     def kl_of(quantized, plan):
+        """(CI of the mean KL, KL per window: the pairing unit for a contrast with RTN)."""
         cand = fidelity.compare(Engine(config, quantized, plan, **options), rows, base)
         kl_seq = cand["kl"].mean(axis=1)
-        return stats.paired_bootstrap(np.zeros_like(kl_seq), kl_seq, resamples=2000)
+        return stats.paired_bootstrap(np.zeros_like(kl_seq), kl_seq, resamples=2000), kl_seq
+
+    def vs_rtn(rtn_kl, kl) -> dict:
+        """Paired CI of mean KL − RTN's mean KL over the same windows."""
+        diff = stats.paired_bootstrap(rtn_kl, kl, resamples=2000)
+        return {"kl_minus_rtn": diff.delta, "kl_minus_rtn_ci_low": diff.ci_low,
+                "kl_minus_rtn_ci_high": diff.ci_high}  # fmt: skip
 
     quality = []
     for fmt, group in args.formats:
@@ -158,16 +167,17 @@ def reference(args) -> dict:
             for p in plan.resolve(config):
                 w_hat = cal.effective_weight(p, dequantize(quantized[p]), config)
                 err[p] = output_error(w_hat, params[p], held.for_path(p).gram)
-            ci = kl_of(quantized, plan)
-            results[algorithm] = (err, ci)
-        rtn_err, rtn_ci = results["rtn"]
-        for algorithm, (err, ci) in results.items():
+            ci, kl = kl_of(quantized, plan)
+            results[algorithm] = (err, ci, kl)
+        rtn_err, rtn_ci, rtn_kl = results["rtn"]
+        for algorithm, (err, ci, kl) in results.items():
             quality.append({
                 "format": fmt if group is None else f"{fmt} g{group}", "algorithm": algorithm,
                 "layer_error_vs_rtn": sum(err.values()) / sum(rtn_err.values()),
                 "tensors_below_rtn": sum(err[p] < rtn_err[p] for p in err), "tensors": len(err),
                 "kl_mean": ci.delta, "kl_ci_low": ci.ci_low, "kl_ci_high": ci.ci_high,
                 "kl_vs_rtn": ci.delta / rtn_ci.delta,
+                **({} if algorithm == "rtn" else vs_rtn(rtn_kl, kl)),
             })  # fmt: skip
     # SmoothQuant's own setting: W8A8 (int8 weights, int8 activations), activations scaled
     # per token at run time (dynamic) or by one calibrated scale per linear input (static:
@@ -176,15 +186,17 @@ def reference(args) -> dict:
 
     for scale, statistic in args.w8a8_scales:
         label = "W8A8 int8" + ("" if scale == "dynamic" else f" static {statistic}")
+        per_window = {}
         for algorithm in ("rtn", "smoothquant"):
             plan = QuantPlan(rules=(Rule("layers/.*", "int8", algorithm=algorithm,
                                          activations="int8", activation_scale=scale),))  # fmt: skip
             _, quantized = _quantize(params, plan, config, calib, args.awq_grid, statistic)
-            ci = kl_of(quantized, plan)
+            ci, per_window[algorithm] = kl_of(quantized, plan)
             quality.append({"format": label, "algorithm": algorithm, "kl_mean": ci.delta,
                             "kl_ci_low": ci.ci_low, "kl_ci_high": ci.ci_high})  # fmt: skip
         w8a8 = [q for q in quality if q["format"] == label]
         w8a8[1]["kl_vs_rtn"] = w8a8[1]["kl_mean"] / w8a8[0]["kl_mean"]
+        w8a8[1].update(vs_rtn(per_window["rtn"], per_window["smoothquant"]))
     out["quality"] = quality
     out["kl_set"] = list(rows.shape)
     return out
@@ -276,14 +288,19 @@ def _print(result: dict) -> None:
         print(f"quality vs RTN (layer error: held-out Gram, all decoder linears; KL: "
               f"{ref['kl_set'][0]} x {ref['kl_set'][1]} test-split tokens, 95% CI)")  # fmt: skip
         print(f"  {'format':<26} {'algorithm':<12} {'err/rtn':>8} {'below':>6} "
-              f"{'KL mean':>9} {'KL 95% CI':>21} {'KL/rtn':>7}")  # fmt: skip
+              f"{'KL mean':>9} {'KL 95% CI':>21} {'KL/rtn':>7} "
+              f"{'KL - rtn, paired 95% CI':>34}")  # fmt: skip
         for q in ref["quality"]:
             err = f"{q['layer_error_vs_rtn']:.3f}" if "layer_error_vs_rtn" in q else "-"
             below = f"{q['tensors_below_rtn']}/{q['tensors']}" if "tensors" in q else "-"
             ratio = f"{q['kl_vs_rtn']:.3f}" if "kl_vs_rtn" in q else "-"
             ci = f"[{q['kl_ci_low']:.2e}, {q['kl_ci_high']:.2e}]"
+            paired = "-"
+            if "kl_minus_rtn" in q:
+                paired = (f"{q['kl_minus_rtn']:+.2e} [{q['kl_minus_rtn_ci_low']:+.2e}, "
+                          f"{q['kl_minus_rtn_ci_high']:+.2e}]")  # fmt: skip
             print(f"  {q['format']:<26} {q['algorithm']:<12} {err:>8} {below:>6} "
-                  f"{q['kl_mean']:9.2e} {ci:>21} {ratio:>7}")  # fmt: skip
+                  f"{q['kl_mean']:9.2e} {ci:>21} {ratio:>7} {paired:>34}")  # fmt: skip
     syn = result.get("synthetic_8b")
     if syn:
         for name, row in syn["linears"].items():

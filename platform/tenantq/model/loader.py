@@ -11,15 +11,18 @@ Why not `safetensors.safe_open`: it validates headers too, but its errors name n
 file nor, for several faults, the tensor, and its numpy `get_tensor` copies every tensor.
 Here the header is validated completely first (`SafetensorsHeader`, with named messages);
 each tensor is then a read-only `np.memmap` of exactly the span the header gives it,
-checked for NaN/inf in cache-sized blocks (`read_tensor`; its cost is measured by
-`python -m tenantq.bench load`).
+checked for NaN/inf in cache-sized blocks (`read_tensor`) on one worker thread that runs a
+bounded distance ahead of the consumer (`_checked_stream`), so the check overlaps the
+consumer's copy; its cost is measured by `python -m tenantq.bench load`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -156,8 +159,10 @@ def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[s
 
     Every file's header is validated (`SafetensorsHeader`) and every expected tensor found
     with its config.json shape before the first tensor is read. Arrays are read-only
-    memory maps, checked for NaN/inf (`read_tensor`): a consumer that keeps one past the
-    next tensor must copy or convert it.
+    memory maps, each checked for NaN/inf (`read_tensor`) before it is yielded: the checks
+    run on a worker thread ahead of the consumer (`_checked_stream`), which is joined
+    before the stream ends or fails. A consumer that keeps an array past the next tensor
+    must copy or convert it.
     """
     from tenantq.model.decoder import check_supported
 
@@ -201,11 +206,60 @@ def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[s
                 f"tensor {hf} ({path}) in {file.name} has shape {list(entry.shape)}, "
                 f"expected {list(want_hf)} from config.json"
             )
-    for path, (hf, transpose) in names.items():
-        file = where[hf]
-        mapped = map_tensor(headers[file], headers[file].entries[hf])
-        yield path, read_tensor(mapped, f"tensor {hf} ({path}) in {file.name}", transpose)
-        del mapped
+    yield from _checked_stream(
+        (path, headers[where[hf]], hf, f"tensor {hf} ({path}) in {where[hf].name}", transpose)
+        for path, (hf, transpose) in names.items()
+    )
+
+
+# How far the checking thread may run ahead of the consumer: tensors mapped and checked but
+# not yet yielded. Enough to keep it busy (a check reads ~5x faster than a copy), small
+# enough that the checked pages are still in memory when the consumer copies them.
+_LOOKAHEAD_BYTES = 256 << 20
+
+
+def _checked_stream(
+    jobs: Iterable[tuple[str, SafetensorsHeader, str, str, bool]],
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(key, `read_tensor` result) per job `(key, header, tensor name, what, transpose)`,
+    in order, each checked before it is yielded.
+
+    One worker thread maps and checks the next tensors (up to `_LOOKAHEAD_BYTES` ahead, at
+    least one) while the consumer converts the current one; numpy's integer reductions and
+    jax's host-to-device copy both release the GIL, so on two cores the check costs CPU
+    time but little wall time. A failed check is raised (the first failing tensor in order)
+    at the next item the consumer asks for, before any later tensor is yielded. The thread
+    is joined when the stream ends, fails or is closed: none outlives it.
+    """
+    jobs = list(jobs)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenantq-finite-check")
+    pending: deque[tuple[str, int, Future[np.ndarray]]] = deque()
+    ahead_bytes, submitted = 0, 0
+    try:
+        for _ in range(len(jobs)):
+            while submitted < len(jobs) and (not pending or ahead_bytes < _LOOKAHEAD_BYTES):
+                key, header, name, what, transpose = jobs[submitted]
+                entry = header.entries[name]
+                future = pool.submit(_map_and_check, header, entry, what, transpose)
+                pending.append((key, entry.end - entry.begin, future))
+                ahead_bytes += entry.end - entry.begin
+                submitted += 1
+            for _key, _nbytes, ahead in pending:  # fail fast: a later tensor already failed
+                if ahead.done() and ahead.exception() is not None:
+                    ahead.result()
+            key, nbytes, future = pending.popleft()
+            array = future.result()
+            ahead_bytes -= nbytes
+            yield key, array
+            del array, future
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _map_and_check(
+    header: SafetensorsHeader, entry: TensorEntry, what: str, transpose: bool
+) -> np.ndarray:
+    return read_tensor(map_tensor(header, entry), what, transpose)
 
 
 def map_tensor(header: SafetensorsHeader, entry: TensorEntry) -> np.ndarray:
@@ -274,8 +328,9 @@ def iter_file(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
                 f"{path.name}: tensor {entry.name} has dtype {entry.dtype}, which the loader "
                 f"cannot read; readable: {', '.join(READABLE_DTYPES)}"
             )
-    for name, entry in header.entries.items():
-        yield name, read_tensor(map_tensor(header, entry), f"tensor {name} in {path.name}")
+    yield from _checked_stream(
+        (name, header, name, f"tensor {name} in {path.name}", False) for name in header.entries
+    )
 
 
 def load_params(folder: str | Path, config: ModelConfig, *, dtype: Any = "bfloat16") -> dict:

@@ -1,11 +1,12 @@
 """AWQ (Lin et al. 2024): protect the weight rows that see large activations by scaling them.
 
 Per input site, s = mean|x|^α (normalised by sqrt(max s · min s), as the authors' code
-does) for α on a grid in [0, 1); each α is scored by the consumers' output error
-‖XW − X Q(W·s)/s‖², computed exactly from the calibration Gram matrix, and the best s is
-folded into the producer (`folding.fold`). α = 0 is plain rounding, so the chosen scale
-never does worse than RTN on the calibration set. Then, optionally, each group's clipping
-range is searched (amax · r, r from 1 down to 0.5) on the same error, group by group.
+does) for α on a grid in [0, 1); each α is scored by the output error ‖XW − XŴ‖², computed
+exactly from the calibration Gram matrix, of every tensor the fold changes (the consumers,
+and a producer that is itself a quantized linear), and the best s is folded into the
+producer (`folding.fold`). Then, optionally, each group's range is searched on the same
+error: a clipping ratio (amax · r, r from 1 down to 0.5) for int/nvfp4, the block's E8M0
+exponent for MX formats (`exponent_search`, which also scores α there).
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ from tenantq.numerics import (
 )
 from tenantq.quant.apply import register_algorithm
 from tenantq.quant.calibration import InputStats
-from tenantq.quant.folding import FoldSite, share_within_groups
+from tenantq.quant.folding import FoldSite, share_within_groups, source_column_scale
 from tenantq.quant.plan import TensorQuant
 
 DEFAULT_GRID = 20  # α in {0, 1/20, ..., 19/20}, the authors' grid
 CLIP_RATIOS = tuple(1.0 - 0.025 * k for k in range(21))  # 1.0 ... 0.5
+# E8M0 exponents tried per MX block, relative to the OCP rule's floor(log2 amax) - emax_elem.
+MX_EXPONENT_STEPS = (0, 1, -1)
 
 
 def output_error(w_hat, w, gram) -> float:
@@ -46,6 +49,15 @@ def _rtn(w, how: TensorQuant) -> np.ndarray:
     return np.asarray(dequantize(q))
 
 
+def _scored(w, how: TensorQuant, gram: np.ndarray, clip: bool) -> np.ndarray:
+    """What the search takes `w` to become: for awq at an MX format with `clip`, the
+    exponent search (three roundings, cheap); otherwise plain rounding, as the authors'
+    scale search does before its separate clipping search."""
+    if clip and how.algorithm == "awq" and get_format(how.format).family == "mx":
+        return np.asarray(dequantize(exponent_search(w, how, gram)))
+    return _rtn(w, how)
+
+
 def search_scale(
     params: Mapping[str, Any],
     config: ModelConfig,
@@ -54,11 +66,19 @@ def search_scale(
     plans: Mapping[str, TensorQuant],
     *,
     grid: int = DEFAULT_GRID,
+    clip: bool = True,
+    source: tuple[TensorQuant, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, float]:
     """AWQ's s for one site and its α: the grid point with the least summed output error.
 
     `plans` holds the TensorQuant of each consumer that AWQ quantizes; consumers the plan
-    leaves in bf16 are not scored (they stay exact whatever s is).
+    leaves in bf16 are not scored (they stay exact whatever s is). `source`: the producer's
+    TensorQuant and the Gram of its own input, when the producer is a linear (v_proj for
+    o_proj, up_proj for down_proj) that the plan quantizes: its columns are divided by s,
+    which changes its rounding wherever block scales are powers of two (MX), so its error
+    is scored too. α = 0 (s = 1) leaves every tensor as it was, so the chosen s never
+    raises the scored error; at MX formats, scored with `exponent_search` as the tensors
+    will be quantized, that error is the one `awq_weight` then gives.
     """
     magnitude = share_within_groups(config, site, stats.mean_abs).astype(np.float64)
     magnitude = np.maximum(magnitude, 1e-8)  # a channel that never fires: tiny, not zero
@@ -69,23 +89,33 @@ def search_scale(
         s = magnitude**alpha
         s = s / np.sqrt(s.max() * s.min())
         s32 = s.astype(np.float32)
+        folded_gram = stats.gram / np.outer(s, s)
         err = sum(
-            output_error(_rtn(w * s32[:, None], plans[p]) / s32[:, None], w, stats.gram)
+            output_error(
+                _scored(w * s32[:, None], plans[p], folded_gram, clip) / s32[:, None],
+                w,
+                stats.gram,
+            )
             for p, w in weights.items()
         )
+        if source is not None:
+            how, gram = source
+            w = np.asarray(params[site.source], np.float32)
+            t = source_column_scale(config, site, s).astype(np.float32)
+            err += output_error(_scored(w / t, how, gram, clip) * t, w, gram)
         if err < best[0]:
             best = (err, s, alpha)
     return best[1], best[2]
 
 
 def _block_diagonal(gram: np.ndarray, group: int) -> np.ndarray:
-    """The [groups, g, g] diagonal blocks of G (zero-padded to whole groups)."""
+    """The [groups, g, g] diagonal blocks of G (a partial last block zero-padded)."""
     n = gram.shape[0]
     groups = -(-n // group)
-    padded = np.zeros((groups * group, groups * group))
-    padded[:n, :n] = gram
-    idx = np.arange(groups)[:, None] * group + np.arange(group)[None, :]
-    return padded[idx[:, :, None], idx[:, None, :]]
+    idx = np.minimum(np.arange(groups)[:, None] * group + np.arange(group)[None, :], n - 1)
+    real = (np.arange(groups)[:, None] * group + np.arange(group)[None, :]) < n
+    blocks = gram[idx[:, :, None], idx[:, None, :]]
+    return np.where(real[:, :, None] & real[:, None, :], blocks, 0.0)
 
 
 @jax.jit
@@ -138,6 +168,60 @@ def clip_search(weight, how: TensorQuant, gram: np.ndarray, ratios=CLIP_RATIOS) 
     )
 
 
+def column_errors(delta, gram: np.ndarray) -> np.ndarray:
+    """Per output column c: ‖X Δ[:, c]‖² = Δ[:, c]ᵀ G Δ[:, c] (float64)."""
+    d = np.asarray(delta, np.float64)
+    return np.einsum("ic,ic->c", d, gram @ d)
+
+
+def exponent_search(weight, how: TensorQuant, gram: np.ndarray, steps=MX_EXPONENT_STEPS) -> QArray:
+    """MX formats: each block's E8M0 exponent chosen among the OCP rule's and its
+    neighbours by output error, where a clipping ratio could only shrink the range.
+
+    OCP MX v1.0 (section 6.3) sets a block's scale to 2^(floor(log2 amax) - emax_elem):
+    amax lands in [4, 8) x scale for E2M1 (in [256, 512) for E4M3), whose largest value is 6
+    (448), so the top of the block saturates, by up to 25%; and an amax shrunk by a ratio
+    in [0.5, 1) lowers the exponent by one or leaves it unchanged. So the search is over
+    exponents: one up (nothing saturates, half the resolution), the OCP rule's, one down
+    (more saturation, finer steps), scored per (block, output column) on the block's own
+    Gram block. Per column, the choice is then kept only where the full Gram (cross-block
+    terms included) agrees it beats the OCP scales, so the result's ‖XW − XŴ‖² on the
+    calibration Gram never exceeds plain rounding's (RTN), column by column.
+    """
+    w = jnp.asarray(weight, jnp.float32)
+    fmt = get_format(how.format)
+    if fmt.family != "mx":
+        raise ValueError(f"{how.path}: the exponent search is for MX formats, not {fmt.name}")
+    n, out = w.shape
+    group = fmt.block_size
+    blocks = jnp.asarray(_block_diagonal(gram, group), jnp.float32)
+    groups = blocks.shape[0]
+    pad = groups * group - n
+    ocp = jnp.asarray(compute_scale_zero_point(w, fmt, axis=0)[0], jnp.int32)
+
+    def rounded(codes):  # codes stay inside E8M0's finite range [0, 254]
+        codes = jnp.clip(codes, 0, 254).astype(jnp.uint8)
+        return codes, dequantize(quantize_with_scale_zero_point(w, fmt, codes, None, axis=0))
+
+    best_err = jnp.full((groups, out), jnp.inf)
+    best_codes = ocp
+    for step in steps:  # the OCP rule first: a tie keeps it
+        codes, q = rounded(ocp + step)
+        delta = jnp.pad(q - w, ((0, pad), (0, 0))).reshape(groups, group, out)
+        err = _group_errors(delta, blocks)
+        better = err < best_err
+        best_err = jnp.where(better, err, best_err)
+        best_codes = jnp.where(better, codes.astype(jnp.int32), best_codes)
+    w64 = np.asarray(w, np.float64)
+    ocp_codes, ocp_q = rounded(ocp)
+    searched_codes, searched_q = rounded(best_codes)
+    keep = column_errors(np.asarray(searched_q) - w64, gram) <= column_errors(
+        np.asarray(ocp_q) - w64, gram
+    )
+    codes = jnp.where(jnp.asarray(keep)[None, :], searched_codes, ocp_codes)
+    return quantize_with_scale_zero_point(w, fmt, codes, None, axis=0)
+
+
 @register_algorithm("awq")
 def awq_weight(
     weight, how: TensorQuant, *, gram=None, awq_scaled: bool = False, clip: bool = True, **_: Any
@@ -154,4 +238,6 @@ def awq_weight(
     if not clip:
         return quantize(weight, how.format, axis=0, group_size=how.group_size,
                         symmetric=how.symmetric)  # fmt: skip
+    if get_format(how.format).family == "mx":
+        return exponent_search(weight, how, np.asarray(gram, np.float64))
     return clip_search(weight, how, np.asarray(gram, np.float64))

@@ -99,8 +99,9 @@ def prepare(
         elif folding == ["awq"]:
             plans = {p: resolved[p] for p in consumers if p in resolved}
             s, out.awq_alphas[name] = awq.search_scale(
-                out.params, config, foldable[name], site_stats, plans, grid=awq_grid
-            )
+                out.params, config, foldable[name], site_stats, plans, grid=awq_grid,
+                clip=awq_clip, source=_awq_source(out, foldable[name].source, resolved, stats),
+            )  # fmt: skip
         if folding:
             out.params = fold(out.params, config, foldable[name], s)
             site_stats = folded_stats(site_stats, s)
@@ -118,6 +119,16 @@ def prepare(
                 per_channel = getattr(site_stats, static_statistic)
                 out.inputs.setdefault(path, {})["act_amax"] = float(np.max(per_channel))
     return out
+
+
+def _awq_source(out: Calibrated, source: str, resolved, stats: CalibrationStats):
+    """(TensorQuant, Gram of its input as folded so far) of a producer that the plan
+    quantizes by rounding (rtn, awq), which AWQ's search then scores; else None."""
+    how = resolved.get(source)
+    if how is None or how.algorithm not in ("rtn", "awq"):
+        return None
+    own = stats.for_path(source)
+    return how, out.site_stats.get(own.site, own).gram
 
 
 def _static(how) -> bool:
