@@ -1,14 +1,15 @@
-"""The one jit-compiled forward step, and the cache of its executables by layout.
+"""The engine's forward step as a chain of small executables, each compiled once per layout.
 
-Prefill, decode and scoring run the same body (tokens [B, S] at positions [B, S] through the
-decoder and the KV cache; it returns the hidden states and the last real token's logits);
-full logits for scoring come from a small per-layout head on those hidden states, so one
-body executable serves every output. Executables are compiled ahead of time and kept per
-(model layout, cache layout, shapes), where the model layout is the NNX graph plus the
-params' tree structure and leaf shapes/dtypes: formats live in that structure, so a trial
-whose plan reuses a layout reuses the executable, and compile time is measured apart from
-run time. Decode steps share one shape: the batch padded to the cache's `max_seqs`, the KV
-window at least `DECODE_MIN_KV_TOKENS`.
+A step (tokens [B, S] at positions [B, S] through the decoder and the KV cache) runs `embed`;
+per layer `pre` (norm, q/k/v, RoPE), `kv` (write this step's K/V into that layer's cache, read
+it back, attend), `o` (output projection + residual), `mlp` (norm, MLP + residual); `final`
+(final norm, the last real token's logits and argmax); and for full logits `head`. A piece is
+compiled ahead of time per (its own modules' layout: graph, tree, leaf shapes/dtypes/shardings;
+its static settings; its inputs' shapes), so weight formats and KV formats key only the pieces
+they touch: layers stored alike share executables, and a plan compiles only the pieces no
+earlier plan had (on XLA:CPU a layer's compile is mostly its KV write/read code). Compile time
+is measured apart from run time. Decode steps share one shape: the batch padded to the cache's
+`max_seqs`, the KV window at least `DECODE_MIN_KV_TOKENS`.
 """
 
 from __future__ import annotations
@@ -25,32 +26,66 @@ import numpy as np
 from flax import nnx
 
 from tenantq.engine.cache import CacheView
+from tenantq.model.decoder import cached_attention, head_logits, mlp_residual, output_projection
 
 # "all": (logits [B, S, V], log p(targets[b, t] | tokens[b, :t+1]) [B, S]);
 # "last": (logits of each row's last real token [B, V], their argmax [B]).
 OUTPUTS = ("all", "last")
 
 
-def _body(graphdef, cache_layout, kv_tokens, state, cache_state, table, tokens, positions, valid):
-    """Hidden states [B, S, D], the last real token's logits [B, V] and their argmax [B]."""
-    model = nnx.merge(graphdef, state)
-    view = CacheView(cache_layout, cache_state, table, positions, valid, kv_tokens)
-    hidden = model(tokens, positions, view)
+def _embed(graphdef, state, tokens):
+    (embed,) = nnx.merge(graphdef, state)
+    return embed(tokens)
+
+
+def _pre(graphdef, state, x, positions):
+    """q [B, S, H, d], k and v [B, S, Hkv, d] of the layer input x [B, S, D]."""
+    norm, qkv = nnx.merge(graphdef, state)
+    return qkv(norm(x), positions)
+
+
+def _kv(layout, kv_tokens, window, layer_state, table, positions, valid, q, k, v):
+    """Attention output [B, S, H, d] through one layer's cache, and that layer's new state."""
+    view = CacheView(layout, layer_state, table, positions, valid, kv_tokens)
+    return cached_attention(q, k, v, positions, view, 0, window), view.state
+
+
+def _o(graphdef, state, x, out):
+    (o_proj,) = nnx.merge(graphdef, state)
+    return x + output_projection(o_proj, out)
+
+
+def _mlp(graphdef, state, x):
+    norm, mlp = nnx.merge(graphdef, state)
+    return mlp_residual(norm, mlp, x)
+
+
+def _final(graphdef, state, x, valid):
+    """Final hidden states [B, S, D], the last real token's logits [B, V], their argmax [B]."""
+    norm, head = nnx.merge(graphdef, state)
+    hidden = norm(x)
     last = jnp.maximum(valid.sum(axis=1) - 1, 0)
-    logits = model.logits(hidden[jnp.arange(hidden.shape[0]), last])
-    return (hidden, logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)), view.state
+    logits = head_logits(head, hidden[jnp.arange(hidden.shape[0]), last])
+    return hidden, logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def _head(graphdef, state, hidden, targets):
     """Logits [B, S, V] of every position and log p(targets[b, t] | tokens[b, :t+1]) [B, S]."""
-    model = nnx.merge(graphdef, state)
-    logits = model.logits(hidden)
+    (head,) = nnx.merge(graphdef, state)
+    logits = head_logits(head, hidden)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return logits, jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-_BODY = jax.jit(_body, static_argnums=(0, 1, 2), donate_argnums=(4,))
-_HEAD = jax.jit(_head, static_argnums=(0,))
+_PIECES = {
+    "embed": jax.jit(_embed, static_argnums=0),
+    "pre": jax.jit(_pre, static_argnums=0),
+    "kv": jax.jit(_kv, static_argnums=(0, 1, 2), donate_argnums=(3,)),
+    "o": jax.jit(_o, static_argnums=0),
+    "mlp": jax.jit(_mlp, static_argnums=0),
+    "final": jax.jit(_final, static_argnums=0),
+    "head": jax.jit(_head, static_argnums=0),
+}
 # A decode step reads at least this many KV tokens (or the cache's whole window if shorter),
 # so every decode of sequences up to this length runs one executable; longer windows grow
 # in powers of two rather than reading a long context's whole window at every step.
@@ -59,7 +94,8 @@ DECODE_MIN_KV_TOKENS = 1024
 
 @dataclasses.dataclass
 class StepStats:
-    """Seconds spent compiling and running, and tokens processed, since the last reset."""
+    """Seconds spent compiling and running, and tokens processed, since the last reset.
+    `compiles` counts executables (pieces) compiled."""
 
     compiles: int = 0
     compile_s: float = 0.0
@@ -77,16 +113,63 @@ class StepStats:
             setattr(self, f.name, f.default)
 
 
-# ("body", model layout id, cache layout, kv_tokens, input shapes) or ("head", model layout
-# id, shapes) -> compiled executable,
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """The modules one executable merges: their graph, their state, and a layout id."""
+
+    layout: int
+    graphdef: Any
+    state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPieces:
+    pre: Piece  # input norm + q/k/v (+ q/k norms) + RoPE
+    o: Piece  # o_proj
+    mlp: Piece  # post-attention norm + MLP
+    window: int | None  # sliding-window length of this layer's attention, None: global
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitModel:
+    """A `Decoder` cut into the pieces a step runs (same arrays: nothing is copied)."""
+
+    embed: Piece
+    layers: tuple[LayerPieces, ...]
+    final: Piece  # final norm + head
+    head: Piece  # lm_head, or the embedding when tied
+
+
+def split_model(model) -> SplitModel:
+    """The pieces of a `tenantq.model.decoder.Decoder`, each with its layout id."""
+
+    def piece(*modules) -> Piece:
+        graphdef, state = nnx.split(modules)
+        return Piece(layout_id(graphdef, state), graphdef, state)
+
+    layers = tuple(
+        LayerPieces(
+            piece(block.input_norm, block.attn.qkv),
+            piece(block.attn.o_proj),
+            piece(block.post_attn_norm, block.mlp),
+            block.attn.window,
+        )  # fmt: skip
+        for block in model.layers
+    )
+    return SplitModel(
+        piece(model.embed), layers, piece(model.final_norm, model.head), piece(model.head)
+    )
+
+
+# (piece name, layout id or None, static settings, input signature) -> compiled executable,
 # least recently used first; bounded so a long study over many layouts does not grow forever.
 _EXECUTABLES: OrderedDict[tuple, Any] = OrderedDict()
-MAX_EXECUTABLES = 256
+MAX_EXECUTABLES = 1024
 _LAYOUT_IDS: dict[tuple, int] = {}
 
 
 def layout_id(graphdef, state) -> int:
-    """A small int naming the model layout (hashing the graph once, not every step).
+    """A small int naming a modules' layout (hashing the graph once, not every step).
 
     The layout includes each leaf's sharding: the same plan placed over a different mesh
     (or over none) compiles to different executables."""
@@ -105,9 +188,7 @@ def compiled_count() -> int:
 
 def run_step(
     *,
-    layout: int,
-    graphdef,
-    state,
+    model: SplitModel,
     cache,
     output: str,
     kv_tokens: int,
@@ -127,20 +208,46 @@ def run_step(
         table, tokens, positions, valid = _pad_rows(
             cache, cache.max_seqs - rows, table, tokens, positions, valid
         )
-    args = (state, cache.state, table, tokens, positions, valid)
-    shapes = tuple(tuple(a.shape) for a in (table, tokens))
-    body = _compiled(
-        ("body", layout, cache.layout, kv_tokens, shapes), stats,
-        lambda: _BODY.lower(graphdef, cache.layout, kv_tokens, *args),
-    )  # fmt: skip
-    (hidden, logits, top1), cache.state = body(*args)
+    # on the device once per step, not once per piece
+    table, tokens, positions, valid = (jnp.asarray(a) for a in (table, tokens, positions, valid))
+    x = _run(stats, "embed", model.embed, (), tokens)
+    for i, layer in enumerate(model.layers):
+        q, k, v = _run(stats, "pre", layer.pre, (), x, positions)
+        view = _layer_view(cache.layout, i)
+        out, (new,) = _run(
+            stats, "kv", None, (view, kv_tokens, layer.window), (cache.state[i],), table,
+            positions, valid, q, k, v,
+        )  # fmt: skip
+        cache.state = (*cache.state[:i], new, *cache.state[i + 1 :])
+        x = _run(stats, "o", layer.o, (), x, out)
+        x = _run(stats, "mlp", layer.mlp, (), x)
+    hidden, logits, top1 = _run(stats, "final", model.final, (), x, valid)
     if output == "last":
         return logits[:rows], top1[:rows]
-    head = _compiled(
-        ("head", layout, tuple(hidden.shape), tuple(targets.shape)), stats,
-        lambda: _HEAD.lower(graphdef, state, hidden, targets),
-    )  # fmt: skip
-    return head(state, hidden, targets)
+    return _run(stats, "head", model.head, (), hidden, jnp.asarray(targets))
+
+
+def _run(stats: StepStats, name: str, piece: Piece | None, static: tuple, *arrays):
+    """Call piece `name` (modules `piece`, settings `static`) on `arrays`, compiling the
+    executable on first use of this (layout, settings, input signature)."""
+    if piece is None:  # no modules (the KV piece): every input is in the signature
+        statics, inputs, key = static, arrays, (name, static, _signature(arrays))
+    else:
+        statics, inputs = (piece.graphdef, *static), (piece.state, *arrays)
+        key = (name, piece.layout, static, _signature(arrays))
+    compiled = _compiled(key, stats, lambda: _PIECES[name].lower(*statics, *inputs))
+    return compiled(*inputs)
+
+
+def _signature(arrays) -> tuple:
+    return tuple(
+        (x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree_util.tree_leaves(arrays)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_view(layout, layer: int):
+    return layout.layer_view(layer)
 
 
 def _pad_rows(cache, extra: int, table, tokens, positions, valid):

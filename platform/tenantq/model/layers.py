@@ -109,11 +109,13 @@ def matmul(x: jax.Array, w, *, dtype, activations: str | None = None, transpose:
 
 
 class Linear(nnx.Module):
-    """y = x @ W (+ b), W stored [in, out] (plain or quantized), bias in full precision."""
+    """y = x @ W (+ b), W stored [in, out] (plain or quantized), bias in full precision.
+
+    `path` only names the tensor in errors; it is not kept, so linears of equal formats in
+    different layers have equal graphs (and share compiled engine steps)."""
 
     def __init__(self, path: str, weight, bias=None, *, dtype, activations: str | None = None):
         _check_w8a8(path, weight, 0, activations)
-        self.path = path
         self.weight = nnx.Param(weight)
         self.bias = None if bias is None else nnx.Param(bias)
         self.dtype = dtype
