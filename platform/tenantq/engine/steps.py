@@ -1,14 +1,15 @@
 """The engine's forward step as a chain of small executables, each compiled once per layout.
 
 A step (tokens [B, S] at positions [B, S] through the decoder and the KV cache) runs `embed`;
-per layer `pre` (norm, q/k/v, RoPE), `kv` (write this step's K/V into that layer's cache, read
-it back, attend), `o` (output projection + residual), `mlp` (norm, MLP + residual); `final`
-(final norm, the last real token's logits and argmax); and for full logits `head`. A piece is
-compiled ahead of time per (its own modules' layout: graph, tree, leaf shapes/dtypes/shardings;
-its static settings; its inputs' shapes), so weight formats and KV formats key only the pieces
-they touch: layers stored alike share executables, and a plan compiles only the pieces no
-earlier plan had (on XLA:CPU a layer's compile is mostly its KV write/read code). Compile time
-is measured apart from run time. Decode steps share one shape: the batch padded to the cache's
+per layer `pre` (norm, q/k/v), `kv` (q/k norms, RoPE, this step's K/V written into that
+layer's cache and read back, attention), `o` (o_proj + residual), `mlp` (norm, MLP +
+residual); `final` (final norm, the last real token's logits and argmax); for full logits
+`head`. A piece is compiled ahead of time per (its own modules' layout: graph, tree, leaf
+shapes/dtypes/shardings; its static settings; its inputs' shapes), so a weight format or a KV
+format keys only the pieces it touches: layers stored alike share executables, and a plan
+compiles only the pieces no earlier plan had (on XLA:CPU a layer's compile is mostly its KV
+write/read code). The cuts lie where XLA's fusion cannot change the numbers: the pieces give
+the whole-model step's bits. Decode steps share one shape: the batch padded to the cache's
 `max_seqs`, the KV window at least `DECODE_MIN_KV_TOKENS`.
 """
 
@@ -38,16 +39,19 @@ def _embed(graphdef, state, tokens):
     return embed(tokens)
 
 
-def _pre(graphdef, state, x, positions):
-    """q [B, S, H, d], k and v [B, S, Hkv, d] of the layer input x [B, S, D]."""
+def _pre(graphdef, state, x):
+    """q [B, S, H, d], k and v [B, S, Hkv, d] (before q/k norms and RoPE) of x [B, S, D]."""
     norm, qkv = nnx.merge(graphdef, state)
-    return qkv(norm(x), positions)
+    return qkv(norm(x))
 
 
-def _kv(layout, kv_tokens, window, layer_state, table, positions, valid, q, k, v):
-    """Attention output [B, S, H, d] through one layer's cache, and that layer's new state."""
+def _kv(graphdef, layout, kv_tokens, window, rope, state, layer_state, table, positions, valid,
+        q, k, v):  # fmt: skip
+    """Attention output [B, S, H, d] through one layer's cache, and that layer's new state
+    (`graphdef`/`state`: the layer's q/k norms, or (None, None))."""
     view = CacheView(layout, layer_state, table, positions, valid, kv_tokens)
-    return cached_attention(q, k, v, positions, view, 0, window), view.state
+    qk_norms = nnx.merge(graphdef, state)
+    return cached_attention(qk_norms, q, k, v, positions, view, 0, window, rope), view.state
 
 
 def _o(graphdef, state, x, out):
@@ -80,7 +84,7 @@ def _head(graphdef, state, hidden, targets):
 _PIECES = {
     "embed": jax.jit(_embed, static_argnums=0),
     "pre": jax.jit(_pre, static_argnums=0),
-    "kv": jax.jit(_kv, static_argnums=(0, 1, 2), donate_argnums=(3,)),
+    "kv": jax.jit(_kv, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6,)),
     "o": jax.jit(_o, static_argnums=0),
     "mlp": jax.jit(_mlp, static_argnums=0),
     "final": jax.jit(_final, static_argnums=0),
@@ -124,10 +128,12 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class LayerPieces:
-    pre: Piece  # input norm + q/k/v (+ q/k norms) + RoPE
+    pre: Piece  # input norm + q/k/v
+    kv: Piece  # q/k norms (Qwen3), or (None, None)
     o: Piece  # o_proj
     mlp: Piece  # post-attention norm + MLP
     window: int | None  # sliding-window length of this layer's attention, None: global
+    rope: tuple  # `rope_settings`, applied in the KV piece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +156,11 @@ def split_model(model) -> SplitModel:
     layers = tuple(
         LayerPieces(
             piece(block.input_norm, block.attn.qkv),
+            piece(block.attn.q_norm, block.attn.k_norm),
             piece(block.attn.o_proj),
             piece(block.post_attn_norm, block.mlp),
             block.attn.window,
+            block.attn.rope,
         )  # fmt: skip
         for block in model.layers
     )
@@ -212,12 +220,11 @@ def run_step(
     table, tokens, positions, valid = (jnp.asarray(a) for a in (table, tokens, positions, valid))
     x = _run(stats, "embed", model.embed, (), tokens)
     for i, layer in enumerate(model.layers):
-        q, k, v = _run(stats, "pre", layer.pre, (), x, positions)
-        view = _layer_view(cache.layout, i)
+        q, k, v = _run(stats, "pre", layer.pre, (), x)
+        settings = (_layer_view(cache.layout, i), kv_tokens, layer.window, layer.rope)
         out, (new,) = _run(
-            stats, "kv", None, (view, kv_tokens, layer.window), (cache.state[i],), table,
-            positions, valid, q, k, v,
-        )  # fmt: skip
+            stats, "kv", layer.kv, settings, (cache.state[i],), table, positions, valid, q, k, v
+        )
         cache.state = (*cache.state[:i], new, *cache.state[i + 1 :])
         x = _run(stats, "o", layer.o, (), x, out)
         x = _run(stats, "mlp", layer.mlp, (), x)
@@ -227,16 +234,12 @@ def run_step(
     return _run(stats, "head", model.head, (), hidden, jnp.asarray(targets))
 
 
-def _run(stats: StepStats, name: str, piece: Piece | None, static: tuple, *arrays):
+def _run(stats: StepStats, name: str, piece: Piece, static: tuple, *arrays):
     """Call piece `name` (modules `piece`, settings `static`) on `arrays`, compiling the
     executable on first use of this (layout, settings, input signature)."""
-    if piece is None:  # no modules (the KV piece): every input is in the signature
-        statics, inputs, key = static, arrays, (name, static, _signature(arrays))
-    else:
-        statics, inputs = (piece.graphdef, *static), (piece.state, *arrays)
-        key = (name, piece.layout, static, _signature(arrays))
-    compiled = _compiled(key, stats, lambda: _PIECES[name].lower(*statics, *inputs))
-    return compiled(*inputs)
+    key = (name, piece.layout, static, _signature(arrays))
+    lower = functools.partial(_PIECES[name].lower, piece.graphdef, *static, piece.state, *arrays)
+    return _compiled(key, stats, lower)(piece.state, *arrays)
 
 
 def _signature(arrays) -> tuple:

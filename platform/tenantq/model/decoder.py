@@ -20,7 +20,14 @@ import numpy as np
 from flax import nnx
 
 from tenantq.model.config import ENGINE_MODEL_TYPES, ModelConfig
-from tenantq.model.layers import Embedding, Linear, RMSNorm, apply_rope, rope_inv_freq
+from tenantq.model.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    apply_rope,
+    rope_frequencies,
+    rope_settings,
+)
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 
@@ -50,9 +57,10 @@ def check_supported(config: ModelConfig) -> None:
 
 
 class QKV(nnx.Module):
-    """q/k/v projections, Qwen3's per-head q/k norms, RoPE: [B, S, hidden] -> q [B, S, H, d],
-    k and v [B, S, Hkv, d]. Holds nothing layer-specific but its weights, so layers with
-    equal formats share one graph (and one compiled engine step)."""
+    """q/k/v projections (with Qwen2's biases): [B, S, hidden] -> q [B, S, H, d], k and v
+    [B, S, Hkv, d]; q/k norms and RoPE come after, in `cached_attention`. Holds nothing
+    layer-specific but its weights, so layers with equal formats share one graph (and one
+    compiled engine step)."""
 
     def __init__(self, config: ModelConfig, layer: int, params, *, dtype, activations):
         p = f"layers/{layer}/attn"
@@ -67,6 +75,21 @@ class QKV(nnx.Module):
         self.q_proj = linear("q_proj", "q_bias")
         self.k_proj = linear("k_proj", "k_bias")
         self.v_proj = linear("v_proj", "v_bias")
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+
+    def __call__(self, x: jax.Array):
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, layer: int, params, *, dtype, activations):
+        p = f"layers/{layer}/attn"
+        self.qkv = QKV(config, layer, params, dtype=dtype, activations=activations)
         eps = config.rms_norm_eps
         self.q_norm = (
             RMSNorm(params[f"{p}/q_norm"], eps=eps, dtype=dtype) if config.qk_norm else None
@@ -74,43 +97,37 @@ class QKV(nnx.Module):
         self.k_norm = (
             RMSNorm(params[f"{p}/k_norm"], eps=eps, dtype=dtype) if config.qk_norm else None
         )
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.config = config
-
-    def __call__(self, x: jax.Array, positions: jax.Array):
-        b, s, _ = x.shape
-        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_inv_freq(self.config)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
-
-
-class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, layer: int, params, *, dtype, activations):
-        p = f"layers/{layer}/attn"
-        self.qkv = QKV(config, layer, params, dtype=dtype, activations=activations)
         self.o_proj = Linear(
             f"{p}/o_proj", params[f"{p}/o_proj"], dtype=dtype,
             activations=activations.get(f"{p}/o_proj"),
         )  # fmt: skip
         self.layer = layer
         self.window = config.sliding_window if config.layer_types[layer] == "sliding" else None
+        self.rope = rope_settings(config)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, kv: KVAccess, segments: jax.Array | None = None
     ) -> jax.Array:
-        q, k, v = self.qkv(x, positions)
-        out = cached_attention(q, k, v, positions, kv, self.layer, self.window, segments)
+        q, k, v = self.qkv(x)
+        out = cached_attention(
+            (self.q_norm, self.k_norm), q, k, v, positions, kv, self.layer, self.window,
+            self.rope, segments,
+        )  # fmt: skip
         return output_projection(self.o_proj, out)
 
 
-def cached_attention(q, k, v, positions, kv: KVAccess, layer: int, window, segments=None):
-    """Write this step's k/v [B, S, Hkv, d] into `kv`'s `layer`, attend over what it reads
-    back (never the fresh projections): [B, S, H, d] float32."""
+def cached_attention(
+    qk_norms, q, k, v, positions, kv: KVAccess, layer: int, window, rope, segments=None
+):
+    """Qwen3's per-head norms (`qk_norms`: (q_norm, k_norm) or (None, None)) and RoPE
+    (`rope`: `rope_settings`) on q [B, S, H, d] and k [B, S, Hkv, d]; k/v written into
+    `kv`'s `layer`; attention over what it reads back (never the fresh projections):
+    [B, S, H, d] float32."""
+    q_norm, k_norm = qk_norms
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    inv_freq = rope_frequencies(rope)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     kv.write(layer, k, v)
     keys, values, key_pos = kv.read(layer)
     return attend(q, keys, values, positions, key_pos, window, segments=segments)

@@ -212,8 +212,18 @@ def _inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def rope_settings(config: ModelConfig) -> tuple:
+    """All RoPE depends on, hashable (a static jit argument): (head_dim, theta, scaling)."""
+    return (config.head_dim, config.rope_theta, config.rope_scaling_items)
+
+
+def rope_frequencies(settings: tuple) -> np.ndarray:
+    """inv_freq [head_dim / 2] float32 of `rope_settings`."""
+    return _inv_freq(*settings)
+
+
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    return _inv_freq(config.head_dim, config.rope_theta, config.rope_scaling_items)
+    return rope_frequencies(rope_settings(config))
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
