@@ -144,6 +144,8 @@ class SplitModel:
     layers: tuple[LayerPieces, ...]
     final: Piece  # final norm + head
     head: Piece  # lm_head, or the embedding when tied
+    # step shape -> its executables in call order (filled by `run_step`)
+    executables: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 def split_model(model) -> SplitModel:
@@ -218,39 +220,48 @@ def run_step(
         )
     # on the device once per step, not once per piece
     table, tokens, positions, valid = (jnp.asarray(a) for a in (table, tokens, positions, valid))
-    x = _run(stats, "embed", model.embed, (), tokens)
+    # The executables of a step shape, in call order, after its first run: later steps of
+    # that shape only call them (no key is built per piece).
+    shape = (cache.layout, output, kv_tokens, table.shape, tokens.shape, np.shape(targets))
+    known = model.executables.get(shape)
+    chain: list = [] if known is None else known
+    calls = iter(chain)
+
+    def run(name: str, piece: Piece, static: tuple, *arrays):
+        if known is not None:
+            return next(calls)(piece.state, *arrays)
+        key = (name, piece.layout, static, _signature(arrays))
+        lower = functools.partial(
+            _PIECES[name].lower, piece.graphdef, *static, piece.state, *arrays
+        )
+        chain.append(_compiled(key, stats, lower))
+        return chain[-1](piece.state, *arrays)
+
+    x = run("embed", model.embed, (), tokens)
     for i, layer in enumerate(model.layers):
-        q, k, v = _run(stats, "pre", layer.pre, (), x)
-        settings = (_layer_view(cache.layout, i), kv_tokens, layer.window, layer.rope)
-        out, (new,) = _run(
-            stats, "kv", layer.kv, settings, (cache.state[i],), table, positions, valid, q, k, v
+        q, k, v = run("pre", layer.pre, (), x)
+        views = () if known else (cache.layout.layer_view(i), kv_tokens, layer.window, layer.rope)
+        out, (new,) = run(
+            "kv", layer.kv, views, (cache.state[i],), table, positions, valid, q, k, v
         )
         cache.state = (*cache.state[:i], new, *cache.state[i + 1 :])
-        x = _run(stats, "o", layer.o, (), x, out)
-        x = _run(stats, "mlp", layer.mlp, (), x)
-    hidden, logits, top1 = _run(stats, "final", model.final, (), x, valid)
-    if output == "last":
-        return logits[:rows], top1[:rows]
-    return _run(stats, "head", model.head, (), hidden, jnp.asarray(targets))
-
-
-def _run(stats: StepStats, name: str, piece: Piece, static: tuple, *arrays):
-    """Call piece `name` (modules `piece`, settings `static`) on `arrays`, compiling the
-    executable on first use of this (layout, settings, input signature)."""
-    key = (name, piece.layout, static, _signature(arrays))
-    lower = functools.partial(_PIECES[name].lower, piece.graphdef, *static, piece.state, *arrays)
-    return _compiled(key, stats, lower)(piece.state, *arrays)
+        x = run("o", layer.o, (), x, out)
+        x = run("mlp", layer.mlp, (), x)
+    hidden, logits, top1 = run("final", model.final, (), x, valid)
+    out = (
+        (logits[:rows], top1[:rows])
+        if output == "last"
+        else run("head", model.head, (), hidden, jnp.asarray(targets))
+    )
+    if known is None:
+        model.executables[shape] = chain
+    return out
 
 
 def _signature(arrays) -> tuple:
     return tuple(
         (x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree_util.tree_leaves(arrays)
     )
-
-
-@functools.lru_cache(maxsize=256)
-def _layer_view(layout, layer: int):
-    return layout.layer_view(layer)
 
 
 def _pad_rows(cache, extra: int, table, tokens, positions, valid):
