@@ -56,7 +56,7 @@ def _kv(graphdef, layout, kv_tokens, window, rope, state, layer_state, table, po
 
 def _o(graphdef, state, x, out):
     (o_proj,) = nnx.merge(graphdef, state)
-    return x + output_projection(o_proj, out)
+    return x + output_projection(o_proj, out, o_proj.dtype)
 
 
 def _mlp(graphdef, state, x):

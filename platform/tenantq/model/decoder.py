@@ -104,6 +104,7 @@ class Attention(nnx.Module):
         self.layer = layer
         self.window = config.sliding_window if config.layer_types[layer] == "sliding" else None
         self.rope = rope_settings(config)
+        self.dtype = dtype
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, kv: KVAccess, segments: jax.Array | None = None
@@ -113,7 +114,7 @@ class Attention(nnx.Module):
             (self.q_norm, self.k_norm), q, k, v, positions, kv, self.layer, self.window,
             self.rope, segments,
         )  # fmt: skip
-        return output_projection(self.o_proj, out)
+        return output_projection(self.o_proj, out, self.dtype)
 
 
 def cached_attention(
@@ -133,10 +134,10 @@ def cached_attention(
     return attend(q, keys, values, positions, key_pos, window, segments=segments)
 
 
-def output_projection(o_proj: Linear, out: jax.Array) -> jax.Array:
+def output_projection(o_proj: Linear, out: jax.Array, dtype) -> jax.Array:
     """o_proj of the heads' outputs [B, S, H, d], merged and cast to the compute dtype."""
     b, s = out.shape[:2]
-    return o_proj(out.reshape(b, s, -1).astype(o_proj.dtype))
+    return o_proj(out.reshape(b, s, -1).astype(dtype))
 
 
 def attend(q, keys, values, q_pos, key_pos, window: int | None, *, segments=None) -> jax.Array:
