@@ -38,10 +38,6 @@ class CacheLayout(Protocol):
 
     def read(self, state, layer: int, table, kv_tokens: int) -> tuple[Any, Any, Any]: ...
 
-    # The one-layer layout of `layer` (its state: `(state[layer],)`), free of the layer's
-    # index: equal for layers stored alike, so they share one compiled step.
-    def layer_view(self, layer: int) -> CacheLayout: ...
-
 
 class KVCache(Protocol):
     """Host half: owns the device `state` pytree and who holds which part of it."""
@@ -97,11 +93,6 @@ class ContiguousLayout:
             (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
             for _ in range(self.num_layers)
         )
-
-    def layer_view(self, layer: int) -> ContiguousLayout:
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer} is outside 0..{self.num_layers - 1}")
-        return dataclasses.replace(self, num_layers=1)
 
     @property
     def nbytes(self) -> int:

@@ -135,14 +135,6 @@ class PagedLayout:
             for lay in self.layers
         )
 
-    def layer_view(self, layer: int) -> PagedLayout:
-        """The pool of `layer` alone (state `(state[layer],)`), its storage's layer index
-        zeroed: layers stored alike get equal (hashable) views and share compiled steps."""
-        if not 0 <= layer < len(self.layers):
-            raise ValueError(f"layer {layer} is outside 0..{len(self.layers) - 1}")
-        storage = dataclasses.replace(self.layers[layer], layer=0)
-        return dataclasses.replace(self, layers=(storage,))
-
     # ---------------------------------------------------------------- jit side
     def write(self, state, layer, table, positions, valid, keys, values):
         k_spec, v_spec = self.layers[layer].kv.keys, self.layers[layer].kv.values

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from tenantq.engine import sharding, steps
 from tenantq.engine.allocator import DEFAULT_TENANT
@@ -114,7 +115,8 @@ class Engine:
             p: t.activations for p, t in self.plan.resolve(config).items() if t.activations
         }
         self.model = Decoder(config, self.params, dtype=self.dtype, activations=activations)
-        self._pieces = steps.split_model(self.model)  # what each compiled step piece runs
+        self._graphdef, self._state = nnx.split(self.model)
+        self._layout = steps.layout_id(self._graphdef, self._state)
         if cache is not None and pool_options:
             raise ValueError(
                 f"pass either a cache or cache options, not both: {sorted(pool_options)}"
@@ -393,7 +395,8 @@ class Engine:
         compile_before = self.stats.compile_s
         began = time.perf_counter()
         out = steps.run_step(
-            model=self._pieces, cache=self.cache, output=output, kv_tokens=kv_tokens, table=table,
+            layout=self._layout, graphdef=self._graphdef, state=self._state, cache=self.cache,
+            output=output, kv_tokens=kv_tokens, table=table,
             tokens=tokens, positions=positions,
             valid=valid, targets=tgt, stats=self.stats,
         )  # fmt: skip

@@ -20,14 +20,7 @@ import numpy as np
 from flax import nnx
 
 from tenantq.model.config import ENGINE_MODEL_TYPES, ModelConfig
-from tenantq.model.layers import (
-    Embedding,
-    Linear,
-    RMSNorm,
-    apply_rope,
-    rope_frequencies,
-    rope_settings,
-)
+from tenantq.model.layers import Embedding, Linear, RMSNorm, apply_rope, rope_inv_freq
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
 
@@ -56,12 +49,7 @@ def check_supported(config: ModelConfig) -> None:
         raise ValueError(f"hidden_act {config.hidden_act!r} not supported; supported: silu")
 
 
-class QKV(nnx.Module):
-    """q/k/v projections (with Qwen2's biases): [B, S, hidden] -> q [B, S, H, d], k and v
-    [B, S, Hkv, d]; q/k norms and RoPE come after, in `cached_attention`. Holds nothing
-    layer-specific but its weights, so layers with equal formats share one graph (and one
-    compiled engine step)."""
-
+class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, layer: int, params, *, dtype, activations):
         p = f"layers/{layer}/attn"
 
@@ -75,21 +63,7 @@ class QKV(nnx.Module):
         self.q_proj = linear("q_proj", "q_bias")
         self.k_proj = linear("k_proj", "k_bias")
         self.v_proj = linear("v_proj", "v_bias")
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-
-    def __call__(self, x: jax.Array):
-        b, s, _ = x.shape
-        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
-        return q, k, v
-
-
-class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, layer: int, params, *, dtype, activations):
-        p = f"layers/{layer}/attn"
-        self.qkv = QKV(config, layer, params, dtype=dtype, activations=activations)
+        self.o_proj = linear("o_proj")
         eps = config.rms_norm_eps
         self.q_norm = (
             RMSNorm(params[f"{p}/q_norm"], eps=eps, dtype=dtype) if config.qk_norm else None
@@ -97,47 +71,28 @@ class Attention(nnx.Module):
         self.k_norm = (
             RMSNorm(params[f"{p}/k_norm"], eps=eps, dtype=dtype) if config.qk_norm else None
         )
-        self.o_proj = Linear(
-            f"{p}/o_proj", params[f"{p}/o_proj"], dtype=dtype,
-            activations=activations.get(f"{p}/o_proj"),
-        )  # fmt: skip
         self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
         self.window = config.sliding_window if config.layer_types[layer] == "sliding" else None
-        self.rope = rope_settings(config)
+        self.config = config
         self.dtype = dtype
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, kv: KVAccess, segments: jax.Array | None = None
     ) -> jax.Array:
-        q, k, v = self.qkv(x)
-        out = cached_attention(
-            (self.q_norm, self.k_norm), q, k, v, positions, kv, self.layer, self.window,
-            self.rope, segments,
-        )  # fmt: skip
-        return output_projection(self.o_proj, out, self.dtype)
-
-
-def cached_attention(
-    qk_norms, q, k, v, positions, kv: KVAccess, layer: int, window, rope, segments=None
-):
-    """Qwen3's per-head norms (`qk_norms`: (q_norm, k_norm) or (None, None)) and RoPE
-    (`rope`: `rope_settings`) on q [B, S, H, d] and k [B, S, Hkv, d]; k/v written into
-    `kv`'s `layer`; attention over what it reads back (never the fresh projections):
-    [B, S, H, d] float32."""
-    q_norm, k_norm = qk_norms
-    if q_norm is not None:
-        q, k = q_norm(q), k_norm(k)
-    inv_freq = rope_frequencies(rope)
-    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    kv.write(layer, k, v)
-    keys, values, key_pos = kv.read(layer)
-    return attend(q, keys, values, positions, key_pos, window, segments=segments)
-
-
-def output_projection(o_proj: Linear, out: jax.Array, dtype) -> jax.Array:
-    """o_proj of the heads' outputs [B, S, H, d], merged and cast to the compute dtype."""
-    b, s = out.shape[:2]
-    return o_proj(out.reshape(b, s, -1).astype(dtype))
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_inv_freq(self.config)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        kv.write(self.layer, k, v)
+        keys, values, key_pos = kv.read(self.layer)
+        out = attend(q, keys, values, positions, key_pos, self.window, segments=segments)
+        return self.o_proj(out.reshape(b, s, -1).astype(self.dtype))
 
 
 def attend(q, keys, values, q_pos, key_pos, window: int | None, *, segments=None) -> jax.Array:
@@ -195,12 +150,7 @@ class Block(nnx.Module):
 
     def __call__(self, x, positions, kv: KVAccess, segments=None):
         x = x + self.attn(self.input_norm(x), positions, kv, segments)
-        return mlp_residual(self.post_attn_norm, self.mlp, x)
-
-
-def mlp_residual(norm: RMSNorm, mlp: MLP, x: jax.Array) -> jax.Array:
-    """A block's second half: x + mlp(norm(x))."""
-    return x + mlp(norm(x))
+        return x + self.mlp(self.post_attn_norm(x))
 
 
 class Decoder(nnx.Module):
@@ -252,21 +202,11 @@ class Decoder(nnx.Module):
             x = block(x, positions, kv, segments)
         return self.final_norm(x)
 
-    @property
-    def head(self) -> Linear | Embedding:
-        """The output head: `lm_head`, or the embedding when the two are tied."""
-        return self.embed if self.lm_head is None else self.lm_head
-
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 logits of hidden states [..., hidden] -> [..., vocab]."""
-        return head_logits(self.head, hidden)
-
-
-def head_logits(head: Linear | Embedding, hidden: jax.Array) -> jax.Array:
-    """Float32 logits [..., vocab] of final hidden states through `Decoder.head`."""
-    if isinstance(head, Embedding):
-        return head.attend(hidden)
-    return head(hidden).astype(jnp.float32)
+        if self.lm_head is None:
+            return self.embed.attend(hidden)
+        return self.lm_head(hidden).astype(jnp.float32)
 
 
 class OwnTokensKV:

@@ -109,13 +109,11 @@ def matmul(x: jax.Array, w, *, dtype, activations: str | None = None, transpose:
 
 
 class Linear(nnx.Module):
-    """y = x @ W (+ b), W stored [in, out] (plain or quantized), bias in full precision.
-
-    `path` only names the tensor in errors; it is not kept, so linears of equal formats in
-    different layers have equal graphs (and share compiled engine steps)."""
+    """y = x @ W (+ b), W stored [in, out] (plain or quantized), bias in full precision."""
 
     def __init__(self, path: str, weight, bias=None, *, dtype, activations: str | None = None):
         _check_w8a8(path, weight, 0, activations)
+        self.path = path
         self.weight = nnx.Param(weight)
         self.bias = None if bias is None else nnx.Param(bias)
         self.dtype = dtype
@@ -212,18 +210,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_settings(config: ModelConfig) -> tuple:
-    """All RoPE depends on, hashable (a static jit argument): (head_dim, theta, scaling)."""
-    return (config.head_dim, config.rope_theta, config.rope_scaling_items)
-
-
-def rope_frequencies(settings: tuple) -> np.ndarray:
-    """inv_freq [head_dim / 2] float32 of `rope_settings`."""
-    return _inv_freq(*settings)
-
-
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    return rope_frequencies(rope_settings(config))
+    return _inv_freq(config.head_dim, config.rope_theta, config.rope_scaling_items)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
