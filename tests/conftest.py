@@ -68,7 +68,9 @@ class Studies:
     optuna_url: str
 
 
-def run_study(tmp: Path, name: str, trials: int, worker_class: type | None = None) -> None:
+def run_study(
+    tmp: Path, name: str, trials: int, worker_class: type | None = None, workers: int = 2
+) -> None:
     from tenantq.search.driver import SearchDriver
     from tenantq.search.spec import parse_spec
     from tenantq.testing import tiny_study_spec
@@ -79,6 +81,7 @@ def run_study(tmp: Path, name: str, trials: int, worker_class: type | None = Non
         trials=trials,
         suite=REPORT_SUITE,
         objectives=("tenants", "fidelity.kl_mean", "needle.acc_delta.len256"),
+        workers=workers,
     )
     spec = parse_spec(tomllib.loads(text))
     out = tmp / "runs" / name
@@ -100,9 +103,10 @@ def studies(tmp_path_factory) -> Studies:
     if started:
         ray.init(num_cpus=2, include_dashboard=False, namespace="tenantq", log_to_driver=False)
     try:
-        run_study(tmp, "report", trials=3)
-        run_study(tmp, "failing", trials=3, worker_class=FailQuantizedTrials)
-        run_study(tmp, "single", trials=1)
+        run_study(tmp, "report", trials=3)  # two workers: the timeline has two lanes
+        # One worker each: a failing trial ends at once and one trial needs no second worker.
+        run_study(tmp, "failing", trials=3, worker_class=FailQuantizedTrials, workers=1)
+        run_study(tmp, "single", trials=1, workers=1)
     finally:
         if started:
             ray.shutdown()
