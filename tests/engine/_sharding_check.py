@@ -2,9 +2,7 @@
 
 JAX fixes its device count at import, so this runs with
 XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu and prints one JSON
-object of measurements on its last line; the test asserts on it. `PART` (argv[1]: `a`, `b` or
-`all`, the default) runs half of the checks: XLA compiles on one thread, so the test runs both
-halves side by side on two cores and merges their objects (`merge`).
+object of measurements on its last line; the test asserts on it.
 """
 
 from __future__ import annotations
@@ -94,10 +92,6 @@ CAPACITY_PLANS = {
     },
 }  # fmt: skip
 CAPACITY_POOL = dict(num_pages=6, max_seqs=3, page_tokens=8, max_seq_tokens=32)
-# Part `a`: these plans' parity checks (about half the compiles); part `b`: the other plans'
-# parity and every other check.
-PART_A_PLANS = ("bf16", "int8", "int4", "kv_static")
-PARTS = ("a", "b", "all")
 E4M3_REL = 2.0**-4  # half an ulp of 3 mantissa bits, relative to the value
 E4M3_SUB = 2.0**-10  # half the subnormal step 2^-9, in units of the scale
 
@@ -181,26 +175,7 @@ def e4m3_within_bound(weight, q: QArray, tp: int, axis: int | None) -> float:
     return float((err / (E4M3_REL * np.abs(w) + E4M3_SUB * s)).max())
 
 
-def merge(parts: list[dict]) -> dict:
-    """One object from the parts' objects: `parity` united, every other key from its part."""
-    out: dict = {"parity": {}, "seconds": []}
-    for part in parts:
-        for key, value in part.items():
-            if key == "parity":
-                out["parity"].update(value)
-            elif key == "seconds":
-                out["seconds"].append(value)
-            elif key == "devices":
-                out[key] = min(value, out.get(key, value))
-            else:
-                assert key not in out, f"two parts measured {key!r}"
-                out[key] = value
-    return out
-
-
-def main(part: str = "all") -> None:
-    if part not in PARTS:
-        sys.exit(f"part {part!r}; valid: {', '.join(PARTS)}")
+def main() -> None:
     began = time.perf_counter()
     out: dict = {"devices": len(jax.devices())}
     params = init_params(CONFIG, seed=0)
@@ -209,8 +184,6 @@ def main(part: str = "all") -> None:
     # (1) sharded logits (prefill, and one decode step) equal unsharded ones.
     parity = {}
     for name, plan in PLANS.items():
-        if part != "all" and (name in PART_A_PLANS) != (part == "a"):
-            continue
         ref = engine(params, plan)
         ref_logits = ref.logits(tokens)
         # The engine's own float32 noise: the same 12 positions, 4 more tokens after them
@@ -257,10 +230,6 @@ def main(part: str = "all") -> None:
             parity["bf16/tp4/decode"] = diff(step_tp, step)
             out["cache_arrays_after_decode"] = cache_placement(sharded.cache.state)
     out["parity"] = parity
-    if part == "a":
-        out["seconds"] = time.perf_counter() - began
-        print(json.dumps(out))
-        return
 
     # (2) per-channel scales along an unsharded axis: per-shard == whole-tensor, bit for bit.
     identical = {}
@@ -355,4 +324,4 @@ def main(part: str = "all") -> None:
 if __name__ == "__main__":
     if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         sys.exit("run with XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu")
-    main(*sys.argv[1:2])
+    main()
