@@ -1,8 +1,9 @@
 """`tenantq report` on the studies a search leaves behind: with failed trials, with a single
 trial, and for an experiment that does not exist (one line naming those that do).
 
-The studies are real (conftest.py); the missing-experiment case also runs on a fresh MLflow
-sqlite store with no study at all, in well under a second. Bounds are exact counts.
+The studies are real (`studies` in tests/conftest.py); the missing-experiment case also runs
+on a fresh MLflow sqlite store with no study at all, in well under a second. Bounds are exact
+counts.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The report and the study's viewers, checked with real components on real studies.
 
-The studies come from the search driver itself (conftest.py). A headless Debian Chromium
-(tests/report/setup_browser.sh installs it when missing) loads the report from a file URL with
-every network request refused; the MLflow UI and optuna-dashboard are started as servers on
-127.0.0.1 over the studies' stores. Bounds are exact counts read back from the stores.
+The studies come from the search driver itself (`studies` in tests/conftest.py). A headless
+Debian Chromium (tests/report/setup_browser.sh installs it when missing) loads the report from
+a file URL with every network request refused; the MLflow UI and optuna-dashboard are started
+as servers on 127.0.0.1 over the studies' stores. Bounds are exact counts read back from the
+stores.
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ the real Evaluator on the shipped reference model, Optuna sqlite and MLflow sqli
 A tiny suite (tests/search/tiny_suite.toml: fidelity on 4 x 128 tokens) keeps a trial to
 seconds. What is checked is bookkeeping, so the bounds are exact counts: every trial has its
 nested MLflow run with params and metrics; a killed worker's trial still completes; a trial that
-raises is FAILED with its error while the study goes on.
+raises is FAILED with its error while the study goes on. The quickstart variant starts and
+stops its own Ray, as `tenantq search` does; the other studies share one Ray per module, and
+the failed-trial study is the session's `failing` study (tests/conftest.py), which the report
+tests also read.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from mlflow import MlflowClient
 from tenantq.search.driver import SearchDriver
 from tenantq.search.spec import parse_spec
 from tenantq.testing import tiny_study_spec
-from tenantq.workers.faults import INJECTED_ERROR, FailQuantizedTrials
+from tenantq.workers.faults import INJECTED_ERROR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -38,15 +41,27 @@ def _spec(tmp: Path, trials: int, *, confirm: bool = False, **kw):
     return parse_spec(tomllib.loads(text)), text
 
 
-def _study(tmp: Path) -> optuna.Study:
-    return optuna.load_study(study_name="e2e", storage=f"sqlite:///{tmp}/optuna.db")
+def _study(tmp: Path, name: str = "e2e") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{tmp}/optuna.db")
 
 
-def _nested_runs(tmp: Path):
+def _nested_runs(tmp: Path, name: str = "e2e"):
     client = MlflowClient(f"sqlite:///{tmp}/mlflow.db")
-    exp = client.get_experiment_by_name("e2e")
+    exp = client.get_experiment_by_name(name)
     runs = client.search_runs([exp.experiment_id], "tags.`tenantq.kind` = 'trial'")
     return client, {int(r.data.tags["tenantq.trial"]): r for r in runs}
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray for this module's studies after the quickstart's (the driver joins a Ray
+    that is already up and leaves it running; its actors are killed when each study ends)."""
+    import ray
+
+    assert not ray.is_initialized(), "another test left Ray running"
+    ray.init(num_cpus=2, include_dashboard=False, namespace="tenantq", log_to_driver=False)
+    yield
+    ray.shutdown()
 
 
 def test_quickstart_variant_end_to_end(tmp_path, monkeypatch) -> None:
@@ -82,43 +97,40 @@ def test_quickstart_variant_end_to_end(tmp_path, monkeypatch) -> None:
     assert len(outcome.exported) == len(outcome.front)
 
 
-def test_killed_worker_is_replaced_and_its_trial_retried(tmp_path, monkeypatch) -> None:
+def test_killed_worker_is_replaced_and_its_trial_retried(tmp_path, monkeypatch, ray_local) -> None:
     import ray
 
     monkeypatch.chdir(tmp_path)
     spec, text = _spec(tmp_path, trials=3)
-    ray.init(num_cpus=2, include_dashboard=False, namespace="tenantq", log_to_driver=False)
-    try:
-        driver = SearchDriver(spec, text, progress=False, out_dir=tmp_path / "out")
-        errors: list[BaseException] = []
+    driver = SearchDriver(spec, text, progress=False, out_dir=tmp_path / "out")
+    errors: list[BaseException] = []
 
-        def run() -> None:
-            try:
-                driver.run()
-            except BaseException as err:  # surfaced in the main thread below
-                errors.append(err)
+    def run() -> None:
+        try:
+            driver.run()
+        except BaseException as err:  # surfaced in the main thread below
+            errors.append(err)
 
-        thread = threading.Thread(target=run)
-        thread.start()
-        killed = None
-        deadline = time.monotonic() + 300
-        while killed is None and time.monotonic() < deadline and thread.is_alive():
-            time.sleep(0.5)
-            if not hasattr(driver, "study"):  # the driver has not created its study yet
-                continue
-            running = _study(tmp_path).get_trials(states=(optuna.trial.TrialState.RUNNING,))
-            for t in running:
-                if "worker" in t.user_attrs:
-                    actor = ray.get_actor(t.user_attrs["worker"], namespace="tenantq")
-                    pid = ray.get(actor.ping.remote())["pid"]
-                    os.kill(pid, signal.SIGKILL)  # the worker process dies mid-trial
-                    killed = (t.number, pid)
-                    break
-        thread.join(timeout=600)
-        assert not errors, errors
-        assert killed is not None, "no trial was seen running"
-    finally:
-        ray.shutdown()
+    thread = threading.Thread(target=run)
+    thread.start()
+    killed = None
+    deadline = time.monotonic() + 300
+    while killed is None and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.5)
+        if not hasattr(driver, "study"):  # the driver has not created its study yet
+            continue
+        running = _study(tmp_path).get_trials(states=(optuna.trial.TrialState.RUNNING,))
+        for t in running:
+            if "worker" in t.user_attrs:
+                actor = ray.get_actor(t.user_attrs["worker"], namespace="tenantq")
+                pid = ray.get(actor.ping.remote())["pid"]
+                os.kill(pid, signal.SIGKILL)  # the worker process dies mid-trial
+                killed = (t.number, pid)
+                break
+    thread.join(timeout=600)
+    assert not errors, errors
+    assert killed is not None, "no trial was seen running"
+    assert ray.is_initialized()  # the driver left the module's Ray running: it did not start it
     trials = _study(tmp_path).trials
     S = optuna.trial.TrialState
     finished = [t for t in trials if t.state in (S.COMPLETE, S.FAIL)]
@@ -134,27 +146,25 @@ def test_killed_worker_is_replaced_and_its_trial_retried(tmp_path, monkeypatch) 
     assert sorted(runs) == sorted(t.number for t in finished)
 
 
-def test_trial_that_raises_is_failed_and_the_study_goes_on(tmp_path, monkeypatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    # The workers raise on every quantized plan (tenantq.workers.faults), inside the Ray actor
-    # as a real failure would; the bf16 baseline completes.
-    spec, text = _spec(tmp_path, trials=3)
-    out = tmp_path / "out"
-    SearchDriver(spec, text, progress=False, out_dir=out, worker_class=FailQuantizedTrials).run()
-    trials = _study(tmp_path).trials
+def test_trial_that_raises_is_failed_and_the_study_goes_on(studies) -> None:
+    # The session's `failing` study (tests/conftest.py): 3 trials on the quickstart variant's
+    # spec whose workers raise on every quantized plan (FailQuantizedTrials), inside the Ray
+    # actor as a real failure would; the bf16 baseline completes. Objectives: tenants, KL and
+    # the needle accuracy delta at 256 tokens.
+    trials = _study(studies.root, "failing").trials
     S = optuna.trial.TrialState
-    assert trials[0].state == S.COMPLETE and trials[0].values == [16, 0.0]
+    assert trials[0].state == S.COMPLETE and trials[0].values == [16, 0.0, 0.0]
     failed = [t for t in trials if t.state == S.FAIL]
     assert len(failed) == 2  # trials 1 and 2: the fp8 and int4 baselines the driver enqueues
     assert all(INJECTED_ERROR in t.user_attrs["error"] for t in failed)
     assert len(trials) == 3  # a trial's own error is not retried; the study went on to 3
-    _, runs = _nested_runs(tmp_path)
+    _, runs = _nested_runs(studies.root, "failing")
     for t in failed:
         assert runs[t.number].info.status == "FAILED"
         assert INJECTED_ERROR in runs[t.number].data.tags["tenantq.error"]
 
 
-def test_gptq_study_calibrates_in_the_workers(tmp_path, monkeypatch) -> None:
+def test_gptq_study_calibrates_in_the_workers(tmp_path, monkeypatch, ray_local) -> None:
     # [calibration] algorithm = "gptq" with 4 windows of 64 tokens: the workers' Evaluators
     # collect the statistics and GPTQ-round the linears (the embedding stays RTN: it has no
     # input activations), so the quantized baseline completes instead of failing.

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Where workers keep compiled executables: `<cache_dir>/xla` unless this names a folder (the
+# test suite shares one across its studies; several studies may share one the same way).
+XLA_CACHE_ENV = "TENANTQ_XLA_CACHE_DIR"
+
 
 @dataclass
 class TrialResult:
@@ -94,7 +98,7 @@ class HostWorker:
         self.calibration = calibration  # CalibrationData fields; None: its defaults
         self._evaluators: dict[tuple[str, str], Any] = {}
         self._load_s: dict[tuple[str, str], float] = {}
-        _persistent_compilation_cache(self.cache_dir / "xla")
+        _persistent_compilation_cache(Path(os.environ.get(XLA_CACHE_ENV) or self.cache_dir / "xla"))
         self._evaluator(suite, "search")  # load the model, data and baseline once, at start
 
     def _evaluator(self, suite: str, split: str):
