@@ -113,6 +113,8 @@ def test_shard_shapes_by_hand():
     assert shard_shape("lm_head", (32, 64), config, 2) == (32, 32)
     assert shard_shape("layers/0/input_norm", (32,), config, 2) == (32,)
     assert shard_shape("layers/0/mlp/up_proj", (32, 64), config, 1) == (32, 64)
+    # Whole numbers of elements: a shape of floats (16.0) would print and multiply as floats.
+    assert all(type(n) is int for n in shard_shape("layers/0/attn/q_proj", (32, 32), config, 2))
 
 
 def test_kv_heads_per_chip():
