@@ -121,7 +121,11 @@ def test_kv_heads_per_chip():
     # 2 KV heads: 2 on one chip, 1 each on two; 4 chips would replicate them: refused.
     assert kv_heads_per_chip(tiny_config(), 1) == 2
     assert kv_heads_per_chip(tiny_config(), 2) == 1
-    with pytest.raises(ValueError, match="does not divide"):
+    message = (
+        "tensor-parallel degree 4 does not divide num_key_value_heads=2; it must divide the "
+        "heads, KV heads and MLP units: valid tp values are 1, 2"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         kv_heads_per_chip(tiny_config(), 4)
 
 
@@ -284,8 +288,15 @@ def test_kv_storage_follows_the_plan_per_layer_and_chip():
 
 @pytest.mark.parametrize("bad", [0, True, 1.5])
 def test_kv_storage_page_tokens_must_be_a_positive_integer(bad):
+    # Checked before the chips (tp=3 divides nothing here): the first error is the pages'.
     with pytest.raises(ValueError, match=rf"^page_tokens must be a positive integer, got {bad!r}$"):
-        kv_storage(tiny_config(), QuantPlan(), bad)
+        kv_storage(tiny_config(), QuantPlan(), bad, 3)
+
+
+def test_kv_storage_one_token_pages():
+    # The smallest page is one token: 2 layers of [1, 2, 8] bf16 keys and values = 64 B.
+    layers = kv_storage(tiny_config(), QuantPlan(), 1)
+    assert [x.page_bytes for x in layers] == [64, 64]
 
 
 # ----------------------------------------------------------------------- pool arithmetic
