@@ -139,6 +139,30 @@ def test_memory_sizing_at_its_boundary():
         _pool(weights_bytes=weights, **kw)
 
 
+def test_memory_sizing_pays_the_static_scales_once():
+    # Static int8 KV (tensor axes): no page scales and no residual, so a page is 2 * (64 + 64)
+    # = 256 B in both layers, a slot the sinks' 2 * 256 = 512 B, and the static scales and
+    # clip counters 2 layers * 2 tensors * (4 + 8) = 48 B once. One 8-token sequence (2
+    # pages) with 2 slots: 512 + 1,024 + 48 = 1,584 B.
+    plan = QuantPlan(kv=KVPlan("int8", "tensor", "int8", "tensor", sink_tokens=4))
+    memory, _ = device_memory_bytes()
+    reserve = memory // 10
+    kw = dict(num_pages=None, max_seqs=2, max_seq_tokens=8, kv_scales=_scales())
+    assert _pool(plan, weights_bytes=memory - reserve - 1_584, **kw).num_pages == 2
+    with pytest.raises(ValueError, match="needs 512 bytes of pages plus 1,072 of slot buffers"):
+        _pool(plan, weights_bytes=memory - reserve - 1_583, **kw)
+
+
+def test_memory_sizing_of_a_one_layer_model():
+    # One layer: a page 224 B, a slot 384 B; 8 tokens = 2 pages -> 2 * 224 + 2 * 384 = 1,216 B.
+    memory, _ = device_memory_bytes()
+    pool = PagedPool(
+        tiny_config(num_layers=1), INT8_SINKS, page_tokens=4, max_seqs=2, max_seq_tokens=8,
+        weights_bytes=memory - memory // 10 - 1_216,
+    )  # fmt: skip
+    assert pool.num_pages == 2
+
+
 def test_device_memory_on_cpu_is_half_the_host():
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert Fraction(1, 2) == CPU_MEMORY_FRACTION
@@ -169,6 +193,10 @@ def test_device_memory_of_an_accelerator_is_its_bytes_limit():
     cpu = device_memory_bytes()
     assert device_memory_bytes(_Accelerator(None)) == cpu
     assert device_memory_bytes(_Accelerator({"bytes_limit": 0})) == cpu
+    # A CPU device is always the host figure, whatever statistics it reports.
+    host = _Accelerator({"bytes_limit": 5})
+    host.platform = "cpu"
+    assert device_memory_bytes(host) == cpu
 
 
 # ----------------------------------------------------------------------- static scales
@@ -300,13 +328,15 @@ def test_a_guarantee_preempts_the_borrower():
     # then needs 2: the default tenant's newest sequence loses its pages.
     pool = _pool()
     pool.add_tenant("a", guaranteed_pages=2)
+    pool.add_tenant("b")  # no guarantee unless given one
+    assert pool.tenant_usage()["b"] == (0, 0)
     old, new = pool.allocate(8), pool.allocate(8)
     pool.prepare([old, new], [8, 8])
     assert pool.free_pages == 0
     mine = pool.allocate(8, tenant="a")
     pool.prepare([mine], [8])
     assert pool.is_preempted(new) and not pool.is_preempted(old)
-    assert pool.tenant_usage() == {"default": (2, 0), "a": (2, 2)}
+    assert pool.tenant_usage() == {"default": (2, 0), "a": (2, 2), "b": (0, 0)}
     message = (
         f"sequence {new} was preempted: its pages were reclaimed for another tenant's "
         "guaranteed share; release it and submit it again"
@@ -316,7 +346,7 @@ def test_a_guarantee_preempts_the_borrower():
     pool.free(new)  # a preempted sequence has no pages left to return
     assert not pool.is_preempted(new)
     assert pool.free_pages == 0
-    assert pool.tenant_usage() == {"default": (2, 0), "a": (2, 2)}
+    assert pool.tenant_usage() == {"default": (2, 0), "a": (2, 2), "b": (0, 0)}
     assert pool.allocate(4) == 3  # its slot came back
 
 
