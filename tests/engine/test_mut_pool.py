@@ -285,6 +285,10 @@ def test_slots_ids_and_the_block_table():
     pool = _pool()
     a, b = pool.allocate(32), pool.allocate(5)
     assert (a, b) == (0, 1)
+    # Open, no pages yet: length 0, no block.
+    np.testing.assert_array_equal(pool.table([b]), [[1, 0, 4, 4, 4, 4, 4, 4, 4, 4]])
+    with pytest.raises(ValueError, match="zip"):  # one end per sequence, not fewer
+        pool.prepare([a, b], [5])
     pool.prepare([a, b], [5, 4])  # 5 tokens: 2 pages (0, 1); 4 tokens: 1 page (2)
     table = pool.table([a, None, b])
     # [slot, tokens after the step, pages..., num_pages (=4) as "no page"]; padding rows
