@@ -279,10 +279,17 @@ def test_clip_report_counts_what_the_static_scale_clipped():
          "clipped": 2, "clip_rate": 2 / 48},
     ]  # fmt: skip
 
+    # Only static tensors have a row, and a per-channel key before them does not hide them.
+    plan = QuantPlan(kv=KVPlan("int8", "channel", "int8", "tensor"))
+    rows = _pool(plan, kv_scales=_scales()).kv_clip_report()
+    assert [(r["layer"], r["tensor"], r["axis"]) for r in rows] == [
+        (0, "values", "tensor"), (1, "values", "tensor"),
+    ]  # fmt: skip
+
 
 # ----------------------------------------------------------------------- sequences
 def test_slots_ids_and_the_block_table():
-    pool = _pool()
+    pool = _pool(max_seqs=3)  # 3 slots, 4 pages: the two "none" markers differ
     a, b = pool.allocate(32), pool.allocate(5)
     assert (a, b) == (0, 1)
     # Open, no pages yet: length 0, no block.
@@ -292,10 +299,10 @@ def test_slots_ids_and_the_block_table():
     pool.prepare([a, b], [5, 4])  # 5 tokens: 2 pages (0, 1); 4 tokens: 1 page (2)
     table = pool.table([a, None, b])
     # [slot, tokens after the step, pages..., num_pages (=4) as "no page"]; padding rows
-    # carry slot max_seqs (=4) and length 0. max_pages = 32 / 4 = 8 columns of pages.
+    # carry slot max_seqs (=3) and length 0. max_pages = 32 / 4 = 8 columns of pages.
     np.testing.assert_array_equal(
         table,
-        [[0, 5, 0, 1, 4, 4, 4, 4, 4, 4], [4, 0, 4, 4, 4, 4, 4, 4, 4, 4],
+        [[0, 5, 0, 1, 4, 4, 4, 4, 4, 4], [3, 0, 4, 4, 4, 4, 4, 4, 4, 4],
          [1, 4, 2, 4, 4, 4, 4, 4, 4, 4]],
     )  # fmt: skip
     assert table.dtype == np.int32
@@ -309,7 +316,7 @@ def test_slots_ids_and_the_block_table():
 
 
 def test_sequence_errors():
-    pool = _pool(max_seqs=2)
+    pool = _pool(max_seqs=2, num_pages=8)
     with _raises(CacheFull, "a sequence of 33 tokens exceeds max_seq_tokens=32"):
         pool.allocate(33)
     with pytest.raises(ValueError, match=r"^unknown tenant 'nobody'"):
@@ -321,6 +328,8 @@ def test_sequence_errors():
         pool.allocate(4)
     with _raises(CacheFull, "sequence 1 would hold 33 tokens, over max_seq_tokens=32"):
         pool.prepare([b], [33])
+    pool.prepare([b], [32])  # exactly max_seq_tokens is allowed: 8 pages of 4 tokens
+    assert pool.free_pages == 0
     with _raises(ValueError, "sequence 7 is not allocated"):
         pool.free(7)
     pool.free(a)
