@@ -127,7 +127,9 @@ def test_memory_sizing_at_its_boundary():
     assert exact.num_pages == 2  # (2,432 - 1,536) // 448
     assert exact.sized_by == f"memory: 2,432 of {source}"
     assert _pool(weights_bytes=memory - reserve - 2_432 - 448, **kw).num_pages == 3
-    assert _pool(**kw).num_pages == 4  # capped at max_seqs * max_pages = 2 * 2
+    default = _pool(**kw)  # no weights unless told: the pool is memory less the reserve
+    assert default.num_pages == 4  # capped at max_seqs * max_pages = 2 * 2
+    assert default.sized_by == f"memory: {memory - reserve:,} of {source}"
     weights = memory - reserve - 2_431
     message = (
         f"the KV pool gets 2,431 bytes ({source}: {memory:,}, less weights {weights:,} and "
