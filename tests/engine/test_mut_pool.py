@@ -106,6 +106,15 @@ def test_pool_bytes_buys_pages_after_the_slots():
     assert pool.nbytes == 15 * 448 + 3_072
 
 
+def test_pool_bytes_of_a_float32_pool_count_float32_buffers():
+    # A float32 engine keeps residual and sinks in float32: a slot is 2 * (64 * 4 + 2 * 4 *
+    # 16 * 4) = 1,536 B, 4 slots 6,144 B; pages are unchanged (448 B): (10,000 - 6,144) //
+    # 448 = 8 pages, 9,728 B in all.
+    pool = _pool(num_pages=None, pool_bytes=10_000, dtype="float32")
+    assert pool.storage_per_device[0].store_dtype == "float32"
+    assert (pool.num_pages, pool.nbytes) == (8, 8 * 448 + 6_144)
+
+
 def test_pool_bytes_under_tensor_parallelism_are_per_device():
     # tp=2: one KV head per device, so a page is 224 B and a slot 384 B per device:
     # (10,000 - 4 * 384) // 224 = 37 pages; the arrays (all devices) hold twice that.
