@@ -23,6 +23,7 @@ from tenantq.capacity.hardware import (
     hardware_names,
 )
 from tenantq.capacity.presets import get_model_config, model_names, register_preset
+from tenantq.reference import reference_model_path
 
 GiB = 2**30
 
@@ -63,6 +64,10 @@ def test_cpu_profiles():
         get_hardware("cpu")
     with _raises("cpu memory must be positive"):
         get_hardware("cpu", memory_bytes=0)
+    assert get_hardware("cpu", memory_bytes=1).hbm_bytes == 1  # the smallest memory
+    message = "cpu memory: cannot read 'lots' as bytes; write e.g. 4GiB, 512MiB, 16GB or 1000000"
+    with _raises(message):
+        get_hardware("cpu:lots")
 
 
 def test_a_memory_size_is_for_cpu_only():
@@ -131,6 +136,7 @@ def test_deployment_of_and_its_reserve():
     assert d.hardware is profile and (d.chips, d.page_tokens) == (1, 16)
     assert d.reserve_bytes_per_chip == 16 * GiB // 10  # the default 10%
     assert Deployment(profile, reserve="25%").reserve == Reserve(fraction=Fraction(1, 4))
+    assert Deployment(profile, page_tokens=1).page_tokens == 1  # one-token pages are pages
 
 
 # ----------------------------------------------------------------------- presets
@@ -168,6 +174,14 @@ def test_a_registered_preset_wins_over_an_entry_point(tmp_path, monkeypatch):
     assert get_model_config("tenantq-ref").num_layers == 5
 
 
+def test_entry_point_presets_load_their_folder(monkeypatch):
+    # Nothing registered in this process: `tenantq-ref` comes from the entry point that
+    # tenantq's pyproject declares (tenantq.reference:reference_model_path), called on use.
+    monkeypatch.setattr(presets, "_FOLDER_PRESETS", {})
+    assert presets._folder_presets()["tenantq-ref"]() == reference_model_path()
+    assert get_model_config("tenantq-ref").num_layers == 4  # the shipped reference model
+
+
 def test_model_lookup_by_name_or_path(tmp_path):
     config = get_model_config(" LLAMA-3.1-8B ")
     assert (config.num_layers, config.vocab_size) == (32, 128256)
@@ -175,7 +189,7 @@ def test_model_lookup_by_name_or_path(tmp_path):
     assert get_model_config(tmp_path).num_layers == 7  # a folder
     assert get_model_config(str(tmp_path / "config.json")).num_layers == 7
     for missing in ("nowhere.json", "no/such/folder"):  # path-like: the reader's error
-        with pytest.raises((FileNotFoundError, ValueError), match=re.escape(missing)):
+        with pytest.raises(ValueError, match=f"^no config.json at {re.escape(missing)}: "):
             get_model_config(missing)
     names = ", ".join(model_names())
     with _raises(
