@@ -63,3 +63,34 @@ def test_rendered_text(name):
     for i, (g, w) in enumerate(zip(got, want, strict=False)):
         assert g == w, f"line {i + 1} differs"
     assert len(got) == len(want)
+
+
+def test_long_layer_lists_are_counted_and_plurals():
+    # A KV line lists its layers while the ranges take at most 12 characters, and counts them
+    # past that. 12 layers, int8 KV, half pinned to bf16: "0,2,4,6,8,10" (12) is listed;
+    # "0,2,4,6,10-11" (13) is counted as "6 full layers".
+    config = tiny_config(num_layers=12)
+    dep = _cpu(10_000_000)
+
+    def kv_rows(bf16_layers):
+        plan = QuantPlan(kv=KVPlan("int8", "channel", "int8", "token", bf16_layers=bf16_layers))
+        text = render_budget(budget(config, plan, dep, 16))
+        return [
+            line.split(":")[0].strip()
+            for line in text.splitlines()
+            if line.startswith("    ") and ": K " in line
+        ]
+
+    assert kv_rows((1, 3, 5, 7, 9, 11)) == [
+        "layers 0,2,4,6,8,10 (6 full)",
+        "layers 1,3,5,7,9,11 (6 full)",
+    ]
+    assert kv_rows((1, 3, 5, 7, 8, 9)) == ["6 full layers", "layers 1,3,5,7-9 (6 full)"]
+    # Two tenants: "tenants each"; a comparison on 2 chips names them in its header.
+    two = budget(tiny_config(), QuantPlan(), _cpu(1_000_000, 2), 100, target_tenants=2)
+    assert "longest context for 2 tenants each" in render_budget(two)
+    assert (
+        render_compare([("bf16", "bf16", two)], two)
+        .splitlines()[0]
+        .startswith("llama on 2 x cpu |")
+    )
