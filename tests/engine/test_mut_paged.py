@@ -123,6 +123,14 @@ def test_layout_nbytes_by_hand():
     row = {"data_bytes": 6 * 64 + 6 * 32, "scale_bytes": 6 * 64 + 6 * 8 + 6 * 4,
            "residual_bytes": 256, "sink_bytes": 256, "static_bytes": 0}  # fmt: skip
     assert layout_nbytes(layout.init_state()) == [row, row]
+    # int2 keys per token: 6 pages * 16 B of codes (4 per byte), scales and zero points one
+    # float32 each per (token, head): 6 * 32 B + 6 * 32 B; int8 values per channel: 6 * 64 B
+    # + 6 * 16 float32 scales; their float32 residual 2 slots * 64 * 4 B.
+    kivi = _layout(LayerKV("int2", "token", "int8", "channel"))
+    assert layout_nbytes(kivi.init_state())[0] == {
+        "data_bytes": 6 * 16 + 6 * 64, "scale_bytes": 6 * 32 + 6 * 32 + 6 * 64,
+        "residual_bytes": 512, "sink_bytes": 0, "static_bytes": 0,
+    }  # fmt: skip
     static = _layout(LayerKV("int8", "tensor", "int2", "head"))
     assert layout_nbytes(static.init_state())[1] == {
         "data_bytes": 6 * 64 + 6 * 16, "scale_bytes": 0, "residual_bytes": 0, "sink_bytes": 0,
