@@ -247,6 +247,7 @@ def test_invalid_tokens_write_nothing():
     for kv in (
         LayerKV("int8", "token", "bf16", "token"),
         LayerKV("nvfp4", "token", "int2", "token"),
+        LayerKV("int8", "tensor", "int2", "head"),
     ):
         layout = _layout(kv, sinks=2)
         state = layout.init_state()
@@ -277,7 +278,7 @@ def test_sinks_keep_the_first_tokens_unquantized():
 def test_static_scales_quantize_clip_and_count():
     # Keys int8 per tensor at scale 0.02 (range +-2.54); values int2 per head with scales
     # [1, 0.5] and zero points [1, 2]: head 0 holds [-1, 2], head 1 [-1, 0.5]. Clipped:
-    # keys 3.0 and -2.6 (2); values head 0 at 2.5 and -1.5, head 1 at 0.75 (3); the
+    # keys 3.0 and -2.6 (2); values head 0 at 2.5 and -1.5, head 1 at 0.75 and -2.0 (4); the
     # boundaries 2.54, -1, 2 and 0.5 are inside. 3 tokens of 16 elements written.
     layout = _layout(LayerKV("int8", "tensor", "int2", "head"))
     state = list(layout.init_state())
@@ -290,16 +291,16 @@ def test_static_scales_quantize_clip_and_count():
     k = np.zeros((1, 3, H, D), np.float32)
     k[0, 0, 0, 0], k[0, 1, 1, 3], k[0, 2, 0, 7] = 3.0, -2.6, 2.54
     v = np.zeros((1, 3, H, D), np.float32)
-    v[0, 0, 0, 0], v[0, 0, 0, 1], v[0, 1, 1, 2] = 2.5, -1.5, 0.75
+    v[0, 0, 0, 0], v[0, 0, 0, 1], v[0, 1, 1, 2], v[0, 1, 1, 3] = 2.5, -1.5, 0.75, -2.0
     v[0, 2, 0, :4] = [-1.0, 2.0, 1.0, 0.0]
     v[0, 2, 1, :2] = [0.5, -1.0]
     table = _table(0, 3, [5])
     new = _write(layout, state, 1, table, 0, k, v)
     np.testing.assert_array_equal(np.asarray(new[1]["keys"]["clip_counts"]), [2, 3])
-    np.testing.assert_array_equal(np.asarray(new[1]["values"]["clip_counts"]), [3, 3])
+    np.testing.assert_array_equal(np.asarray(new[1]["values"]["clip_counts"]), [4, 3])
     # Counters add up over steps: the same write again doubles them.
     again = _write(layout, new, 1, table, 0, k, v)
-    np.testing.assert_array_equal(np.asarray(again[1]["values"]["clip_counts"]), [6, 6])
+    np.testing.assert_array_equal(np.asarray(again[1]["values"]["clip_counts"]), [8, 6])
     keys, values, _ = _read(layout, new, 1, table, 3)
     want_k = quantize_with_scale_zero_point(k[0], "int8", 0.02, axis=-1, group_size=D)
     np.testing.assert_array_equal(np.asarray(keys[0, :3]), np.asarray(dequantize(want_k)))
