@@ -317,13 +317,14 @@ def test_nvfp4_token_pages_fix_their_tensor_scale_when_opened():
     assert NVFP4_TOKEN_HEADROOM == 16.0
     layout = _layout(LayerKV("nvfp4", "token", "bf16", "token"))
     k = _tokens(6, 12, 2.0)
-    table = _table(0, 6, [2, 4])
+    # Page 5 is the pool's last: its tokens must read their own page's scale.
+    table = _table(0, 6, [2, 5])
     state = _write(layout, layout.init_state(), 0, _table(0, 2, [2]), 0, k[:, :2], k[:, :2])
     g2 = float(nvfp4_tensor_scale(16.0 * np.abs(k[0, :2]).max()))
     state = _write(layout, state, 0, table, 2, k[:, 2:], k[:, 2:])
     ts = np.asarray(state[0]["keys"]["tensor_scale"])
-    g4 = float(nvfp4_tensor_scale(16.0 * np.abs(k[0, 4:6]).max()))
-    np.testing.assert_array_equal(ts, np.asarray([1, 1, g2, 1, g4, 1], np.float32))
+    g5 = float(nvfp4_tensor_scale(16.0 * np.abs(k[0, 4:6]).max()))
+    np.testing.assert_array_equal(ts, np.asarray([1, 1, g2, 1, 1, g5], np.float32))
     keys, _, _ = _read(layout, state, 0, table, 6)
     # Each element within half of its block's E2M1 step: |x| <= 6 * s per block, the widest
     # step (4 -> 6) is 2 * s, so the error is at most s = block scale = amax_block / 6 or
