@@ -194,6 +194,20 @@ def test_unquantized_pages_and_the_compute_dtype():
 
 
 # int8 keys per channel (no zero point, no tensor scale) are test_paged_writes.py's case.
+def test_a_bf16_store_keeps_the_residual_window_in_bf16():
+    # A serving engine stores unquantized KV in bf16: 3 tokens of a per-channel int8 tensor
+    # wait in the residual page, read back as bf16(x) exactly (bits in a uint16 array).
+    layout = _layout(LayerKV("int8", "channel", "bf16", "token"), store="bfloat16")
+    k = _tokens(3, 13)
+    table = _table(1, 3, [0])
+    state = _write(layout, layout.init_state(), 0, table, 0, k, k)
+    assert state[0]["keys"]["residual"].dtype == jnp.uint16
+    keys, _, _ = _read(layout, state, 0, table, 3)
+    np.testing.assert_array_equal(
+        np.asarray(keys[0, :3]), np.asarray(jnp.asarray(k[0], jnp.bfloat16), np.float32)
+    )
+
+
 @pytest.mark.parametrize(("keys_fmt", "values_fmt"), [("int2", "nvfp4")])
 def test_per_channel_pages_quantize_when_full_and_wait_in_the_residual(keys_fmt, values_fmt):
     # 6 tokens from position 0, then 3 more from 6 (starting mid-page, crossing into page 2):
