@@ -218,6 +218,9 @@ def test_per_channel_pages_quantize_when_full_and_wait_in_the_residual(keys_fmt,
     k, v = _tokens(9, 5, 2.0), _tokens(9, 6)
     state = layout.init_state()
     state = _write(layout, state, 0, _table(1, 6, [4, 1]), 0, k[:, :6], v[:, :6])
+    # Tokens 4, 5 wait in the residual: their pool page (1) is not written yet.
+    assert not np.asarray(state[0]["keys"]["pages"][1]).any()
+    assert not np.asarray(state[0]["values"]["scales"][1]).any()
     table = _table(1, 9, [4, 1, 2])
     state = _write(layout, state, 0, table, 6, k[:, 6:], v[:, 6:])
     keys, values, _ = _read(layout, state, 0, table, 9)
@@ -239,6 +242,23 @@ def test_per_channel_pages_quantize_when_full_and_wait_in_the_residual(keys_fmt,
     if qv.tensor_scale is not None:  # nvfp4: page 1's own tensor scale; page 5 never written
         assert float(state[0]["values"]["tensor_scale"][1]) == float(qv.tensor_scale)
         assert float(state[0]["values"]["tensor_scale"][5]) == 1.0
+
+
+def test_two_rows_fill_their_own_pages_up_to_the_last_table_column():
+    # Row 0 (slot 0) writes 16 tokens: 4 full pages, blocks [3, 2, 1, 0], the last one in the
+    # table's last column (max_pages = 4). Row 1 (slot 1) writes 4 of its 16 positions: one
+    # full page, block 5. Every full page is the codec's per-channel page, where the table says.
+    layout = _layout(LayerKV("int8", "channel", "bf16", "token"))
+    k = _tokens(32, 14).reshape(2, 16, H, D)
+    table = np.concatenate([_table(0, 16, [3, 2, 1, 0]), _table(1, 4, [5])])
+    positions = np.tile(np.arange(16, dtype=np.int32), (2, 1))
+    valid = np.asarray([[True] * 16, [True] * 4 + [False] * 12])
+    state = _write_jit(layout, layout.init_state(), 0, table, positions, valid, k, k)
+    pages = np.asarray(state[0]["keys"]["pages"])
+    for block, row, first in ((3, 0, 0), (2, 0, 4), (1, 0, 8), (0, 0, 12), (5, 1, 0)):
+        want = quantize(k[row, first : first + 4], "int8", axis=0).data
+        np.testing.assert_array_equal(pages[block], np.asarray(want))
+    assert not pages[4].any()
 
 
 def test_a_row_without_tokens_keeps_its_slots_residual():
