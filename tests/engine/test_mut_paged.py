@@ -262,19 +262,20 @@ def test_two_rows_fill_their_own_pages_up_to_the_last_table_column():
 
 
 def test_a_row_without_tokens_keeps_its_slots_residual():
-    # Two rows: slot 0 writes 2 tokens; slot 1 (holding a 2-token residual from before)
-    # writes none this step. Slot 1's residual must survive the step.
+    # Slot 1 holds 6 tokens (page 2 full, tokens 4, 5 in its residual). Next step, row 0 is
+    # slot 1 with no valid token (its positions 0, 1 are padding) and row 1 is slot 0
+    # writing 2 tokens. Each slot's residual is its own: slot 1 still reads tokens 4, 5.
     layout = _layout(LayerKV("int8", "channel", "int8", "token"))
-    k = _tokens(2, 7)
-    state = _write(layout, layout.init_state(), 0, _table(1, 2, [0]), 0, k, k)
-    table = np.concatenate([_table(0, 2, [1]), _table(1, 2, [0])])
-    positions = np.asarray([[0, 1], [2, 3]], np.int32)
-    valid = np.asarray([[True, True], [False, False]])
+    k = _tokens(6, 7)
+    state = _write(layout, layout.init_state(), 0, _table(1, 6, [2, 0]), 0, k, k)
+    table = np.concatenate([_table(1, 6, [2, 0]), _table(0, 2, [1])])
+    positions = np.asarray([[0, 1], [0, 1]], np.int32)
+    valid = np.asarray([[False, False], [True, True]])
     fresh = np.concatenate([_tokens(2, 8), _tokens(2, 9)])
     state = _write_jit(layout, state, 0, table, positions, valid, fresh, fresh)
-    keys, _, _ = _read(layout, state, 0, table, 2)
-    np.testing.assert_array_equal(np.asarray(keys[1, :2]), k[0])
-    np.testing.assert_array_equal(np.asarray(keys[0, :2]), fresh[0])
+    keys, _, _ = _read(layout, state, 0, table, 6)
+    np.testing.assert_array_equal(np.asarray(keys[0, 4:6]), k[0, 4:6])
+    np.testing.assert_array_equal(np.asarray(keys[1, :2]), fresh[1])
 
 
 def test_invalid_tokens_write_nothing():
