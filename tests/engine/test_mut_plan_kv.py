@@ -1,0 +1,86 @@
+"""The KV-axis checks of QuantPlan that the round-trip tests cannot see (found by `make
+mutation TARGETS=plan` after the static `tensor`/`head` axes landed): which formats a static
+axis accepts, per-layer key vs value formats, the exact one-line error, and `uniform` on a
+name that is not a format. Expected values come from plan.py's documented contract:
+STATIC_KV_FORMATS = formats with one float32 scale and no block (fp8, int8, int4, int2).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tenantq.quant.plan import KVPlan, QuantPlan
+
+STATIC_LIST = "fp8_e4m3, fp8_e5m2, int8, int4, int2"
+
+
+def test_static_axis_accepts_bf16_layers():
+    # bf16 is the baseline (no scale at all): a static axis is allowed beside it, whether bf16
+    # is the plan-wide format or one layer's override.
+    plan = KVPlan(key_format="bf16", key_axis="tensor", value_format="int8", value_axis="head")
+    assert (plan.key_format, plan.key_axis) == ("bf16", "tensor")
+    plan = KVPlan(
+        key_format="int8",
+        key_axis="tensor",
+        value_format="int8",
+        value_axis="tensor",
+        layer_formats=((1, "bf16", "bf16"),),
+    )
+    assert plan.layer_formats == ((1, "bf16", "bf16"),)
+
+
+def test_static_axis_error_names_every_block_format_in_order():
+    # Two block formats in the layer overrides of the keys: the message lists both, sorted,
+    # joined by ", ", and ends with the two axes that work.
+    message = (
+        f"kv.key_axis: 'tensor' (a static scale) needs a format with a float32 scale "
+        f"({STATIC_LIST}); mxfp4, nvfp4 fixes its own block scales: use 'channel' or 'token'"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        KVPlan(
+            key_format="int8",
+            key_axis="tensor",
+            value_format="int8",
+            value_axis="token",
+            layer_formats=((1, "nvfp4", "int8"), (0, "mxfp4", "int4")),
+        )
+
+
+def test_key_and_value_axes_see_their_own_layer_formats():
+    # A layer override's key format is checked against key_axis, its value format against
+    # value_axis, never the other way round.
+    # Keys static, a layer's key in mxfp4 (values fine): refused on key_axis.
+    with pytest.raises(ValueError, match=r"^kv\.key_axis: 'tensor' .*; mxfp4 fixes"):
+        KVPlan(
+            key_format="int8",
+            key_axis="tensor",
+            value_format="int8",
+            value_axis="token",
+            layer_formats=((1, "mxfp4", "int8"),),
+        )
+    # Values static, a layer's value in mxfp8 (keys per channel): refused on value_axis.
+    with pytest.raises(ValueError, match=r"^kv\.value_axis: 'head' .*; mxfp8 fixes"):
+        KVPlan(
+            key_format="int8",
+            key_axis="channel",
+            value_format="int8",
+            value_axis="head",
+            layer_formats=((0, "int8", "mxfp8"),),
+        )
+    # Keys static with block-format values on a per-token axis: accepted (keys are int8).
+    plan = KVPlan(
+        key_format="int8",
+        key_axis="tensor",
+        value_format="int8",
+        value_axis="token",
+        layer_formats=((0, "int8", "nvfp4"),),
+    )
+    assert plan.layer_formats == ((0, "int8", "nvfp4"),)
+
+
+def test_uniform_on_an_unknown_kv_format_is_a_one_line_value_error():
+    # Not a TypeError from unpacking a missing default: the plan's own message.
+    with pytest.raises(ValueError, match=r"^kv\.key_format: unknown format 'int3'; valid"):
+        QuantPlan.uniform(kv="int3")
