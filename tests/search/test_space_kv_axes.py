@@ -1,5 +1,7 @@
-"""The search space reaches the KV cache's static axes and int2, and canonicalises pairs that
-cannot exist (a static axis on a format without one float scale) to the plan they become."""
+"""The search space reaches the KV cache's static axes, int2 and scale storage, and
+canonicalises pairs that cannot exist (a static axis on a format without one float scale; a
+scale dtype a trial's formats cannot use) to the plan they become. `kv_scale_dtypes` adds no
+parameter unless searched, so earlier studies' parameters and fingerprints are unchanged."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from tenantq.model.config import ModelConfig
 from tenantq.reference import reference_model_path
 from tenantq.search.space import baseline_params, parameter_choices, plan_from_params
 from tenantq.search.spec import SpaceSpec
+from tenantq.tracking import flatten_plan
 
 CONFIG = ModelConfig.from_file(reference_model_path() / "config.json")
 
@@ -53,3 +56,39 @@ def test_value_axis_is_no_parameter_unless_searched_and_baselines_still_build():
     for params in baseline_params(searched, CONFIG):
         plan = plan_from_params(searched, params, CONFIG)
         assert plan.kv.value_axis == "token"
+
+
+def test_no_scale_dtype_parameter_unless_searched():
+    assert "kv.scale_dtype" not in parameter_choices(SpaceSpec(), CONFIG)
+    searched = SpaceSpec(kv_scale_dtypes=["float32", "bf16", "e8m0"])
+    assert parameter_choices(searched, CONFIG)["kv.scale_dtype"] == ["float32", "bf16", "e8m0"]
+    for params in baseline_params(searched, CONFIG):  # baselines keep float32 scales
+        assert plan_from_params(searched, params, CONFIG).kv.scale_dtype == "float32"
+
+
+def test_a_searched_scale_dtype_reaches_the_plan_and_mlflow_params():
+    space = SpaceSpec(key_formats=["int4"], value_formats=["int4"], kv_scale_dtypes=["e8m0"])
+    plan = plan_from_params(space, _params(space, kv__key_axis="channel"), CONFIG)
+    assert plan.kv.scale_dtype == "e8m0"
+    assert flatten_plan(plan, CONFIG)["kv.scale_dtype"] == "e8m0"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "axis", "wanted"),
+    [
+        ("int2", "int2", "channel", "e8m0"),  # E8M0 is for symmetric formats
+        ("mxfp4", "mxfp4", "channel", "bf16"),  # MX keeps its own E8M0 block scales
+        ("fp8_e4m3", "fp8_e4m3", "tensor", "bf16"),  # keys and values static per tensor
+        ("bf16", "bf16", "channel", "bf16"),  # nothing quantized
+    ],
+)
+def test_a_scale_dtype_that_cannot_apply_is_the_float32_plan(key, value, axis, wanted):
+    space = SpaceSpec(
+        key_formats=[key], value_formats=[value], key_axes=[axis],
+        value_axes=["tensor"] if axis == "tensor" else ["token"],
+        kv_scale_dtypes=["float32", wanted],
+    )  # fmt: skip
+    cheap = plan_from_params(space, _params(space, kv__scale_dtype=wanted), CONFIG)
+    plain = plan_from_params(space, _params(space, kv__scale_dtype="float32"), CONFIG)
+    assert cheap.kv.scale_dtype == "float32"
+    assert cheap.fingerprint() == plain.fingerprint()
