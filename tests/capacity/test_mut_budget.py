@@ -219,3 +219,61 @@ def test_kv_summary_counts_layer_overrides():
     b = budget(tiny_config(), plan, _cpu(), 16)
     assert b.kv_summary == "K bf16/channel, V bf16/token (1 per-layer overrides)"
     assert [k.layer_ranges for k in b.kv_lines] == ["0", "1"]
+
+
+def test_longest_context_at_an_exact_fit_with_one_token_pages():
+    # 1-token pages: a token in both layers is 2 * (2 * 1*2*8 * 2) = 128 B. A pool of exactly
+    # 3 * 51 * 128 = 19,584 B (memory 45,376 + 100,000 + 19,584) holds 3 tenants of 51 tokens
+    # with no byte to spare (52 would need 19,968): the longest context is 51, exactly.
+    assert max_context_for(tiny_config(), QuantPlan(), _cpu(memory=164_960, page_tokens=1), 3) == 51
+    # A pool of 3 * 128 = 384 B holds one token each and not two.
+    assert max_context_for(tiny_config(), QuantPlan(), _cpu(memory=145_760, page_tokens=1), 3) == 1
+
+
+def test_static_kv_bytes_are_held_once_not_per_tenant():
+    # fp8 keys and values, one static scale per tensor: a 16-token page of one layer is
+    # 2 * 16*2*8 * 1 = 512 B (1,024 B in both layers); static bytes once per layer: K and V
+    # scales 4 B each + 2 clip counters of 4 B each = 24 B, 48 B in all. Memory 45,376 +
+    # 100,000 + 48 + 2 * 4 * 1,024 = 153,616 B: 2 tenants of 64 tokens (4 pages) fit exactly.
+    b = budget(tiny_config(), QuantPlan.uniform("bf16", "fp8_e4m3"), _cpu(memory=153_616), 64,
+               target_tenants=2)  # fmt: skip
+    assert (b.kv_static_bytes_per_chip, b.tenant_bytes_per_chip, b.tenants) == (48, 4_096, 2)
+    assert (b.max_context_tokens, b.max_context_limit) == (64, "memory")
+
+
+def test_weights_that_fill_the_chip_exactly_leave_no_pool_for_the_reserve():
+    # Weights of 45,376 B on a chip of 45,376 B are not more than the chip; with the reserve
+    # they leave no pool, and that is the reason given.
+    b = budget(tiny_config(), QuantPlan(), _cpu(memory=45_376), 100)
+    assert b.tenants == 0
+    assert b.reason.startswith("weights (45,376 B (44.31 KiB)) and the runtime reserve")
+
+
+def test_context_at_the_models_limit_gets_no_note():
+    assert budget(tiny_config(), QuantPlan(), _cpu(), 128).notes == ()
+    assert budget(tiny_config(), QuantPlan(), _cpu(), 129).notes == (
+        "context 129 exceeds the model's max_position_embeddings (128)",
+    )
+
+
+def test_tied_embeddings_have_no_lm_head_line_and_keep_the_rest():
+    b = budget(tiny_config(tie_word_embeddings=True), QuantPlan(), _cpu(), 100)
+    assert [w.name for w in b.weight_lines] == ["embed", "attention", "mlp", "norms"]
+
+
+def test_sharding_labels_on_two_chips():
+    # vocab 65 is odd: 2 chips cannot split it, so embed and lm_head stay whole on each.
+    lines = budget(tiny_config(vocab_size=65), QuantPlan(), _cpu(2), 100).weight_lines
+    assert [(w.name, w.sharding) for w in lines] == [
+        ("embed", "replicated (vocab not divisible by 2 chips)"),
+        ("lm_head", "replicated (vocab not divisible by 2 chips)"),
+        ("attention", "sharded over heads"), ("mlp", "sharded over MLP units"),
+        ("norms", "replicated"),
+    ]  # fmt: skip
+
+
+def test_every_unused_rule_is_named_in_one_note():
+    plan = QuantPlan(rules=(Rule("nope1", "int8"), Rule("nope2", "int8")))
+    assert budget(tiny_config(), plan, _cpu(), 100).notes == (
+        "plan rules that match no tensor: nope1, nope2",
+    )

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic_core import to_jsonable_python
+
 from tenantq.search.metrics import StudyMetrics
 from tenantq.search.objectives import capacity_metrics, constraint_values, objective_values
 from tenantq.search.pareto import FrontRow, front_rows, quality_with_ci, render_front, verdict_text
@@ -771,6 +773,13 @@ def _confirmed_front(rows: list[FrontRow], objectives) -> list[FrontRow]:
     return [r for r in keep if not dominated(r)]
 
 
+def _is_default(field, value) -> bool:
+    """True when `value` (JSON form) is the default of the pydantic `field`."""
+    if field is None or field.is_required():
+        return False
+    return value == to_jsonable_python(field.get_default(call_default_factory=True))
+
+
 def _verdict_tags(summary: dict[str, Any], constraints: dict[str, float]) -> dict[str, str]:
     tags = {f"tenantq.{k}": str(v) for k, v in summary.items() if isinstance(v, str)}
     tags["tenantq.shippable"] = "true" if all(v <= 0 for v in constraints.values()) else "false"
@@ -778,6 +787,9 @@ def _verdict_tags(summary: dict[str, Any], constraints: dict[str, float]) -> dic
 
 
 def _check_same_spec(stored: dict | None, spec: Spec) -> None:
+    """Refuse --resume when the spec changed, except for the resumable fields. A field that
+    a later tenantq added (absent from the stored spec) is unchanged while it holds its
+    default, so a study begun before an upgrade resumes."""
     if not stored:
         return
     now = spec.model_dump(mode="json")
@@ -785,10 +797,12 @@ def _check_same_spec(stored: dict | None, spec: Spec) -> None:
     for section, value in now.items():
         old = stored.get(section)
         if isinstance(value, dict) and isinstance(old, dict):
+            fields = type(getattr(spec, section)).model_fields
             changed += [
                 f"{section}.{k}"
                 for k in value
-                if value.get(k) != old.get(k) and (section, k) not in RESUMABLE_CHANGES
+                if (section, k) not in RESUMABLE_CHANGES
+                and (value[k] != old[k] if k in old else not _is_default(fields.get(k), value[k]))
             ]
         elif value != old:
             changed.append(section)
