@@ -8,13 +8,14 @@ whatever the lookahead, and no thread outlives a load that ends, fails or is aba
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import re
 import threading
 
 import numpy as np
 import pytest
-from hand_checkpoint import CONFIG, ENGINE_FROM_HF, hf_tensors, raw_file, write_raw
+from hand_checkpoint import CONFIG, ENGINE_FROM_HF, HF_SHAPES, hf_tensors, raw_file, write_raw
 
 from tenantq.model import loader
 from tenantq.model.config import ModelConfig
@@ -73,16 +74,16 @@ def test_a_later_failure_is_raised_at_the_next_item(tmp_path, monkeypatch):
     # instead of after converting every tensor in between.
     _checkpoint(tmp_path, bad=LAST)
     checked_last = threading.Event()
-    check = loader._map_and_check
+    check = loader._check_rows
 
-    def recording(header, entry, what, transpose):
+    def recording(source, what, start, stop):
         try:
-            return check(header, entry, what, transpose)
+            return check(source, what, start, stop)
         finally:
-            if entry.name == LAST:
+            if what.startswith(f"tensor {LAST} "):
                 checked_last.set()
 
-    monkeypatch.setattr(loader, "_map_and_check", recording)
+    monkeypatch.setattr(loader, "_check_rows", recording)
     stream = iter_checkpoint(tmp_path, _config())
     assert next(stream)[0] == "embed"
     assert checked_last.wait(timeout=60)
@@ -106,21 +107,94 @@ def test_every_tensor_arrives_whole_and_in_order_at_any_lookahead(
         assert np.array_equal(array.view(np.uint16), np.ascontiguousarray(want).view(np.uint16))
 
 
-def test_checks_run_on_the_worker_thread(tmp_path, monkeypatch):
-    # The overlap exists: every tensor is checked off the consumer's thread.
+def _recording_checks(monkeypatch, calls: list, hold=None):
+    """Record (what, start, stop, thread name) of every row-range check. With `hold`
+    (entered, release): the worker's first check sets `entered`, then waits for `release`."""
+    check = loader._check_rows
+    held = []
+
+    def recording(source, what, start, stop):
+        thread = threading.current_thread().name
+        calls.append((what, start, stop, thread))
+        if hold is not None and thread.startswith("tenantq-finite-check") and not held:
+            held.append(what)
+            hold[0].set()
+            assert hold[1].wait(timeout=60)
+        return check(source, what, start, stop)
+
+    monkeypatch.setattr(loader, "_check_rows", recording)
+
+
+def test_checks_run_on_the_worker_thread_when_it_is_ahead(tmp_path, monkeypatch):
+    # The overlap exists: once the worker has checked everything queued (the consumer
+    # waits for it here), every tensor after the first is checked off the consumer's thread.
     _checkpoint(tmp_path)
-    threads = []
-    read = loader.read_tensor
+    calls: list = []
+    _recording_checks(monkeypatch, calls)
+    checked_last = threading.Event()
+    check = loader._check_rows
 
-    def recording(source, what, transpose=False):
-        threads.append(threading.current_thread())
-        return read(source, what, transpose)
+    def signalling(source, what, start, stop):
+        check(source, what, start, stop)
+        if what.startswith(f"tensor {LAST} "):
+            checked_last.set()
 
-    monkeypatch.setattr(loader, "read_tensor", recording)
+    monkeypatch.setattr(loader, "_check_rows", signalling)
+    stream = iter_checkpoint(tmp_path, _config())
+    first = next(stream)[0]
+    assert checked_last.wait(timeout=60)
+    assert [first, *(path for path, _array in stream)] == list(ENGINE_FROM_HF)
+    later = [c for c in calls if not c[0].startswith("tensor model.embed_tokens.weight ")]
+    assert len(later) == len(ENGINE_FROM_HF) - 1  # one row range each: tiny tensors
+    assert all(thread.startswith("tenantq-finite-check") for *_, thread in later)
+
+
+def test_a_waiting_consumer_checks_the_ranges_the_worker_has_not_started(tmp_path, monkeypatch):
+    # 16 rows of 6 bf16 (12 bytes) in tasks of 24 bytes: the embedding is 8 ranges of 2 rows.
+    # The worker is held inside the first range, so the consumer, asking for the embedding,
+    # must take ranges 2-8 back and check them itself; it then opens the gate and waits for
+    # range 1 only. A consumer that only waited would hang (the gate opens after its checks).
+    monkeypatch.setattr(loader, "_TASK_BYTES", 24)
+    _checkpoint(tmp_path)
+    calls: list = []
+    entered, release = threading.Event(), threading.Event()
+    _recording_checks(monkeypatch, calls, (entered, release))
+    check, first_failure = loader._check_rows, loader._raise_first_failure
+
+    def after_submitting(pending):  # the worker is inside range 1 before the consumer looks
+        assert entered.wait(timeout=60)
+        first_failure(pending)
+
+    def releasing(source, what, start, stop):
+        check(source, what, start, stop)
+        if threading.current_thread() is threading.main_thread() and stop == 16:
+            release.set()  # the consumer has checked the embedding's last range
+
+    monkeypatch.setattr(loader, "_raise_first_failure", after_submitting)
+    monkeypatch.setattr(loader, "_check_rows", releasing)
+    stream = iter_checkpoint(tmp_path, _config())
+    assert next(stream)[0] == "embed"
+    embed = [c for c in calls if c[0].startswith("tensor model.embed_tokens.weight ")]
+    assert sorted((start, stop) for _w, start, stop, _t in embed) == [
+        (i, i + 2) for i in range(0, 16, 2)
+    ]
+    assert [(a, b) for _w, a, b, t in embed if t != "MainThread"] == [(0, 2)]
+    stream.close()
+
+
+def test_every_row_is_checked_exactly_once(tmp_path, monkeypatch):
+    # Small tasks (40 bytes: 1-3 rows of the 12-24 byte rows) so most tensors are several
+    # ranges, whoever checks them: together they cover each tensor's rows once, no gap.
+    monkeypatch.setattr(loader, "_TASK_BYTES", 40)
+    _checkpoint(tmp_path)
+    calls: list = []
+    _recording_checks(monkeypatch, calls)
     load_params(tmp_path, _config())
-    assert len(threads) == len(ENGINE_FROM_HF)
-    assert all(t is not threading.current_thread() for t in threads)
-    assert all(t.name.startswith("tenantq-finite-check") for t in threads)
+    for path, (name, _transposed) in ENGINE_FROM_HF.items():
+        ranges = sorted((a, b) for w, a, b, _t in calls if w.startswith(f"tensor {name} "))
+        rows = HF_SHAPES[name][0]
+        assert ranges[0][0] == 0 and ranges[-1][1] == rows, path
+        assert all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(ranges)), path
 
 
 @pytest.mark.parametrize("how", ["closed", "abandoned", "finished"])

@@ -212,94 +212,143 @@ def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[s
     )
 
 
-# How far the checking thread may run ahead of the consumer: tensors mapped and checked but
-# not yet yielded. Enough to keep it busy (a check reads ~5x faster than a copy), small
-# enough that the checked pages are still in memory when the consumer copies them.
+# How far the checking thread may run ahead of the consumer: tensors mapped and queued for
+# checking but not yet yielded (at least one). Enough to keep it busy (a check reads ~5x
+# faster than a copy), small enough that the checked pages are still in memory when the
+# consumer copies them.
 _LOOKAHEAD_BYTES = 256 << 20
+# One task of the checking thread: rows of a tensor, about this many bytes. A consumer that
+# waits for a tensor checks the tasks of it that the thread has not started itself, so the
+# first tensor (the 65 MB embedding of the reference model) is not checked by one core
+# while the other idles.
+_TASK_BYTES = 8 << 20
 
 
 def _checked_stream(
     jobs: Iterable[tuple[str, SafetensorsHeader, str, str, bool]],
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """(key, `read_tensor` result) per job `(key, header, tensor name, what, transpose)`,
-    in order, each checked before it is yielded.
+    """(key, checked array) per job `(key, header, tensor name, what, transpose)`, in order,
+    each checked for NaN/inf before it is yielded; the array is the tensor's read-only
+    memory map (`map_data`), transposed when asked.
 
-    One worker thread maps and checks the next tensors (up to `_LOOKAHEAD_BYTES` ahead, at
-    least one) while the consumer converts the current one; numpy's integer reductions and
-    jax's host-to-device copy both release the GIL, so on two cores the check costs CPU
-    time but little wall time. A failed check is raised (the first failing tensor in order)
-    at the next item the consumer asks for, before any later tensor is yielded. The thread
-    is joined when the stream ends, fails or is closed: none outlives it.
+    One worker thread checks the next tensors (up to `_LOOKAHEAD_BYTES` ahead, at least one)
+    while the consumer converts the current one; numpy's integer reductions and jax's
+    host-to-device copy both release the GIL. Each tensor's check is split into row ranges
+    of about `_TASK_BYTES`; when the consumer asks for a tensor whose check is not done, it
+    checks the ranges the worker has not started (taken back with `Future.cancel`) instead
+    of waiting idle. A failed check is raised at the next item the consumer asks for, as
+    soon as every tensor before the failing one has passed (so the first failing tensor in
+    stream order is the one named), before any later tensor is yielded. The thread is
+    joined when the stream ends, fails or is closed: none outlives it.
     """
     jobs = list(jobs)
+    data: dict[Path, np.ndarray] = {}
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenantq-finite-check")
-    pending: deque[tuple[str, int, Future[np.ndarray]]] = deque()
+    pending: deque[tuple[str, np.ndarray, bool, list[tuple[Future[None], tuple]]]] = deque()
     ahead_bytes, submitted = 0, 0
     try:
         for _ in range(len(jobs)):
             while submitted < len(jobs) and (not pending or ahead_bytes < _LOOKAHEAD_BYTES):
                 key, header, name, what, transpose = jobs[submitted]
-                entry = header.entries[name]
-                future = pool.submit(_map_and_check, header, entry, what, transpose)
-                pending.append((key, entry.end - entry.begin, future))
-                ahead_bytes += entry.end - entry.begin
+                if header.path not in data:
+                    data[header.path] = map_data(header)
+                source = tensor_view(data[header.path], header.entries[name])
+                if transpose and source.ndim != 2:
+                    raise ValueError(
+                        f"{what}: only 2-D tensors are transposed, this one has {source.ndim}"
+                    )
+                tasks = [
+                    (pool.submit(_check_rows, *args), args)
+                    for args in _row_ranges(source, what, _TASK_BYTES)
+                ]
+                pending.append((key, source, transpose, tasks))
+                ahead_bytes += source.nbytes
                 submitted += 1
-            for _key, _nbytes, ahead in pending:  # fail fast: a later tensor already failed
-                if ahead.done() and ahead.exception() is not None:
-                    ahead.result()
-            key, nbytes, future = pending.popleft()
-            array = future.result()
-            ahead_bytes -= nbytes
-            yield key, array
-            del array, future
+            _raise_first_failure(pending)
+            key, source, transpose, tasks = pending.popleft()
+            for future, args in tasks:  # not started by the worker: check it here, now
+                if future.cancel():
+                    _check_rows(*args)
+            for future, _args in tasks:
+                if not future.cancelled():
+                    future.result()
+            ahead_bytes -= source.nbytes
+            yield key, source.T if transpose else source
+            del source, tasks
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _map_and_check(
-    header: SafetensorsHeader, entry: TensorEntry, what: str, transpose: bool
-) -> np.ndarray:
-    return read_tensor(map_tensor(header, entry), what, transpose)
+def _raise_first_failure(pending: Iterable[tuple[Any, Any, Any, list]]) -> None:
+    """Raise the error of the first failed check among queued tensors whose earlier
+    tensors have all passed; return when none has failed yet or an earlier one is open."""
+    for _key, _source, _transpose, tasks in pending:
+        for future, _args in tasks:
+            if not future.done():
+                return
+            if future.exception() is not None:
+                future.result()
+
+
+def map_data(header: SafetensorsHeader) -> np.ndarray:
+    """A read-only uint8 memory map of a validated file's data buffer (no bytes read yet):
+    one map per file, tensors are views of it (`tensor_view`)."""
+    size = header.path.stat().st_size - header.data_offset_bytes
+    if size == 0:  # an empty span cannot be mapped
+        return np.zeros(0, np.uint8)
+    return np.memmap(header.path, dtype=np.uint8, mode="r", offset=header.data_offset_bytes)
+
+
+def tensor_view(data: np.ndarray, entry: TensorEntry) -> np.ndarray:
+    """One tensor of a validated file as a view of its data buffer (`map_data`)."""
+    dtype = np.dtype(READABLE_DTYPES[entry.dtype])
+    return data[entry.begin : entry.end].view(dtype).reshape(entry.shape)
 
 
 def map_tensor(header: SafetensorsHeader, entry: TensorEntry) -> np.ndarray:
     """A read-only memory map of one tensor of a validated file (no bytes read yet)."""
-    dtype = np.dtype(READABLE_DTYPES[entry.dtype])
-    count = int(np.prod(entry.shape, dtype=np.int64))
-    if count == 0:  # an empty span cannot be mapped
-        return np.zeros(entry.shape, dtype)
-    mapped = np.memmap(
-        header.path,
-        dtype=dtype,
-        mode="r",
-        offset=header.data_offset_bytes + entry.begin,
-        shape=(count,),
-    )
-    return mapped.reshape(entry.shape)
+    return tensor_view(map_data(header), entry)
 
 
 _BLOCK_BYTES = 1 << 20  # rows checked together: both integer reductions read them from L2
 
 
-def read_tensor(source: np.ndarray, what: str, transpose: bool = False) -> np.ndarray:
-    """`source` (a file-layout memory map) checked for NaN/inf, in engine layout (its
-    transposed view for HF `[out, in]` linears); the bytes are not copied here.
+def _rows(source: np.ndarray) -> np.ndarray:
+    """`source` as a 2-D view, one row per leading index (a column for 0-D/1-D tensors)."""
+    return source.reshape(source.shape[0], -1) if source.ndim > 1 else source.reshape(-1, 1)
 
-    The check runs over blocks of ~1 MiB of rows, so the second of `_all_finite`'s two
-    integer reductions reads the block from cache: one pass over memory, which also maps the
-    pages that the consumer's copy (`jnp.asarray`) then reads. Measured with one load per
-    process, page cache warm (`python -m tenantq.bench load`): figures in the README's
-    checkpoint section. A failing block falls back to `check_finite` over the whole tensor,
-    which names the count and the first offending index.
+
+def _row_ranges(source: np.ndarray, what: str, task_bytes: int) -> list[tuple]:
+    """`_check_rows` arguments covering `source`'s rows in ranges of about `task_bytes`."""
+    if source.size == 0:
+        return []
+    n_rows = _rows(source).shape[0]
+    step = max(1, task_bytes // (source.nbytes // n_rows))
+    return [(source, what, start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
+
+
+def _check_rows(source: np.ndarray, what: str, start: int, stop: int) -> None:
+    """Check rows [start, stop) of `source` (see `read_tensor`) in blocks of ~1 MiB, so the
+    second of `_all_finite`'s two integer reductions reads the block from cache. A failing
+    block falls back to `check_finite` over the whole tensor, which names the count and the
+    first offending index."""
+    rows = _rows(source)
+    step = max(1, _BLOCK_BYTES // (rows.shape[1] * source.dtype.itemsize))
+    for begin in range(start, stop, step):
+        if not _all_finite(rows[begin : min(begin + step, stop)]):
+            check_finite(source, what)  # raises with the count and the first index
+
+
+def read_tensor(source: np.ndarray, what: str, transpose: bool = False) -> np.ndarray:
+    """`source` (a file-layout memory map) checked for NaN/inf on this thread, in engine
+    layout (its transposed view for HF `[out, in]` linears); the bytes are not copied here.
+    The streaming loader (`_checked_stream`) runs the same check (`_check_rows`) on a
+    worker thread; the cost of both is measured by `python -m tenantq.bench load`.
     """
     if transpose and source.ndim != 2:
         raise ValueError(f"{what}: only 2-D tensors are transposed, this one has {source.ndim}")
-    if source.size:
-        rows = source.reshape(source.shape[0], -1) if source.ndim > 1 else source.reshape(-1, 1)
-        step = max(1, _BLOCK_BYTES // (rows.shape[1] * source.dtype.itemsize))
-        for start in range(0, rows.shape[0], step):
-            if not _all_finite(rows[start : start + step]):
-                check_finite(source, what)  # raises with the count and the first index
+    for args in _row_ranges(source, what, source.nbytes):
+        _check_rows(*args)
     return source.T if transpose else source
 
 
