@@ -50,9 +50,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         default="smoke" if smoke else "reference,large",
         help=f"comma-separated, of {', '.join(SIZES)} (reference,large)",
     )
-    parser.add_argument("--rounds", type=int, default=2 if smoke else 16,
-                        help="rounds for the reference size (16)")  # fmt: skip
-    parser.add_argument("--large-rounds", type=int, default=6, help="rounds for large (6)")
+    parser.add_argument("--rounds", type=int, default=2 if smoke else 20,
+                        help="rounds for the reference size (20)")  # fmt: skip
+    parser.add_argument("--large-rounds", type=int, default=8, help="rounds for large (8)")
     parser.add_argument("--dtype", default="bfloat16", help="dtype loaded into (bfloat16)")
     parser.add_argument("--profile", action="store_true",
                         help=f"also run {' and '.join(PROFILE_VARIANTS)}")  # fmt: skip

@@ -10,10 +10,11 @@ was expected; nothing is yielded from a file whose header is not valid.
 Why not `safetensors.safe_open`: it validates headers too, but its errors name neither the
 file nor, for several faults, the tensor, and its numpy `get_tensor` copies every tensor.
 Here the header is validated completely first (`SafetensorsHeader`, with named messages);
-each tensor is then a read-only `np.memmap` of exactly the span the header gives it,
-checked for NaN/inf in cache-sized blocks (`read_tensor`) on one worker thread that runs a
-bounded distance ahead of the consumer (`_checked_stream`), so the check overlaps the
-consumer's copy; its cost is measured by `python -m tenantq.bench load`.
+each tensor is then a read-only view of exactly the span the header gives it, in one
+memory map per file (`map_data`), checked for NaN/inf in cache-sized blocks (`_check_rows`)
+by one worker thread that runs a bounded distance ahead of the consumer (`_checked_stream`),
+so the check overlaps the consumer's copy; its cost is measured by
+`python -m tenantq.bench load`.
 """
 
 from __future__ import annotations
@@ -303,11 +304,6 @@ def tensor_view(data: np.ndarray, entry: TensorEntry) -> np.ndarray:
     """One tensor of a validated file as a view of its data buffer (`map_data`)."""
     dtype = np.dtype(READABLE_DTYPES[entry.dtype])
     return data[entry.begin : entry.end].view(dtype).reshape(entry.shape)
-
-
-def map_tensor(header: SafetensorsHeader, entry: TensorEntry) -> np.ndarray:
-    """A read-only memory map of one tensor of a validated file (no bytes read yet)."""
-    return tensor_view(map_data(header), entry)
 
 
 _BLOCK_BYTES = 1 << 20  # rows checked together: both integer reductions read them from L2
