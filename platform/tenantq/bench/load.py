@@ -112,15 +112,15 @@ def _mapped_load(folder: Path, config, dtype: str, *, check: bool) -> dict[str, 
     `read_tensor` checked it here (no worker thread). Without: the load with no check."""
     import jax.numpy as jnp
 
-    from tenantq.model.loader import checkpoint_files, hf_names, map_data, read_tensor, tensor_view
+    from tenantq.model.loader import checkpoint_files, hf_names, map_tensor, read_tensor
     from tenantq.model.safetensors_header import SafetensorsHeader
 
     files = checkpoint_files(folder)
     headers = {f: SafetensorsHeader.read(f) for f in set(files.values())}
-    data = {f: map_data(h) for f, h in headers.items()}
     out = {}
     for path, (name, transpose) in hf_names(config).items():
-        array = tensor_view(data[files[name]], headers[files[name]].entries[name])
+        header = headers[files[name]]
+        array = map_tensor(header, header.entries[name])
         if check:
             array = read_tensor(array, name, transpose)
         elif transpose:
