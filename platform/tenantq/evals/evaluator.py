@@ -461,6 +461,8 @@ class Evaluator:
                 "depth": float(getattr(item, "depth", float("nan"))),
                 "baseline_score": float(b), "candidate_score": float(c), "kl": float("nan"),
                 "top1_agree": float("nan"),
+                # min over the recorded steps: a teacher-forced needle that fails records
+                # them up to its first wrong token only (`generation.Generated`)
                 "margin": float(min(gb.margins)) if gb.margins else float("nan"),
                 "candidate_margin": float(min(gc.margins)) if gc.margins else float("nan"),
                 "flip": _flip(b, c),
