@@ -49,13 +49,15 @@ def _topk_error(evaluator, plans, ks=(16, 64)) -> list[dict]:
     rows = []
     for name, plan in plans.items():
         engine = evaluator.build_engine(plan)
-        exact = fidelity.compare(engine, evaluator.fidelity_rows, base)["kl"]
+        window = evaluator.kv_window_tokens  # the window the baseline was computed at
+        exact = fidelity.compare(engine, evaluator.fidelity_rows, base, kv_tokens=window)["kl"]
         for k in ks:
             topk = fidelity.topk_from_exact(base, k)
             for tail in ("sampled", "lumped"):
                 approx = fidelity.compare(
-                    engine, evaluator.fidelity_rows, topk, lumped_tail=tail == "lumped"
-                )["kl"]
+                    engine, evaluator.fidelity_rows, topk, lumped_tail=tail == "lumped",
+                    kv_tokens=window,
+                )["kl"]  # fmt: skip
                 rows.append({
                     "plan": name, "k": k, "tail": tail, "kl_mean_exact": float(exact.mean()),
                     "kl_mean_topk": float(approx.mean()),

@@ -197,7 +197,9 @@ class Engine:
                 out.append(np.asarray(logp[i, p - 1 : p - 1 + c], np.float32))
         return out
 
-    def device_logits(self, token_ids) -> Iterator[tuple[int, jax.Array, jax.Array]]:
+    def device_logits(
+        self, token_ids, *, kv_tokens: int | None = None
+    ) -> Iterator[tuple[int, jax.Array, jax.Array]]:
         """The full-prefill logits of `token_ids`, left on the device, one chunk at a time.
 
         Yields `(start, logits, next_logp)` per chunk of up to `max_seqs` rows: float32
@@ -206,12 +208,68 @@ class Engine:
         and its longest row); entries past a row's end are padding, and the last position of
         a row has no next token (its `next_logp` is that of id 0). Nothing [b, s, V] is
         copied to the host: compare against it inside jit (KL, top-1) and fetch the result.
+        `kv_tokens`: read at least this KV window (a static shape: a suite that runs every
+        step at one window compiles one body executable for them all).
         """
         rows = self._rows(token_ids, "token_ids")
         for start, chunk in self._chunks(rows):
             targets = [r[1:] for r in chunk]
-            logits, next_logp = self._prefill_chunk(chunk, "all", reserve=0, targets=targets)
+            logits, next_logp = self._prefill_chunk(
+                chunk, "all", reserve=0, targets=targets, kv_tokens=kv_tokens
+            )
             yield start, logits, next_logp
+
+    def continuation_logits(
+        self,
+        prompts: Sequence[Sequence[int]],
+        continuations: Sequence[Sequence[int]],
+        *,
+        chunk_tokens: int | None = None,
+        kv_tokens: int | None = None,
+    ) -> list[np.ndarray]:
+        """Teacher-forced next-token logits: float32 [len(c), V] per (prompt p, continuation
+        c), row k = the logits after p + c[:k], i.e. those that choose c[k].
+
+        One prefill of p + c[:-1] through the cache (KV written, then read back, as decode
+        does), in steps of `chunk_tokens` tokens (each step padded to exactly that width) at
+        a KV window of at least `kv_tokens`: with both fixed, every step has one shape.
+        Greedy decoding emits c iff each row's argmax is its c[k]; whether these logits are
+        the ones decode computes is `teacher_forcing_exact`.
+        """
+        prompts = self._rows(prompts, "prompts")
+        conts = self._rows(continuations, "continuations")
+        if len(prompts) != len(conts):
+            raise ValueError(f"{len(prompts)} prompts but {len(conts)} continuations")
+        if chunk_tokens is not None and (
+            isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
+        ):
+            raise ValueError(f"chunk_tokens must be a whole number >= 1, got {chunk_tokens!r}")
+        rows = [p + c[:-1] for p, c in zip(prompts, conts, strict=True)]
+        out: list[np.ndarray] = []
+        for start, chunk in self._chunks(rows):
+            firsts = [len(p) - 1 for p in prompts[start : start + len(chunk)]]
+            out.extend(self._teacher_forced_chunk(chunk, firsts, chunk_tokens, kv_tokens))
+        return out
+
+    def teacher_forcing_exact(self, prompt_tokens: int, continuation_tokens: int) -> bool:
+        """Whether `continuation_logits` computes, for a prompt and continuation of these
+        lengths, the same cache reads greedy decode does (equal up to float reassociation).
+
+        Per-token, static-scale and bf16 KV are written token by token either way. Keys or
+        values scaled per channel wait in a bf16 residual page until their page fills: exact
+        when no page boundary falls inside the continuation (after the first position, no
+        page fills in the prefill that was still partial when decode read it). Token-scaled
+        nvfp4 fixes a page's tensor scale from the first write to it: exact only for one
+        token."""
+        layers = self.plan.kv_layers(self.config) if isinstance(self.cache, PagedPool) else []
+        specs = [s for kv in layers for s in (kv.keys, kv.values) if s.quantized]
+        if continuation_tokens > 1 and any(s.format == "nvfp4" and not s.static for s in specs):
+            return False
+        if any(s.needs_residual for s in specs):
+            page = self.cache.page_tokens
+            end = prompt_tokens + continuation_tokens - 1  # tokens the prefill writes
+            return prompt_tokens // page == end // page
+        return True
 
     def generate(
         self,
@@ -361,22 +419,54 @@ class Engine:
         lengths = np.zeros(len(rows), np.int64)
         return Batch(ids, lengths, np.array([len(r) + reserve for r in rows], np.int64))
 
-    def _prefill_chunk(self, rows, output, *, reserve, targets=None):
+    def _prefill_chunk(self, rows, output, *, reserve, targets=None, kv_tokens=None):
         batch = self._allocate(rows, reserve)
         try:
             zeros = np.zeros(len(rows), np.int64)
-            return self._forward(batch, rows, output, lengths_before=zeros, targets=targets)
+            return self._forward(
+                batch, rows, output, lengths_before=zeros, targets=targets, kv_tokens=kv_tokens
+            )
         finally:
             self.release(batch)
 
+    def _teacher_forced_chunk(self, rows, firsts, chunk_tokens, kv_tokens) -> list[np.ndarray]:
+        """Prefill `rows` in steps of `chunk_tokens`; the logits at positions firsts[i]..end."""
+        lengths = np.array([len(r) for r in rows], np.int64)
+        width = int(lengths.max())
+        step = chunk_tokens or width
+        picked: list[list[jax.Array]] = [[] for _ in rows]
+        batch = self._allocate(rows, 0)
+        try:
+            for offset in range(0, width, step):
+                pieces = [r[offset : offset + step] for r in rows]
+                wanted = [
+                    (i, max(firsts[i], offset) - offset, len(rows[i]) - offset)
+                    for i in range(len(rows))
+                    if firsts[i] < offset + step and len(rows[i]) > offset
+                ]
+                output = "all" if wanted else "last"
+                out = self._forward(
+                    batch, pieces, output, lengths_before=np.minimum(lengths, offset),
+                    kv_tokens=kv_tokens, width_tokens=chunk_tokens,
+                )  # fmt: skip
+                for i, lo, hi in wanted:
+                    picked[i].append(out[0][i, lo:hi])
+        finally:
+            self.release(batch)
+        return [np.asarray(jnp.concatenate(p), np.float32) for p in picked]
+
     def _forward(
-        self, batch: Batch, rows, output, *, lengths_before, targets=None, phase="prefill"
-    ):
-        """Write `rows` (new tokens per sequence) after `lengths_before` tokens and run."""
+        self, batch: Batch, rows, output, *, lengths_before, targets=None, phase="prefill",
+        kv_tokens=None, width_tokens=None,
+    ):  # fmt: skip
+        """Write `rows` (new tokens per sequence) after `lengths_before` tokens and run, at
+        a KV window of at least `kv_tokens` and (if given) exactly `width_tokens` wide."""
         n = len(rows)
         width = max(len(r) for r in rows)
         b = min(steps.pow2_at_least(n), self.cache.max_seqs)
         s = width if width == 1 else min(steps.pow2_at_least(width, _MIN_BUCKET), self._cap(width))
+        if width_tokens is not None:
+            s = max(width, width_tokens)
         tokens = np.zeros((b, s), np.int32)
         valid = np.zeros((b, s), bool)
         tgt = np.zeros((b, s), np.int32)  # one shape for logits and scoring: one executable
@@ -389,7 +479,7 @@ class Engine:
         start[:n] = lengths_before
         positions = (start[:, None] + np.arange(s)[None, :]).astype(np.int32)
         end = int((start[:n] + np.array([len(r) for r in rows])).max())
-        kv_tokens = self._cap(steps.pow2_at_least(end, _MIN_BUCKET))
+        kv_tokens = self._cap(max(steps.pow2_at_least(end, _MIN_BUCKET), kv_tokens or 0))
         self.cache.prepare(batch.seq_ids, [int(e) for e in start[:n] + [len(r) for r in rows]])
         table = self.cache.table(batch.seq_ids + [None] * (b - n))
         compile_before = self.stats.compile_s

@@ -29,7 +29,10 @@ from tenantq.evals.generation import Generated
 from tenantq.evals.identity import cache_key, model_identity
 from tenantq.evals.suite import Suite, load_suite
 
-CACHE_VERSION = 1
+# Part of every cached baseline's key: bump it whenever the suite's numerics change (version 2:
+# needles teacher-forced in fidelity-width steps, all at one KV window), so baselines cached
+# by older code are never paired with candidates measured by this code.
+CACHE_VERSION = 2
 PHASES = ("load", "quantize", "compile", "baseline", "fidelity", "needles", "structured", "total")
 
 
@@ -154,6 +157,7 @@ class Evaluator:
                     f"answer, past the model's context of {context}; use lengths <= "
                     f"{context - len(item.answer)}"
                 )
+        self.step_tokens, self.kv_window_tokens = self._step_shape()
         self.structured_items = []
         if suite.structured is not None:
             self.structured_items = structured.build_items(
@@ -162,6 +166,19 @@ class Evaluator:
         for item in self.needle_items + self.structured_items:
             hashed.append(np.asarray(item.prompt, np.int32))
         self.dataset_hash = data.array_hash(*hashed)
+
+    def _step_shape(self) -> tuple[int | None, int]:
+        """(tokens per step, KV window) shared by the fidelity windows and the needles, so
+        both run one body executable (+ one head for all-position logits) per layout: steps
+        as wide as a fidelity window (or the longest needle, without fidelity), the window the
+        smallest power of two covering every row (capped at the cache by the engine)."""
+        longest = [len(i.prompt) + len(i.answer) - 1 for i in self.needle_items]
+        if self.fidelity_rows is not None:
+            longest.append(self.fidelity_rows.shape[1])
+        step = None if self.fidelity_rows is None else int(self.fidelity_rows.shape[1])
+        from tenantq.engine.steps import pow2_at_least
+
+        return step, pow2_at_least(max(longest, default=1), 16)
 
     def expected_metrics(self) -> list[str]:
         names = []
@@ -210,7 +227,8 @@ class Evaluator:
     def baseline_key(self) -> str:
         return cache_key(
             version=CACHE_VERSION, model=self.identity, dataset=self.dataset_hash,
-            engine=self.engine_settings(), suite=self.suite.model_dump(mode="json",
+            engine=self.engine_settings(), steps=[self.step_tokens, self.kv_window_tokens],
+            suite=self.suite.model_dump(mode="json",
             exclude={"name", "resamples", "gates"}),
         )  # fmt: skip
 
@@ -242,6 +260,7 @@ class Evaluator:
                 fid = fidelity.compute_baseline(
                     engine, self.fidelity_rows, exact=exact, top_k=spec.top_k,
                     tail_samples=spec.tail_samples, seed=self.suite.seed,
+                    kv_tokens=self.kv_window_tokens,
                 )  # fmt: skip
                 fidelity.save_baseline(fid, fid_path)
             if items and gens is None:
@@ -253,10 +272,15 @@ class Evaluator:
     def _generate(self, engine, items) -> list[Generated]:
         needle_items = [i for i in items if isinstance(i, retrieval.NeedleItem)]
         other = [i for i in items if not isinstance(i, retrieval.NeedleItem)]
-        out = retrieval.run_needles(engine, needle_items) if needle_items else []
+        out = self._needles(engine, needle_items) if needle_items else []
         if other:
             out += structured.run_items(engine, other, self.suite.structured.max_new_tokens)
         return out
+
+    def _needles(self, engine, items) -> list[Generated]:
+        return retrieval.run_needles(
+            engine, items, chunk_tokens=self.step_tokens, kv_tokens=self.kv_window_tokens
+        )
 
     # ------------------------------------------------------------------ evaluate
     def evaluate(self, plan) -> EvalResult:
@@ -287,7 +311,10 @@ class Evaluator:
             if self.fidelity_rows is not None:
                 bar.set_description("fidelity")
                 with _phase(timings, "fidelity", engine):
-                    cand = fidelity.compare(engine, self.fidelity_rows, base["fidelity"])
+                    cand = fidelity.compare(
+                        engine, self.fidelity_rows, base["fidelity"],
+                        kv_tokens=self.kv_window_tokens,
+                    )  # fmt: skip
                 summary.update(self._fidelity_summary(base["fidelity"], cand, rows))
             bar.update(1)
             gens_base = base["generations"]
@@ -295,7 +322,7 @@ class Evaluator:
             if n_needles:
                 bar.set_description("needles")
                 with _phase(timings, "needles", engine):
-                    gens = retrieval.run_needles(engine, self.needle_items)
+                    gens = self._needles(engine, self.needle_items)
                 passes = [
                     retrieval.score(i, g) for i, g in zip(self.needle_items, gens, strict=True)
                 ]
@@ -434,6 +461,8 @@ class Evaluator:
                 "depth": float(getattr(item, "depth", float("nan"))),
                 "baseline_score": float(b), "candidate_score": float(c), "kl": float("nan"),
                 "top1_agree": float("nan"),
+                # min over the recorded steps: a teacher-forced needle that fails records
+                # them up to its first wrong token only (`generation.Generated`)
                 "margin": float(min(gb.margins)) if gb.margins else float("nan"),
                 "candidate_margin": float(min(gc.margins)) if gc.margins else float("nan"),
                 "flip": _flip(b, c),

@@ -101,16 +101,18 @@ def _compare_topk(topk_ids, topk_logp, tail_logp, tail_ids, tail_sample_logp, ba
 
 
 def compute_baseline(
-    engine, rows: np.ndarray, *, exact: bool, top_k: int, tail_samples: int = 64, seed: int = 0
-) -> FidelityBaseline:
-    """Run the (bf16) engine over `rows` [n, L] (BOS first) and keep what comparison needs."""
+    engine, rows: np.ndarray, *, exact: bool, top_k: int, tail_samples: int = 64, seed: int = 0,
+    kv_tokens: int | None = None,
+) -> FidelityBaseline:  # fmt: skip
+    """Run the (bf16) engine over `rows` [n, L] (BOS first) and keep what comparison needs.
+    `kv_tokens`: the KV window floor (`Engine.device_logits`); compare at the same one."""
     n, length = rows.shape
     positions = length - 1
     logps, topk = [], ([], [], [], [], [])
     top1 = np.zeros((n, positions), np.int32)
     margin = np.zeros((n, positions), np.float32)
     target_logp = np.zeros((n, positions), np.float32)
-    for start, logits, tlogp in engine.device_logits(rows.tolist()):
+    for start, logits, tlogp in engine.device_logits(rows.tolist(), kv_tokens=kv_tokens):
         m = min(len(rows) - start, logits.shape[0])
         logp, t1, mg = _summarize(logits[:m, :positions])
         top1[start : start + m] = np.asarray(t1)
@@ -133,18 +135,20 @@ def compute_baseline(
 
 
 def compare(
-    engine, rows: np.ndarray, base: FidelityBaseline, *, lumped_tail: bool = False
-) -> dict[str, np.ndarray]:
+    engine, rows: np.ndarray, base: FidelityBaseline, *, lumped_tail: bool = False,
+    kv_tokens: int | None = None,
+) -> dict[str, np.ndarray]:  # fmt: skip
     """Per-token KL, top-1 agreement and the candidate's log p(next token), [n, P] each.
 
     `lumped_tail` (top-k baselines only): the one-bin lower bound instead of the sampled tail.
+    `kv_tokens`: the KV window floor the baseline was computed at.
     """
     n, length = rows.shape
     positions = length - 1
     kl = np.zeros((n, positions), np.float32)
     agree = np.zeros((n, positions), bool)
     cand_logp = np.zeros((n, positions), np.float32)
-    for start, logits, tlogp in engine.device_logits(rows.tolist()):
+    for start, logits, tlogp in engine.device_logits(rows.tolist(), kv_tokens=kv_tokens):
         m = min(len(rows) - start, logits.shape[0])
         sl = slice(start, start + m)
         lg = logits[:m, :positions]

@@ -1,9 +1,12 @@
 """Greedy generation through the engine that also records each generated token's margin.
 
 Flips start where the model was unsure: the margin (top-1 minus top-2 log-prob) of every
-generated token is kept beside the token, for the baseline and the candidate alike. It runs
-on the engine's public `prefill`/`decode`/`release`, so the answer is produced through the
-paged pool in the plan's KV formats exactly as `Engine.generate` would produce it.
+generated token is kept beside the token, for the baseline and the candidate alike.
+`generate_with_margins` runs the engine's public `prefill`/`decode`/`release` (the paged pool
+in the plan's KV formats, as `Engine.generate`). `teacher_forced_with_margins` checks a known
+answer in one prefill instead: greedy emits the answer iff every argmax along it is right, and
+its record is greedy's up to and including the first wrong token (greedy's later tokens, which
+follow a wrong prefix, are not computed).
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Generated:
-    tokens: list[int]  # greedy ids, the stop token excluded
-    margins: list[float]  # top-1 minus top-2 log-prob at each generated step (stop included)
+    """Greedy ids (the stop token excluded) and the top-1 minus top-2 log-prob at each
+    generated step (stop included). Teacher-forced records end at the first wrong token."""
+
+    tokens: list[int]
+    margins: list[float]
     stop: int | None = None  # the stop token that ended it, if one did
 
 
@@ -60,4 +66,27 @@ def generate_with_margins(
         finally:
             engine.release(batch)
         out.extend(Generated(*g) for g in zip(tokens, margins, stops, strict=True))
+    return out
+
+
+def teacher_forced_with_margins(
+    engine,
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    *,
+    chunk_tokens: int | None = None,
+    kv_tokens: int | None = None,
+) -> list[Generated]:
+    """Greedy's record on each prompt while it follows `answers` (no stop tokens): tokens
+    and margins up to and including the first token that differs from the answer, from one
+    teacher-forced prefill of prompt + answer[:-1] (`Engine.continuation_logits`)."""
+    logits = engine.continuation_logits(
+        prompts, answers, chunk_tokens=chunk_tokens, kv_tokens=kv_tokens
+    )
+    out: list[Generated] = []
+    for answer, rows in zip(answers, logits, strict=True):
+        top1, gap = _top2_margin(rows)
+        wrong = np.flatnonzero(top1 != np.asarray(answer))
+        stop_at = int(wrong[0]) + 1 if wrong.size else len(answer)
+        out.append(Generated(top1[:stop_at].tolist(), gap[:stop_at].astype(float).tolist()))
     return out
