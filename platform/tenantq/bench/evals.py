@@ -49,7 +49,7 @@ def _topk_error(evaluator, plans, ks=(16, 64)) -> list[dict]:
     rows = []
     for name, plan in plans.items():
         engine = evaluator.build_engine(plan)
-        window = evaluator.kv_window_tokens  # the window the baseline was computed at
+        window = evaluator.fidelity_kv_tokens  # the window the baseline was computed at
         exact = fidelity.compare(engine, evaluator.fidelity_rows, base, kv_tokens=window)["kl"]
         for k in ks:
             topk = fidelity.topk_from_exact(base, k)

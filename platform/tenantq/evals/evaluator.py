@@ -33,6 +33,11 @@ from tenantq.evals.suite import Suite, load_suite
 # needles teacher-forced in fidelity-width steps, all at one KV window), so baselines cached
 # by older code are never paired with candidates measured by this code.
 CACHE_VERSION = 2
+# Fidelity reads the needles' KV window while it is at most this many times its own: at 4x
+# (quick suite, 256 -> 1,024) fidelity took 2.1 s of CPU against 0.9 s, and the second body
+# executable it saves compiled in 3.9-7.8 s (README "Quality suite"). The padded attention
+# grows with the ratio; the saved compile does not.
+SHARED_WINDOW_MAX_RATIO = 4
 PHASES = ("load", "quantize", "compile", "baseline", "fidelity", "needles", "structured", "total")
 
 
@@ -157,7 +162,7 @@ class Evaluator:
                     f"answer, past the model's context of {context}; use lengths <= "
                     f"{context - len(item.answer)}"
                 )
-        self.step_tokens, self.kv_window_tokens = self._step_shape()
+        self.step_tokens, self.kv_window_tokens, self.fidelity_kv_tokens = self._step_shape()
         self.structured_items = []
         if suite.structured is not None:
             self.structured_items = structured.build_items(
@@ -167,18 +172,26 @@ class Evaluator:
             hashed.append(np.asarray(item.prompt, np.int32))
         self.dataset_hash = data.array_hash(*hashed)
 
-    def _step_shape(self) -> tuple[int | None, int]:
-        """(tokens per step, KV window) shared by the fidelity windows and the needles, so
-        both run one body executable (+ one head for all-position logits) per layout: steps
-        as wide as a fidelity window (or the longest needle, without fidelity), the window the
-        smallest power of two covering every row (capped at the cache by the engine)."""
-        longest = [len(i.prompt) + len(i.answer) - 1 for i in self.needle_items]
-        if self.fidelity_rows is not None:
-            longest.append(self.fidelity_rows.shape[1])
-        step = None if self.fidelity_rows is None else int(self.fidelity_rows.shape[1])
+    def _step_shape(self) -> tuple[int | None, int, int | None]:
+        """(tokens per needle step, the needles' KV window, fidelity's KV window).
+
+        Fidelity and needles share one shape, so one body executable (+ one head for
+        all-position logits) per layout serves both: steps as wide as a fidelity window, the
+        KV window the smallest power of two covering every row (capped at the cache by the
+        engine). Fidelity reads the needles' longer window only while that costs less than
+        the second body executable it saves (`SHARED_WINDOW_MAX_RATIO`); past it, fidelity
+        keeps its own window and the needles run one prefill each, as wide as they are."""
         from tenantq.engine.steps import pow2_at_least
 
-        return step, pow2_at_least(max(longest, default=1), 16)
+        longest = [len(i.prompt) + len(i.answer) - 1 for i in self.needle_items]
+        if self.fidelity_rows is None:
+            return None, pow2_at_least(max(longest, default=1), 16), None
+        width = int(self.fidelity_rows.shape[1])
+        own = pow2_at_least(width, 16)
+        window = pow2_at_least(max([*longest, width]), 16)
+        if window <= SHARED_WINDOW_MAX_RATIO * own:
+            return width, window, window
+        return None, window, own
 
     def expected_metrics(self) -> list[str]:
         names = []
@@ -227,7 +240,8 @@ class Evaluator:
     def baseline_key(self) -> str:
         return cache_key(
             version=CACHE_VERSION, model=self.identity, dataset=self.dataset_hash,
-            engine=self.engine_settings(), steps=[self.step_tokens, self.kv_window_tokens],
+            engine=self.engine_settings(), steps=[self.step_tokens, self.kv_window_tokens,
+            self.fidelity_kv_tokens],
             suite=self.suite.model_dump(mode="json",
             exclude={"name", "resamples", "gates"}),
         )  # fmt: skip
@@ -260,7 +274,7 @@ class Evaluator:
                 fid = fidelity.compute_baseline(
                     engine, self.fidelity_rows, exact=exact, top_k=spec.top_k,
                     tail_samples=spec.tail_samples, seed=self.suite.seed,
-                    kv_tokens=self.kv_window_tokens,
+                    kv_tokens=self.fidelity_kv_tokens,
                 )  # fmt: skip
                 fidelity.save_baseline(fid, fid_path)
             if items and gens is None:
@@ -313,7 +327,7 @@ class Evaluator:
                 with _phase(timings, "fidelity", engine):
                     cand = fidelity.compare(
                         engine, self.fidelity_rows, base["fidelity"],
-                        kv_tokens=self.kv_window_tokens,
+                        kv_tokens=self.fidelity_kv_tokens,
                     )  # fmt: skip
                 summary.update(self._fidelity_summary(base["fidelity"], cand, rows))
             bar.update(1)
