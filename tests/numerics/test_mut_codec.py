@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tenantq.numerics import (
-    NVFP4Scale,
+    codec,
     compute_scale_zero_point,
     dequantize,
     layout_of,
@@ -24,7 +24,6 @@ from tenantq.numerics import (
     resolve_layout,
     scale_float32,
 )
-from tenantq.numerics import codec
 from tenantq.numerics.packing import unpack_fp4, unpack_int2, unpack_int4
 
 TINY = np.finfo(np.float32).tiny  # 2^-126, the smallest normal float32
@@ -254,7 +253,7 @@ def test_mx_given_extreme_codes_scale_exactly():
     assert host(q.data).astype(np.float32)[0, 0] == 128.0
     assert host(dequantize(q))[0, 0] == np.float32(2.0**-120)
     # code 254 = 2^127: 3e38 * 2^-127 = 1.763 -> E4M3 1.75, applied as 2^-126 * 0.5
-    x = f32([[3e38, -2.0**127] + [0.0] * 30])
+    x = f32([[3e38, -(2.0**127)] + [0.0] * 30])
     q = quantize_with_scale_zero_point(x, "mxfp8", np.uint8(254))
     assert host(q.data).astype(np.float32)[0, :2].tolist() == [1.75, -1.0]
     assert host(dequantize(q))[0, :2].tolist() == [1.75 * 2.0**127, -(2.0**127)]
