@@ -173,6 +173,16 @@ def test_int2_scale_zero_point_and_codes():
     assert host(unpack_int2(q.data, 3)).tolist() == [[0, 3, 2]]
 
 
+def test_int2_given_statistics_replace_the_measured_ones():
+    # A calibrated [amin, amax] = [-2, 7] for data in [1, 4]: scale 9 / 3 = 3, zp 2 / 3.
+    x = f32([[1, 4]])
+    scale, zp = compute_scale_zero_point(x, "int2", amax=7.0, amin=-2.0)
+    assert host(scale).tolist() == [[3.0]]
+    assert host(zp).tolist() == [[np.float32(2) / np.float32(3)]]
+    scale, zp = compute_scale_zero_point(x, "int2", amax=10.0)  # amin measured: 1
+    assert host(scale).tolist() == [[3.0]]
+
+
 def test_int2_span_beyond_float32_max_is_split():
     scale, zp = compute_scale_zero_point(f32([[-3e38, 3e38]]), "int2")
     want = np.float32(3e38) / np.float32(3) * np.float32(2)
@@ -237,6 +247,25 @@ def test_mx_scale_takes_the_floor_of_log2_amax():
     assert host(dequantize(q))[0, :2].tolist() == [6.0, 1.0]
     # mxfp8 at the top of float32: floor(log2 3e38) = 127 -> code 127 + 127 - 8 = 246
     assert host(quantize(f32([[3e38] * 32]), "mxfp8").scale).tolist() == [[246]]
+
+
+def test_given_amax_replaces_the_measured_one():
+    x = np.ones((1, 16), np.float32)
+    # MX: floor(log2 4) - 8 = -6 -> code 121 (the data's own amax 1 would give 119)
+    scale, _ = compute_scale_zero_point(np.ones((1, 32), np.float32), "mxfp8", amax=4.0)
+    assert host(scale).tolist() == [[121]]
+    # nvfp4: G = 12 / 2688 (the data's would be 1 / 2688); block e4m3(12 / 6 / G) = 448
+    scale, _ = compute_scale_zero_point(x, "nvfp4", amax=12.0)
+    assert host(scale.tensor).tolist() == np.float32(12) / np.float32(2688)
+    assert host(scale.block).astype(np.float32).tolist() == [[448.0]]
+    scale, _ = compute_scale_zero_point(x, "nvfp4", amax=3.0, tensor_scale=0.5)
+    assert host(scale.block).astype(np.float32).tolist() == [[1.0]]  # 3 / 6 / 0.5
+    # asymmetric int8 [amin, amax] = [-1, 2]: scale 3 / 255, zp round(-128 + 85) = -43
+    scale, zp = compute_scale_zero_point(x, "int8", symmetric=False, amax=2.0, amin=-1.0)
+    assert host(scale).tolist() == [[np.float32(3) / np.float32(255)]]
+    assert host(zp).tolist() == [[-43]]
+    scale, zp = compute_scale_zero_point(x, "int8", symmetric=False, amin=-254.0)  # hi 1
+    assert host(scale).tolist() == [[1.0]] and host(zp).tolist() == [[126]]
 
 
 def test_mx_zero_block_takes_code_zero_and_decodes_to_zero():
@@ -337,8 +366,8 @@ def test_under_jit_a_non_finite_group_gets_a_nan_scale_and_zero_codes(fmt, kwarg
     assert np.isnan(got[0, :2]).all() and np.isfinite(got[0, 2:]).all()
     clean = host(dequantize(quantize(x[1:], fmt, group_size=2, **kwargs)))
     np.testing.assert_array_equal(got[1:], clean)
-    if fmt == "int8" and not kwargs:
-        assert host(q.data)[0, :2].tolist() == [0, 0]
+    if fmt in ("int8", "fp8_e4m3") and not kwargs:  # documented: zero elements
+        assert host(q.data).astype(np.float32)[0, :2].tolist() == [0, 0]
     if kwargs:  # asymmetric: the bad group's zero point is round(-128 - 0) = -128
         assert host(q.zero_point)[0, 0] == -128
     if fmt == "int2":
