@@ -13,13 +13,30 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tenantq.numerics import compute_scale_zero_point, quantize, quantize_with_scale_zero_point
+from tenantq.numerics import (
+    codec,
+    compute_scale_zero_point,
+    quantize,
+    quantize_with_scale_zero_point,
+)
 
 X = np.ones((2, 4), np.float32)
 B16 = np.ones((1, 16), np.float32)  # one nvfp4 block
 B32 = np.ones((1, 32), np.float32)  # one MX block
 SHAPE_MSG = "it must broadcast to the scale shape {} (one per group)"
 NOT_FINITE = "input elements are not finite (inf or NaN in float32); quantize only finite tensors"
+
+
+@pytest.fixture(autouse=True)
+def _trace_afresh():
+    """Clear codec's jit caches before each test. mutmut runs a mutant against the tests it saw
+    reach the mutated function in one recording run; a layout an earlier test compiled is not
+    traced again, so without this a later test that checks it would not be counted."""
+    for jitted in (
+        codec._quantize_jit, codec._scales_jit, codec._quantize_with_jit, codec._dequantize_jit
+    ):  # fmt: skip
+        jitted.clear_cache()
+
 
 CASES = [
     (lambda: quantize(np.arange(3, dtype=np.int32), "int8"),
@@ -32,6 +49,10 @@ CASES = [
      f"quantize to mxfp8: 2 of 3 {NOT_FINITE}"),
     (lambda: quantize(jnp.array([[np.nan, 1.0]], jnp.bfloat16), "fp16"),
      f"quantize to fp16: 1 of 2 {NOT_FINITE}"),
+    (lambda: compute_scale_zero_point(np.arange(3, dtype=np.int8), "fp8_e5m2"),
+     "quantize to fp8_e5m2: x must be a float array, got int8"),
+    (lambda: quantize_with_scale_zero_point(np.arange(3, dtype=np.int16), "int8", 1.0),
+     "quantize to int8: x must be a float array, got int16"),
     (lambda: compute_scale_zero_point(X, "bf16", amax=1.0),
      "bf16 is a plain cast with no scale; pass amax=None, amin=None"),
     (lambda: compute_scale_zero_point(X, "fp16", amin=1.0),
@@ -126,7 +147,7 @@ def test_bad_argument_is_one_exact_line(call, message):
 
 def test_the_edges_of_each_range_are_accepted():
     # Checks only: no quantization is run here (each call below would raise if rejected).
-    from tenantq.numerics import codec, resolve_layout
+    from tenantq.numerics import resolve_layout
 
     int8 = resolve_layout(X.shape, "int8", symmetric=False)
     int4 = resolve_layout(X.shape, "int4", symmetric=False)
