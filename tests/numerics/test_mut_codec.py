@@ -301,6 +301,9 @@ def test_mx_given_extreme_codes_scale_exactly():
     q = quantize_with_scale_zero_point(x, "mxfp8", np.uint8(254))
     assert host(q.data).astype(np.float32)[0, :2].tolist() == [1.75, -1.0]
     assert host(dequantize(q))[0, :2].tolist() == [1.75 * 2.0**127, -(2.0**127)]
+    # code 253 = 2^126 still scales in one step: 1.5 * 2^126 * 2^-126 = 1.5
+    q = quantize_with_scale_zero_point(f32([[1.5 * 2.0**126] + [0.0] * 31]), "mxfp8", np.uint8(253))
+    assert host(q.data).astype(np.float32)[0, 0] == 1.5
     # code 127 = 1: beyond 448 saturates (mxfp8) and beyond 6 (mxfp4)
     big = f32([[1000, -1000] + [0.0] * 30])
     q = quantize_with_scale_zero_point(big, "mxfp8", np.uint8(127))
