@@ -350,6 +350,14 @@ def test_nvfp4_tensor_scale_and_zero_blocks():
     assert host(q.tensor_scale).tolist() == 1.0 and host(q.scale).astype(float).tolist() == [[0]]
 
 
+def test_nvfp4_steps_below_one():
+    # amax 0.6: G = 0.6 / 2688, block e4m3(0.6 / 6 / G) = 448, step 448 G = 0.1 (float32):
+    # 0.6 / 0.1 -> 6 (code 7), 0.15 / 0.1 = 1.5 (code 3), -0.05 / 0.1 = -0.5 (code 9)
+    q = quantize(f32([[0.6, 0.15, -0.05] + [0.0] * 13]), "nvfp4")
+    assert host(q.scale).astype(np.float32).tolist() == [[448.0]]
+    assert host(unpack_fp4(q.data, 16))[0, :3].tolist() == [7, 3, 9]
+
+
 def test_nvfp4_given_tensor_scale_is_stored_and_block_scales_follow_it():
     x = np.zeros((1, 16), np.float32)
     x[0, 0] = 24.0
@@ -363,6 +371,7 @@ def test_nvfp4_given_tensor_scale_is_stored_and_block_scales_follow_it():
     assert host(q.scale).astype(np.float32).tolist() == [[448.0]]
     q = quantize_with_scale_zero_point(x, "nvfp4", (f32([[0.0]]), np.float32(1)))
     assert host(dequantize(q)).tolist() == [[0.0] * 16]
+    assert not host(q.data).any()  # a block with step 0 stores zero codes, not x's
     # block 4 * G 1: 24 / 4 = 6, E2M1 code 7
     q = quantize_with_scale_zero_point(x, "nvfp4", (np.full((1, 1), 4, E4M3), np.float32(1)))
     assert host(unpack_fp4(q.data, 16))[0, 0] == 7 and host(dequantize(q))[0, 0] == 24.0
