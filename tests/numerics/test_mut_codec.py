@@ -7,6 +7,8 @@ scale (G = amax / (448 * 6), block = e4m3(amax_b / 6 / G)), fp8 casts rounding t
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -32,13 +34,15 @@ E4M3 = ml_dtypes.float8_e4m3fn
 
 @pytest.fixture(autouse=True)
 def _trace_afresh():
-    """Clear codec's jit caches before each test. mutmut runs a mutant against the tests it saw
-    reach the mutated function in one recording run; a layout an earlier test compiled is not
-    traced again, so without this a later test that checks it would not be counted."""
-    for jitted in (
-        codec._quantize_jit, codec._scales_jit, codec._quantize_with_jit, codec._dequantize_jit
-    ):  # fmt: skip
-        jitted.clear_cache()
+    """In mutmut's recording run (MUTANT_UNDER_TEST=stats), clear codec's jit caches before
+    each test: mutmut runs a mutant only against the tests it saw reach the mutated function
+    there, and a layout an earlier test compiled is not traced again. A mutant's own run is a
+    fresh process (empty caches), and plain pytest needs no retracing."""
+    if os.environ.get("MUTANT_UNDER_TEST") == "stats":
+        for jitted in (
+            codec._quantize_jit, codec._scales_jit, codec._quantize_with_jit, codec._dequantize_jit
+        ):  # fmt: skip
+            jitted.clear_cache()
 
 
 def f32(values) -> np.ndarray:
