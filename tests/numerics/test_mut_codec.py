@@ -379,6 +379,9 @@ def test_nvfp4_given_tensor_scale_is_stored_and_block_scales_follow_it():
     # block 4 * G 1: 24 / 4 = 6, E2M1 code 7
     q = quantize_with_scale_zero_point(x, "nvfp4", (np.full((1, 1), 4, E4M3), np.float32(1)))
     assert host(unpack_fp4(q.data, 16))[0, 0] == 7 and host(dequantize(q))[0, 0] == 24.0
+    # A tensor scale given as a Python int is stored as float32, as documented.
+    q = quantize_with_scale_zero_point(x, "nvfp4", (np.full((1, 1), 4, E4M3), 1))
+    assert q.tensor_scale.dtype == np.float32 and host(q.tensor_scale).tolist() == 1.0
 
 
 # --- non-finite groups under jit -----------------------------------------------------------
