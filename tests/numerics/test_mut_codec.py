@@ -138,6 +138,9 @@ def test_given_int_scale_saturates_at_the_grid():
     q = quantize_with_scale_zero_point(x, "int8", f32([[1.0]]), np.int8(-2))
     assert host(q.data).tolist() == [[127, -128, 2]] and host(q.zero_point).tolist() == [[-2]]
     assert host(dequantize(q)).tolist() == [[129, -126, 4]]
+    # int4 asymmetric grid [-8, 7]: -300 + 3 clips to -8 (a -9 would wrap to nibble 7)
+    q = quantize_with_scale_zero_point(f32([[-300, 300]]), "int4", f32([[1.0]]), np.int8(3))
+    assert host(unpack_int4(q.data, 2)).tolist() == [[-8, 7]]
 
 
 def test_group_size_scales_each_group_and_the_partial_last_one():
@@ -299,6 +302,8 @@ def test_mx_given_extreme_codes_scale_exactly():
     x = f32([[2.0**-120] + [0.0] * 31])
     q = quantize_with_scale_zero_point(x, "mxfp8", np.uint8(0))
     assert host(q.data).astype(np.float32)[0, 0] == 128.0
+    assert q.scale.dtype == np.uint8  # given codes are stored as E8M0 bytes
+    assert quantize_with_scale_zero_point(x, "mxfp8", np.int32(3)).scale.dtype == np.uint8
     assert host(dequantize(q))[0, 0] == np.float32(2.0**-120)
     # code 254 = 2^127: 3e38 * 2^-127 = 1.763 -> E4M3 1.75, applied as 2^-126 * 0.5
     x = f32([[3e38, -(2.0**127)] + [0.0] * 30])
