@@ -239,6 +239,23 @@ def test_fp8_scale_is_amax_over_448():
     assert host(q.scale).tolist() == [[2.0]]
     assert host(q.data).astype(np.float32).tolist() == [[448, -0.5, 0]]
     assert host(scale_float32(q)).tolist() == [[2.0]]
+    assert host(dequantize(q)).tolist() == [[896, -1, 0]]  # codes times the scale 2
+
+
+def test_packed_formats_unpack_along_the_last_of_three_axes():
+    # shape (1, 2, 32): the last axis (32 values) is packed, not axis 1 (2 values).
+    x = np.zeros((1, 2, 32), np.float32)
+    x[0, :, :4] = [[6, -3, 1, 0.5], [4, 2, -6, 1.5]]  # mxfp4 at code 127 (scale 1): exact
+    x[0, :, 31] = [-1, 3]
+    assert host(dequantize(quantize(x, "mxfp4"))).tolist() == x.tolist()
+    q = quantize(x, "nvfp4")  # G = 6 / 2688; first blocks e4m3(6 / 6 / G) = 448: step 1
+    assert host(dequantize(q))[..., :16].tolist() == x[..., :16].tolist()
+    y = np.round(x)  # int4 at amax 6 -> scale 6 / 7; codes round(y * 7 / 6)
+    q = quantize(y, "int4", axis=-1)
+    assert q.data.shape == (1, 2, 16)
+    assert host(unpack_int4(q.data, 32))[0, :, :4].tolist() == [[7, -4, 1, 0], [5, 2, -7, 2]]
+    q = quantize(y, "int2")  # four codes to a byte along the last axis
+    assert host(unpack_int2(q.data, 32)).shape == (1, 2, 32) and q.data.shape == (1, 2, 8)
 
 
 # --- MX: OCP MX v1.0 sec. 6.3 ----------------------------------------------------------
@@ -372,6 +389,8 @@ def test_nvfp4_given_tensor_scale_is_stored_and_block_scales_follow_it():
     x[0, 0] = 24.0
     scale, zp = compute_scale_zero_point(x, "nvfp4", tensor_scale=np.float32(0.5))
     assert zp is None and host(scale.tensor).tolist() == 0.5
+    one, _ = compute_scale_zero_point(x, "nvfp4", tensor_scale=1)  # an int: stored float32
+    assert one.tensor.dtype == np.float32 and host(one.tensor).tolist() == 1.0
     assert host(scale.block).astype(np.float32).tolist() == [[8.0]]  # 24 / 6 / 0.5
     q = quantize_with_scale_zero_point(x, "nvfp4", scale)
     assert host(q.tensor_scale).tolist() == 0.5 and host(dequantize(q))[0, 0] == 24.0

@@ -8,6 +8,7 @@ qmax]; scales positive and finite); the edges of each range are accepted, and in
 from __future__ import annotations
 
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -186,3 +187,13 @@ def test_inside_jit_nothing_is_checked():
     # amax 254 -> scale 2; 1 / 2 = 0.5 -> 0 (half to even), + zero point -1
     assert scale.tolist() == [[2.0], [2.0]] and data.tolist() == [[-1] * 4] * 2
     assert code.tolist() == [[120]]
+
+
+def test_float64_beyond_float32_is_one_error_and_no_warning():
+    # float64 1e300 becomes inf in float32: reported as the ValueError, without numpy's
+    # overflow RuntimeWarning on the way (the cast runs under np.errstate(over="ignore")).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError) as err:
+            quantize(np.array([1e300, 1.0]), "int8")
+    assert str(err.value) == f"quantize to int8: 1 of 2 {NOT_FINITE}"
