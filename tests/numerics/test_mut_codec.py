@@ -253,9 +253,15 @@ def test_packed_formats_unpack_along_the_last_of_three_axes():
     y = np.round(x)  # int4 at amax 6 -> scale 6 / 7; codes round(y * 7 / 6)
     q = quantize(y, "int4", axis=-1)
     assert q.data.shape == (1, 2, 16)
-    assert host(unpack_int4(q.data, 32))[0, :, :4].tolist() == [[7, -4, 1, 0], [5, 2, -7, 2]]
+    codes = host(unpack_int4(q.data, 32))
+    assert codes[0, :, :4].tolist() == [[7, -4, 1, 0], [5, 2, -7, 2]]
+    want = codes.astype(np.float32) * (np.float32(6) / np.float32(7))  # code times scale
+    np.testing.assert_array_equal(host(dequantize(q)), want)
     q = quantize(y, "int2")  # four codes to a byte along the last axis
     assert host(unpack_int2(q.data, 32)).shape == (1, 2, 32) and q.data.shape == (1, 2, 8)
+    # rows span [-3, 6] and [-6, 4]: steps 9 / 3 and 10 / 3, so within half of 10 / 3
+    got = host(dequantize(q))
+    assert got.shape == (1, 2, 32) and np.abs(got - y).max() <= 10 / 6 + 1e-5
 
 
 # --- MX: OCP MX v1.0 sec. 6.3 ----------------------------------------------------------
