@@ -242,6 +242,14 @@ def test_fp8_scale_is_amax_over_448():
     assert host(dequantize(q)).tolist() == [[896, -1, 0]]  # codes times the scale 2
 
 
+def test_scales_along_the_first_of_three_axes():
+    # shape (2, 1, 3), axis 0: one scale per (1, 3) position, amax down axis 0 / 127
+    x = f32([[[127, -254, 381]], [[-1, 2, 3]]])
+    q = quantize(x, "int8", axis=0)
+    assert q.scale.shape == (1, 1, 3) and host(q.scale).tolist() == [[[1.0, 2.0, 3.0]]]
+    assert host(q.data).tolist() == [[[127, -127, 127]], [[-1, 1, 1]]]
+
+
 def test_packed_formats_unpack_along_the_last_of_three_axes():
     # shape (1, 2, 32): the last axis (32 values) is packed, not axis 1 (2 values).
     x = np.zeros((1, 2, 32), np.float32)
