@@ -159,6 +159,15 @@ def test_group_size_scales_each_group_and_the_partial_last_one():
     assert host(zp).tolist() == [[-126, 125, 127]]
 
 
+def test_given_scales_follow_the_axis_and_group_size_asked_for():
+    # The same scales quantize() derives (amax 127, 254, 381 per group of 3 -> 1, 2, 3).
+    x = f32([[127, 1, -1, -254, 2, 2, -381]])
+    q = quantize_with_scale_zero_point(x, "int8", f32([[1, 2, 3]]), group_size=3)
+    assert q.group_size == 3 and host(q.data).tolist() == [[127, 1, -1, -127, 1, 1, -127]]
+    q = quantize_with_scale_zero_point(f32([[127, 2], [-4, 254]]), "int8", f32([[1, 2]]), axis=0)
+    assert q.axis == 0 and host(q.data).tolist() == [[127, 1], [-4, 127]]
+
+
 def test_groups_along_axis_zero_and_one_scale_per_tensor():
     x = f32([[127, 2], [-4, 254], [127, -508]])
     q = quantize(x, "int8", axis=0, group_size=2)  # groups [0:2], [2:3] down each column
