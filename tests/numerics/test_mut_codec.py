@@ -7,8 +7,6 @@ scale (G = amax / (448 * 6), block = e4m3(amax_b / 6 / G)), fp8 casts rounding t
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -30,19 +28,6 @@ from tenantq.numerics.packing import unpack_fp4, unpack_int2, unpack_int4
 
 TINY = np.finfo(np.float32).tiny  # 2^-126, the smallest normal float32
 E4M3 = ml_dtypes.float8_e4m3fn
-
-
-@pytest.fixture(autouse=True)
-def _trace_afresh():
-    """In mutmut's recording run (MUTANT_UNDER_TEST=stats), clear codec's jit caches before
-    each test: mutmut runs a mutant only against the tests it saw reach the mutated function
-    there, and a layout an earlier test compiled is not traced again. A mutant's own run is a
-    fresh process (empty caches), and plain pytest needs no retracing."""
-    if os.environ.get("MUTANT_UNDER_TEST") == "stats":
-        for jitted in (
-            codec._quantize_jit, codec._scales_jit, codec._quantize_with_jit, codec._dequantize_jit
-        ):  # fmt: skip
-            jitted.clear_cache()
 
 
 def f32(values) -> np.ndarray:

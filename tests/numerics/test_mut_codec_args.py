@@ -7,7 +7,6 @@ qmax]; scales positive and finite); the edges of each range are accepted, and in
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import jax
@@ -28,19 +27,6 @@ B16 = np.ones((1, 16), np.float32)  # one nvfp4 block
 B32 = np.ones((1, 32), np.float32)  # one MX block
 SHAPE_MSG = "it must broadcast to the scale shape {} (one per group)"
 NOT_FINITE = "input elements are not finite (inf or NaN in float32); quantize only finite tensors"
-
-
-@pytest.fixture(autouse=True)
-def _trace_afresh():
-    """In mutmut's recording run (MUTANT_UNDER_TEST=stats), clear codec's jit caches before
-    each test: mutmut runs a mutant only against the tests it saw reach the mutated function
-    there, and a layout an earlier test compiled is not traced again. A mutant's own run is a
-    fresh process (empty caches), and plain pytest needs no retracing."""
-    if os.environ.get("MUTANT_UNDER_TEST") == "stats":
-        for jitted in (
-            codec._quantize_jit, codec._scales_jit, codec._quantize_with_jit, codec._dequantize_jit
-        ):  # fmt: skip
-            jitted.clear_cache()
 
 
 CASES = [
