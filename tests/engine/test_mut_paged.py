@@ -12,6 +12,9 @@ Tiny layouts: pages of 4 tokens x 2 KV heads x 8 channels, 2 layers, 2 slots.
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -472,3 +475,49 @@ def test_bf16_channel_scales_with_int2_zero_points():
     keys, _, _ = _read(layout, new, 0, table, 4)
     want = quantize_with_scale_zero_point(k[0], "int2", rounded, zp_kept.astype(np.float32), axis=0)
     np.testing.assert_array_equal(np.asarray(keys[0, :4]), np.asarray(dequantize(want)))
+
+
+class _Described:
+    """A LayerKVStorage whose description of one array is replaced (a storage.py that
+    disagrees with the codec): `tensor_state` must refuse to allocate from it."""
+
+    def __init__(self, real: LayerKVStorage, name: str, **change):
+        self.real, self.name, self.change = real, name, change
+
+    def arrays(self, spec):
+        return tuple(
+            dataclasses.replace(a, **self.change) if a.name == self.name else a
+            for a in self.real.arrays(spec)
+        )
+
+
+def test_state_refuses_a_storage_description_the_codec_disagrees_with():
+    # int8 per token, page [4, 2, 8]: the codec stores int8 pages [4, 2, 8] and float32
+    # scales [4, 2, 1]. A described page dtype, page shape or scale dtype that differs is an
+    # AssertionError naming both sides; with bf16-stored scales the codec's float32 scale is
+    # expected to be replaced (no error), but the page dtype is still checked.
+    for scale_dtype, name, change, message in (
+        ("float32", "pages", {"dtype": "uint8"},
+         "int8 pages: the quantizer stores (4, 2, 8) int8, the KV storage description says "
+         "(4, 2, 8) uint8"),
+        ("float32", "pages", {"shape": (4, 2, 4)},
+         "int8 pages: the quantizer stores (4, 2, 8) int8, the KV storage description says "
+         "(4, 2, 4) int8"),
+        ("float32", "scales", {"dtype": "bfloat16"},
+         "int8 scales: the quantizer stores (4, 2, 1) float32, the KV storage description "
+         "says (4, 2, 1) bfloat16"),
+        ("bf16", "pages", {"dtype": "uint8"},
+         "int8 pages: the quantizer stores (4, 2, 8) int8, the KV storage description says "
+         "(4, 2, 8) uint8"),
+        ("bf16", "scales", {"shape": (4, 2, 2)},
+         "int8 scales: the quantizer stores (4, 2, 1) float32, the KV storage description "
+         "says (4, 2, 2) bfloat16"),
+    ):  # fmt: skip
+        layout = _layout(LayerKV("int8", "token", "int8", "token", scale_dtype))
+        spec = layout.layers[0].kv.keys
+        wrong = _Described(layout.layers[0], name, **change)
+        with pytest.raises(AssertionError, match=f"^{re.escape(message)}$"):
+            layout.tensor_state(wrong, spec)
+    layout = _layout(LayerKV("int8", "token", "int8", "token", "bf16"))
+    state = layout.tensor_state(layout.layers[0], layout.layers[0].kv.keys)
+    assert state["scales"].dtype == jnp.uint16 and state["scales"].shape == (NUM_PAGES, 4, 2, 1)
