@@ -252,7 +252,9 @@ def test_per_channel_pages_quantize_when_full_and_wait_in_the_residual(keys_fmt,
 def test_two_rows_fill_their_own_pages_up_to_the_last_table_column():
     # Row 0 (slot 0) writes 16 tokens: 4 full pages, blocks [3, 2, 1, 0], the last one in the
     # table's last column (max_pages = 4). Row 1 (slot 1) writes 4 of its 16 positions: one
-    # full page, block 5. Every full page is the codec's per-channel page, where the table says.
+    # full page, block 5. Every full page is the codec's per-channel page, where the table says;
+    # the unquantized values land token by token in the same pages (the per-token page index
+    # reaches the table's last column: positions 12..15 -> column 3 -> page 0).
     layout = _layout(LayerKV("int8", "channel", "bf16", "token"))
     k = _tokens(32, 14).reshape(2, 16, H, D)
     table = np.concatenate([_table(0, 16, [3, 2, 1, 0]), _table(1, 4, [5])])
@@ -264,6 +266,10 @@ def test_two_rows_fill_their_own_pages_up_to_the_last_table_column():
         want = quantize(k[row, first : first + 4], "int8", axis=0).data
         np.testing.assert_array_equal(pages[block], np.asarray(want))
     assert not pages[4].any()
+    values = np.asarray(state[0]["values"]["pages"])  # float32 store: the tokens exactly
+    for block, row, first in ((3, 0, 0), (2, 0, 4), (1, 0, 8), (0, 0, 12), (5, 1, 0)):
+        np.testing.assert_array_equal(values[block], k[row, first : first + 4])
+    assert not values[4].any()
 
 
 def test_a_row_without_tokens_keeps_its_slots_residual():
