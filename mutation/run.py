@@ -7,6 +7,11 @@ copy (.tenantq-cache/mutation/NAME: src/ = platform/, tests/, experiments/,
 pyproject.toml): the working tree is
 never mutated. Survivors listed in mutation/EQUIVALENT.md (each argued there) are left out
 of the score. Exit status 1 when a target scores below --min-score.
+
+mutmut runs the mutants whose tests it estimates fastest first, so in a run stopped early
+the functions every test reaches come last: `--mutants PATTERN...` runs only the named
+mutants (mutmut's fnmatch names) in the existing staging copy, keeping earlier results, and
+mutants never run ("not checked") are counted apart, not as survivors.
 """
 
 from __future__ import annotations
@@ -38,11 +43,17 @@ def _sources(target: dict) -> list[str]:
     return [source] if isinstance(source, str) else list(source)
 
 
-def stage(name: str, target: dict, jobs: int) -> Path:
+def stage(name: str, target: dict, jobs: int, keep: bool = False) -> Path:
+    """A fresh staging copy for one target; with `keep`, the existing one (its results and
+    test-to-function stats stand) with today's tests copied over it."""
     where = ROOT / ".tenantq-cache" / "mutation" / name
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    if keep and (where / "mutants").is_dir():
+        for dest in (where / "tests", where / "mutants" / "tests"):
+            shutil.copytree(ROOT / "tests", dest, ignore=skip, dirs_exist_ok=True)
+        return where
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
-    skip = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
     shutil.copytree(ROOT / "platform", where / "src", ignore=skip)
     shutil.copytree(ROOT / "tests", where / "tests", ignore=skip)
     # Some tests read the shipped plans and specs (tests/test_experiment_plans.py).
@@ -72,8 +83,10 @@ def stage(name: str, target: dict, jobs: int) -> Path:
     return where
 
 
-def run_target(name: str, target: dict, jobs: int, mutmut: str) -> tuple[int, int, list[str], Path]:
-    where = stage(name, target, jobs)
+def run_target(
+    name: str, target: dict, jobs: int, mutmut: str, patterns: list[str] | None = None
+) -> tuple[int, int, list[str], Path, int]:
+    where = stage(name, target, jobs, keep=bool(patterns))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     # Mutants re-run the same jitted functions: share compiled code across processes.
     env.update(
@@ -81,7 +94,7 @@ def run_target(name: str, target: dict, jobs: int, mutmut: str) -> tuple[int, in
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     )
     print(f"== {name}: mutating {' '.join(_sources(target))} against {' '.join(target['tests'])}")
-    cmd = ["nice", "-n", "15", mutmut, "run", "--max-children", str(jobs)]
+    cmd = ["nice", "-n", "15", mutmut, "run", "--max-children", str(jobs), *(patterns or [])]
     done = subprocess.run(cmd, cwd=where, env=env, capture_output=True, text=True)
     (where / "mutmut-run.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
@@ -92,10 +105,12 @@ def run_target(name: str, target: dict, jobs: int, mutmut: str) -> tuple[int, in
     ).stdout
     statuses = dict(m.groups() for line in listed.splitlines() if (m := STATUS_LINE.match(line)))
     equivalent = equivalent_mutants()
-    judged = {k: v for k, v in statuses.items() if k not in equivalent and v != "skipped"}
+    unrun = {"skipped", "not checked"}
+    judged = {k: v for k, v in statuses.items() if k not in equivalent and v not in unrun}
     killed = sum(v in DETECTED for v in judged.values())
     survivors = sorted(k for k, v in judged.items() if v not in DETECTED)
-    return killed, len(judged), [f"{k} ({judged[k]})" for k in survivors], where
+    not_checked = sum(v == "not checked" for v in statuses.values())
+    return killed, len(judged), [f"{k} ({judged[k]})" for k in survivors], where, not_checked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tests", nargs="+", help="run these test files instead of the target's own (one target)"
     )
+    parser.add_argument(
+        "--mutants",
+        nargs="+",
+        metavar="PATTERN",
+        help="run only these mutants (fnmatch on mutmut's names; one target), keeping the "
+        "staging copy's earlier results",
+    )
     args = parser.parse_args(argv)
     unknown = [t for t in args.targets if t not in targets]
     if unknown:
@@ -115,16 +137,22 @@ def main(argv: list[str] | None = None) -> int:
         if len(args.targets) != 1:
             parser.error("--tests needs exactly one target")
         targets[args.targets[0]]["tests"] = args.tests
+    if args.mutants and len(args.targets) != 1:
+        parser.error("--mutants needs exactly one target")
     mutmut = str(Path(sys.executable).with_name("mutmut"))
     if not Path(mutmut).exists():
         parser.error("mutmut is not installed: pip install -e '.[mutation]' (make mutation does)")
     rows, failed = [], False
     for name in args.targets or list(targets):
-        killed, total, survivors, where = run_target(name, targets[name], args.jobs, mutmut)
+        killed, total, survivors, where, not_checked = run_target(
+            name, targets[name], args.jobs, mutmut, args.mutants
+        )
         score = 100.0 * killed / total if total else 100.0
         failed |= score < args.min_score
         rows.append((name, killed, total, score))
         print(f"   {name}: {killed}/{total} killed = {score:.1f}%  (survivors: {len(survivors)})")
+        if not_checked:
+            print(f"   {name}: {not_checked} mutants not run yet (not in the score)")
         for s in survivors:
             print(f"      {s}")
         if survivors:

@@ -12,13 +12,18 @@ Tiny layouts: pages of 4 tokens x 2 KV heads x 8 channels, 2 layers, 2 slots.
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from tenantq.engine.paged import NVFP4_TOKEN_HEADROOM, PagedLayout, layout_nbytes
 from tenantq.numerics import (
+    compute_scale_zero_point,
     dequantize,
     nvfp4_tensor_scale,
     quantize,
@@ -247,7 +252,9 @@ def test_per_channel_pages_quantize_when_full_and_wait_in_the_residual(keys_fmt,
 def test_two_rows_fill_their_own_pages_up_to_the_last_table_column():
     # Row 0 (slot 0) writes 16 tokens: 4 full pages, blocks [3, 2, 1, 0], the last one in the
     # table's last column (max_pages = 4). Row 1 (slot 1) writes 4 of its 16 positions: one
-    # full page, block 5. Every full page is the codec's per-channel page, where the table says.
+    # full page, block 5. Every full page is the codec's per-channel page, where the table says;
+    # the unquantized values land token by token in the same pages (the per-token page index
+    # reaches the table's last column: positions 12..15 -> column 3 -> page 0).
     layout = _layout(LayerKV("int8", "channel", "bf16", "token"))
     k = _tokens(32, 14).reshape(2, 16, H, D)
     table = np.concatenate([_table(0, 16, [3, 2, 1, 0]), _table(1, 4, [5])])
@@ -259,6 +266,10 @@ def test_two_rows_fill_their_own_pages_up_to_the_last_table_column():
         want = quantize(k[row, first : first + 4], "int8", axis=0).data
         np.testing.assert_array_equal(pages[block], np.asarray(want))
     assert not pages[4].any()
+    values = np.asarray(state[0]["values"]["pages"])  # float32 store: the tokens exactly
+    for block, row, first in ((3, 0, 0), (2, 0, 4), (1, 0, 8), (0, 0, 12), (5, 1, 0)):
+        np.testing.assert_array_equal(values[block], k[row, first : first + 4])
+    assert not values[4].any()
 
 
 def test_a_row_without_tokens_keeps_its_slots_residual():
@@ -368,3 +379,151 @@ def test_nvfp4_token_pages_fix_their_tensor_scale_when_opened():
     err = np.abs(np.asarray(keys[0, :6]) - k[0])
     bound = np.abs(k[0]).max(axis=-1, keepdims=True) / 6 * (1 + 2**-3)
     assert np.all(err <= bound + 1e-7)
+
+
+# ----------------------------------------------------------------------- stored scale dtypes
+# kv.scale_dtype bf16 / e8m0: a write rounds each page/token scale to the stored dtype and
+# quantizes with the rounded scale s'; `read` multiplies the codes by s'. Expectations: s and
+# the int2 zero point from `compute_scale_zero_point` (numerics), s' by hand with ml_dtypes
+# (bf16: round to nearest) or frexp (E8M0: the smallest power of two >= s, OCP MX v1.0 sec.
+# 5.4.1), the codes from `quantize_with_scale_zero_point` at s'.
+def _bf16(x) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16)
+
+
+def _e8m0_up(s: np.ndarray) -> np.ndarray:
+    """Biased exponent (bias 127) of the smallest power of two >= s (s > 0, normal)."""
+    m, e = np.frexp(s.astype(np.float64))  # s = m 2^e, m in [0.5, 1)
+    return (e - (m == 0.5) + 127).astype(np.uint8)  # 2^(e-1) when s is a power of two
+
+
+def test_bf16_token_scales_and_int2_zero_points_are_stored_rounded():
+    # Keys int8 per token, values int2 per token, scale_dtype bf16: the stored scale bits
+    # are bf16(s), the codes are made with s' = bf16(s), read = codes * s'; int2 zero points
+    # are stored as bf16(zp s / s'). Slot 0, pages [4, 1]: tokens 4, 5 at page 1.
+    layout = _layout(LayerKV("int8", "token", "int2", "token", "bf16"))
+    state = layout.init_state()
+    assert state[0]["keys"]["scales"].dtype == jnp.uint16  # bf16 bit patterns
+    assert state[0]["values"]["zero_points"].dtype == jnp.uint16
+    k, v = _tokens(6, 21, 3.0), _tokens(6, 22, 0.7)
+    table = _table(0, 6, [4, 1])
+    new = _write(layout, state, 0, table, 0, k, v)
+    s = np.abs(k[0]).max(axis=-1, keepdims=True) / 127  # [6, H, 1]
+    kept = _bf16(s)
+    got = np.concatenate([np.asarray(new[0]["keys"]["scales"][4]),
+                          np.asarray(new[0]["keys"]["scales"][1, :2])])  # fmt: skip
+    np.testing.assert_array_equal(got, kept.view(np.uint16))
+    assert np.any(kept.astype(np.float32) != s)  # the rounding did change some scales
+    s_v, zp_v = compute_scale_zero_point(v[0], "int2", axis=-1)
+    rounded = _bf16(s_v).astype(np.float32)
+    zp_kept = _bf16(np.asarray(zp_v, np.float32) * np.asarray(s_v) / rounded)
+    np.testing.assert_array_equal(
+        np.asarray(new[0]["values"]["zero_points"][4]), zp_kept[:4].view(np.uint16)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(new[0]["values"]["scales"][1, :2]), _bf16(s_v)[4:].view(np.uint16)
+    )
+    keys, values, _ = _read(layout, new, 0, table, 6)
+    want_k = quantize_with_scale_zero_point(k[0], "int8", kept.astype(np.float32), axis=-1)
+    np.testing.assert_array_equal(np.asarray(new[0]["keys"]["pages"][4]), want_k.data[:4])
+    np.testing.assert_array_equal(np.asarray(keys[0, :6]), np.asarray(dequantize(want_k)))
+    # half a step of s' (<= s (1 + 2^-8)) at most, plus float32 rounding of x / s'
+    assert np.all(np.abs(np.asarray(keys[0, :6]) - k[0]) <= kept.astype(np.float32) / 2 * 1.0001)
+    want_v = quantize_with_scale_zero_point(
+        v[0], "int2", rounded, zp_kept.astype(np.float32), axis=-1
+    )
+    np.testing.assert_array_equal(np.asarray(values[0, :6]), np.asarray(dequantize(want_v)))
+
+
+def test_e8m0_channel_scales_are_powers_of_two_rounded_up():
+    # Keys int4 per channel, values fp8 per token, scale_dtype e8m0 (uint8 codes): a full
+    # key page's scale per (head, channel) is 2^ceil(log2(amax / 7)) over its 4 tokens, so
+    # no code clips and read = codes * 2^(code - 127); token 4 waits in the residual (exact).
+    layout = _layout(LayerKV("int4", "channel", "fp8_e4m3", "token", "e8m0"))
+    state = layout.init_state()
+    assert state[0]["keys"]["scales"].dtype == jnp.uint8
+    k, v = _tokens(5, 23, 2.0), _tokens(5, 24, 50.0)
+    table = _table(1, 5, [3, 2])
+    new = _write(layout, state, 1, table, 0, k, v)
+    codes = _e8m0_up(np.abs(k[0, :4]).max(axis=0, keepdims=True) / 7)  # [1, H, D]
+    np.testing.assert_array_equal(np.asarray(new[1]["keys"]["scales"][3]), codes)
+    s_up = np.ldexp(np.float32(1), codes.astype(np.int32) - 127).astype(np.float32)
+    want = quantize_with_scale_zero_point(k[0, :4], "int4", s_up, axis=0)
+    keys, values, _ = _read(layout, new, 1, table, 5)
+    np.testing.assert_array_equal(np.asarray(keys[0, :4]), np.asarray(dequantize(want)))
+    np.testing.assert_array_equal(np.asarray(keys[0, 4]), k[0, 4])
+    v_codes = _e8m0_up(np.abs(v[0]).max(axis=-1, keepdims=True) / 448)  # [5, H, 1]
+    np.testing.assert_array_equal(np.asarray(new[1]["values"]["scales"][3]), v_codes[:4])
+    np.testing.assert_array_equal(np.asarray(new[1]["values"]["scales"][2, :1]), v_codes[4:])
+    v_up = np.ldexp(np.float32(1), v_codes.astype(np.int32) - 127).astype(np.float32)
+    want_v = quantize_with_scale_zero_point(v[0], "fp8_e4m3", v_up, axis=-1)
+    np.testing.assert_array_equal(np.asarray(values[0, :5]), np.asarray(dequantize(want_v)))
+    # the power of two is >= s (nothing clips), so |error| <= s' / 2 < s for int4
+    s = np.abs(k[0, :4]).max(axis=0, keepdims=True) / 7
+    assert np.all(s_up >= s) and np.all(s_up < 2 * s)
+    assert np.all(np.abs(np.asarray(keys[0, :4]) - k[0, :4]) <= s_up / 2 * 1.0001)
+
+
+def test_bf16_channel_scales_with_int2_zero_points():
+    # int2 keys per channel with bf16 scales: a full page stores bf16(s) per (head, channel)
+    # and zero points bf16(zp s / s'), and reads back as the codec at (s', zp').
+    layout = _layout(LayerKV("int2", "channel", "bf16", "token", "bf16"))
+    k = _tokens(4, 25, 1.5) + 0.5
+    table = _table(0, 4, [5])
+    new = _write(layout, layout.init_state(), 0, table, 0, k, k)
+    s, zp = compute_scale_zero_point(k[0], "int2", axis=0)
+    rounded = _bf16(s).astype(np.float32)
+    zp_kept = _bf16(np.asarray(zp, np.float32) * np.asarray(s) / rounded)
+    np.testing.assert_array_equal(np.asarray(new[0]["keys"]["scales"][5]), _bf16(s).view(np.uint16))
+    np.testing.assert_array_equal(
+        np.asarray(new[0]["keys"]["zero_points"][5]), zp_kept.view(np.uint16)
+    )
+    keys, _, _ = _read(layout, new, 0, table, 4)
+    want = quantize_with_scale_zero_point(k[0], "int2", rounded, zp_kept.astype(np.float32), axis=0)
+    np.testing.assert_array_equal(np.asarray(keys[0, :4]), np.asarray(dequantize(want)))
+
+
+class _Described:
+    """A LayerKVStorage whose description of one array is replaced (a storage.py that
+    disagrees with the codec): `tensor_state` must refuse to allocate from it."""
+
+    def __init__(self, real: LayerKVStorage, name: str, **change):
+        self.real, self.name, self.change = real, name, change
+
+    def arrays(self, spec):
+        return tuple(
+            dataclasses.replace(a, **self.change) if a.name == self.name else a
+            for a in self.real.arrays(spec)
+        )
+
+
+def test_state_refuses_a_storage_description_the_codec_disagrees_with():
+    # int8 per token, page [4, 2, 8]: the codec stores int8 pages [4, 2, 8] and float32
+    # scales [4, 2, 1]. A described page dtype, page shape or scale dtype that differs is an
+    # AssertionError naming both sides; with bf16-stored scales the codec's float32 scale is
+    # expected to be replaced (no error), but the page dtype is still checked.
+    for scale_dtype, name, change, message in (
+        ("float32", "pages", {"dtype": "uint8"},
+         "int8 pages: the quantizer stores (4, 2, 8) int8, the KV storage description says "
+         "(4, 2, 8) uint8"),
+        ("float32", "pages", {"shape": (4, 2, 4)},
+         "int8 pages: the quantizer stores (4, 2, 8) int8, the KV storage description says "
+         "(4, 2, 4) int8"),
+        ("float32", "scales", {"dtype": "bfloat16"},
+         "int8 scales: the quantizer stores (4, 2, 1) float32, the KV storage description "
+         "says (4, 2, 1) bfloat16"),
+        ("bf16", "pages", {"dtype": "uint8"},
+         "int8 pages: the quantizer stores (4, 2, 8) int8, the KV storage description says "
+         "(4, 2, 8) uint8"),
+        ("bf16", "scales", {"shape": (4, 2, 2)},
+         "int8 scales: the quantizer stores (4, 2, 1) float32, the KV storage description "
+         "says (4, 2, 2) bfloat16"),
+    ):  # fmt: skip
+        layout = _layout(LayerKV("int8", "token", "int8", "token", scale_dtype))
+        spec = layout.layers[0].kv.keys
+        wrong = _Described(layout.layers[0], name, **change)
+        with pytest.raises(AssertionError, match=f"^{re.escape(message)}$"):
+            layout.tensor_state(wrong, spec)
+    layout = _layout(LayerKV("int8", "token", "int8", "token", "bf16"))
+    state = layout.tensor_state(layout.layers[0], layout.layers[0].kv.keys)
+    assert state["scales"].dtype == jnp.uint16 and state["scales"].shape == (NUM_PAGES, 4, 2, 1)

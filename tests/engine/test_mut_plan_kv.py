@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tenantq.quant.plan import KVPlan, QuantPlan
+from tenantq.quant.plan import DEFAULT_KV_SCALE_DTYPES, KVPlan, LayerKV, QuantPlan
 
 STATIC_LIST = "fp8_e4m3, fp8_e5m2, int8, int4, int2"
 
@@ -84,3 +84,66 @@ def test_uniform_on_an_unknown_kv_format_is_a_one_line_value_error():
     # Not a TypeError from unpacking a missing default: the plan's own message.
     with pytest.raises(ValueError, match=r"^kv\.key_format: unknown format 'int3'; valid"):
         QuantPlan.uniform(kv="int3")
+
+
+def test_every_layer_carries_the_plans_scale_dtype():
+    # for_layer has three paths (a bf16 layer, a per-layer override, the plan-wide formats);
+    # each LayerKV names the plan's scale_dtype, and so do its key and value specs.
+    plan = KVPlan(
+        key_format="int8",
+        value_format="int4",
+        bf16_layers=(0,),
+        layer_formats=((1, "int2", "fp8_e4m3"),),
+        scale_dtype="bf16",
+    )
+    assert plan.for_layer(0, 3) == LayerKV("bf16", "channel", "bf16", "token", "bf16")
+    assert plan.for_layer(1, 3) == LayerKV("int2", "channel", "fp8_e4m3", "token", "bf16")
+    assert plan.for_layer(2, 3) == LayerKV("int8", "channel", "int4", "token", "bf16")
+    assert plan.for_layer(1, 3).keys.stored_scale_dtype == "bf16"
+    assert plan.for_layer(2, 3).values.stored_scale_dtype == "bf16"
+
+
+def test_uniform_scale_dtype_defaults_and_override():
+    # DEFAULT_KV_SCALE_DTYPES (plan.py, chosen on the quick suite): int4 and int2 store bf16
+    # scales by default, every other format float32; an explicit kv_scale_dtype wins (int8's
+    # default axes are static, with no page/token scales to store otherwise).
+    assert DEFAULT_KV_SCALE_DTYPES == {"int4": "bf16", "int2": "bf16"}
+    assert QuantPlan.uniform(kv="int4").kv.scale_dtype == "bf16"
+    assert QuantPlan.uniform(kv="int2").kv.scale_dtype == "bf16"
+    assert QuantPlan.uniform(kv="int8").kv.scale_dtype == "float32"
+    assert QuantPlan.uniform(kv="int4", kv_scale_dtype="e8m0").kv.scale_dtype == "e8m0"
+    assert QuantPlan.uniform(kv="int4", kv_scale_dtype="float32").kv.scale_dtype == "float32"
+
+
+def test_scale_dtype_refusals_are_one_line_and_exact():
+    # _check_scale_dtype's three refusals, each with the whole message (plan.py): block
+    # formats (sorted, joined by ", ") fix their own scales; E8M0 is for symmetric formats
+    # (int2 has a zero point); a setting with no page/token scale to apply to is refused.
+    own = (
+        "kv.scale_dtype: 'bf16' replaces float32 page/token scales; mxfp4, nvfp4 fixes its own "
+        "block scales: use scale_dtype 'float32' or fp8_e4m3, fp8_e5m2, int8, int4, int2"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(own)}$"):
+        KVPlan(key_format="nvfp4", value_format="int8", scale_dtype="bf16",
+               layer_formats=((0, "mxfp4", "int8"),))  # fmt: skip
+    asym = (
+        "kv.scale_dtype: 'e8m0' is a power-of-two scale for symmetric formats; int2 "
+        "(asymmetric, with a zero point) takes scale_dtype 'float32' or 'bf16'"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(asym)}$"):
+        KVPlan(key_format="int4", value_format="int2", scale_dtype="e8m0")
+    none = (
+        "kv.scale_dtype: 'e8m0' applies to page/token scales, and no quantized KV tensor has "
+        "them (bf16 or static tensor/head axes only); use 'float32' or a channel/token axis"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(none)}$"):
+        KVPlan(key_format="int8", key_axis="tensor", value_format="bf16", scale_dtype="e8m0")
+
+
+def test_scale_dtype_accepted_where_it_applies():
+    # bf16 scales take int2 (its zero point is stored bf16 too); E8M0 takes symmetric int/fp8
+    # with a per-channel/token axis; float32 is accepted with block formats (nothing replaced).
+    assert KVPlan(key_format="int2", value_format="int2", scale_dtype="bf16").scale_dtype == "bf16"
+    plan = KVPlan(key_format="int4", value_format="fp8_e4m3", scale_dtype="e8m0")
+    assert plan.for_layer(0, 1).values.stored_scale_dtype == "e8m0"
+    assert KVPlan(key_format="nvfp4", value_format="mxfp4").scale_dtype == "float32"

@@ -325,3 +325,29 @@ def test_pages_that_fit_by_hand():
     assert pages_that_fit(static, 36 + 3 * 320 - 1, 8) == 2
     with pytest.raises(ValueError, match=r"\(36 bytes\) and one page in every layer \(320 bytes\)"):
         pages_that_fit(static, 355, 8)
+
+
+def test_stored_scale_dtypes_by_hand():
+    # kv.scale_dtype replaces the float32 page/token scales of fp8/int formats (KV_SCALE_STORAGE:
+    # bf16 2 B, E8M0 1 B as its uint8 code) and int2's zero points with them; block formats
+    # keep their own (nvfp4 e4m3), static axes keep one float32 per layer.
+    # int4 keys per channel: one scale per (head, channel) [1, 2, 32]; int2 values per token
+    # in 32-wide groups: [4, 2, 1] scales and as many zero points.
+    lay = _layer(LayerKV("int4", "channel", "int2", "token", "bf16"), sink_tokens=0)
+    keys, values = (lay.arrays(s) for _, s in lay.tensors)
+    assert keys[1] == KVArray("scales", "page", (1, 2, 32), "bfloat16", 2)
+    assert values[1:3] == (
+        KVArray("scales", "page", (4, 2, 1), "bfloat16", 2),
+        KVArray("zero_points", "page", (4, 2, 1), "bfloat16", 2),
+    )
+    assert lay.page_scale_bytes == 64 * 2 + 8 * 2 + 8 * 2
+    lay = _layer(LayerKV("fp8_e4m3", "token", "int8", "channel", "e8m0"), sink_tokens=0)
+    keys, values = (lay.arrays(s) for _, s in lay.tensors)
+    assert keys[1] == KVArray("scales", "page", (4, 2, 1), "uint8", 1)
+    assert values[1] == KVArray("scales", "page", (1, 2, 32), "uint8", 1)
+    assert lay.page_scale_bytes == 8 + 64
+    # nvfp4 keys fix their own e4m3 block scales; int8 values on a static axis: none per page
+    lay = _layer(LayerKV("nvfp4", "token", "int8", "head", "bf16"), sink_tokens=0)
+    keys, values = (lay.arrays(s) for _, s in lay.tensors)
+    assert keys[1] == KVArray("scales", "page", (4, 2, 2), "float8_e4m3fn", 1)
+    assert [a.name for a in values] == ["pages", "static_scale", "clip_counts"]
