@@ -527,3 +527,26 @@ def test_state_refuses_a_storage_description_the_codec_disagrees_with():
     layout = _layout(LayerKV("int8", "token", "int8", "token", "bf16"))
     state = layout.tensor_state(layout.layers[0], layout.layers[0].kv.keys)
     assert state["scales"].dtype == jnp.uint16 and state["scales"].shape == (NUM_PAGES, 4, 2, 1)
+
+
+@pytest.mark.parametrize(("keys_fmt", "values_fmt"), [("mxfp4", "mxfp8"), ("nvfp4", "mxfp4")])
+def test_block_formats_read_back_group_by_group_on_a_wide_head(keys_fmt, values_fmt):
+    # head_dim 64 holds two 32-wide MX blocks (four 16-wide nvfp4 blocks) per (token, head):
+    # a page read back with the wrong axis or group size would scale whole heads by one
+    # block's scale (head_dim 8 above is a single partial block, where both agree). One
+    # token per row of the write, on a fresh page each, so nvfp4's per-page tensor scale is
+    # the codec's own for that token (opened by it); the bound: the codec's round trip, exact.
+    d = 64
+    kv = LayerKV(keys_fmt, "token", values_fmt, "token")
+    layers = tuple(LayerKVStorage(i, kv, P, H, d, 0, "float32") for i in range(2))
+    layout = PagedLayout(NUM_PAGES, MAX_SEQS, MAX_PAGES, layers, "float32")
+    rng = np.random.default_rng(7)
+    # Blocks of very different magnitude within each head: 1x, 100x (and 1x, 100x for nvfp4).
+    spread = np.repeat(np.array([1.0, 100.0, 1.0, 100.0], np.float32), 16)
+    k = (rng.standard_normal((1, 1, H, d)) * spread).astype(np.float32)
+    v = (rng.standard_normal((1, 1, H, d)) * spread[::-1]).astype(np.float32)
+    table = _table(0, 1, [2])
+    state = _write(layout, layout.init_state(), 0, table, 0, k, v)
+    keys, values, _ = _read(layout, state, 0, table, 1)
+    np.testing.assert_array_equal(np.asarray(keys[0, :1]), _codec(k[0], keys_fmt))
+    np.testing.assert_array_equal(np.asarray(values[0, :1]), _codec(v[0], values_fmt))
