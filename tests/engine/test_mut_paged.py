@@ -550,3 +550,17 @@ def test_block_formats_read_back_group_by_group_on_a_wide_head(keys_fmt, values_
     keys, values, _ = _read(layout, state, 0, table, 1)
     np.testing.assert_array_equal(np.asarray(keys[0, :1]), _codec(k[0], keys_fmt))
     np.testing.assert_array_equal(np.asarray(values[0, :1]), _codec(v[0], values_fmt))
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_write_replaces_its_layer_and_keeps_the_others(layer):
+    # `write` returns the state tuple with one layer replaced: still one entry per layer (2),
+    # the other layer's arrays untouched, and the written one changed.
+    layout = _layout(LayerKV("int8", "token", "int8", "token"))
+    state = layout.init_state()
+    new = _write(layout, state, layer, _table(0, 1, [1]), 0, _tokens(1, 3), _tokens(1, 4))
+    assert len(new) == len(state) == 2
+    other = 1 - layer
+    for name in ("keys", "values"):
+        assert _unchanged(state[other][name], new[other][name])
+        assert not _unchanged(state[layer][name], new[layer][name])
