@@ -564,3 +564,56 @@ def test_a_write_replaces_its_layer_and_keeps_the_others(layer):
     for name in ("keys", "values"):
         assert _unchanged(state[other][name], new[other][name])
         assert not _unchanged(state[layer][name], new[layer][name])
+
+
+def test_per_channel_continuations_read_their_own_slots_residual():
+    # Slot 1 holds 6 tokens (its residual: tokens 4, 5). Slot 0 then writes 3 tokens, 2 more
+    # from position 3 (the last offset of page 0, crossing into page 1: two pages touched by
+    # a 2-token run), and 2 more from position 5 (mid-page, base 4). Slot 0's page 0 must be
+    # the codec's page of its own tokens 0..3 (built from its own residual, never slot 1's)
+    # and tokens 4..6 wait in its residual, exact (float32 store); slot 1 reads as before.
+    layout = _layout(LayerKV("int8", "channel", "int8", "channel"))
+    k1, k0 = _tokens(6, 21, 5.0), _tokens(7, 22)
+    state = _write(layout, layout.init_state(), 0, _table(1, 6, [4, 5]), 0, k1, k1)
+    state = _write(layout, state, 0, _table(0, 3, [2]), 0, k0[:, :3], k0[:, :3])
+    state = _write(layout, state, 0, _table(0, 5, [2, 3]), 3, k0[:, 3:5], k0[:, 3:5])
+    table = _table(0, 7, [2, 3])
+    state = _write(layout, state, 0, table, 5, k0[:, 5:7], k0[:, 5:7])
+    keys, values, _ = _read(layout, state, 0, table, 7)
+    for got in (keys, values):
+        np.testing.assert_array_equal(np.asarray(got[0, :4]), _codec(k0[0, :4], "int8", axis=0))
+        np.testing.assert_array_equal(np.asarray(got[0, 4:7]), k0[0, 4:7])
+    keys1, _, _ = _read(layout, state, 0, _table(1, 6, [4, 5]), 6)
+    np.testing.assert_array_equal(np.asarray(keys1[0, :4]), _codec(k1[0, :4], "int8", axis=0))
+    np.testing.assert_array_equal(np.asarray(keys1[0, 4:6]), k1[0, 4:6])
+
+
+def test_nvfp4_token_pages_read_their_own_tensor_scale_on_page_zero():
+    # Slot 0 opens page 1 with tokens 10^4 x louder than slot 1's, which then opens page 0.
+    # Page 0's tokens are quantized and read with page 0's own tensor scale: each element
+    # within its block's bound max|x| / 6 * (1 + 2^-3) (as in the test above). With page 1's
+    # scale, their block scales underflow E4M3 and they read back as zeros.
+    layout = _layout(LayerKV("nvfp4", "token", "bf16", "token"))
+    loud, quiet = _tokens(2, 23, 1e4), _tokens(2, 24)
+    state = _write(layout, layout.init_state(), 0, _table(0, 2, [1]), 0, loud, loud)
+    table = _table(1, 2, [0])
+    state = _write(layout, state, 0, table, 0, quiet, quiet)
+    keys, _, _ = _read(layout, state, 0, table, 2)
+    err = np.abs(np.asarray(keys[0, :2]) - quiet[0])
+    bound = np.abs(quiet[0]).max(axis=-1, keepdims=True) / 6 * (1 + 2**-3)
+    assert np.all(err <= bound + 1e-7)
+
+
+def test_bf16_reads_with_residual_and_sinks_stay_bf16():
+    # Compute dtype bf16, bf16 store: per-channel keys (a residual page) and int8 per-token
+    # values with 2 sink tokens read back as bf16 arrays, the residual and sinks exactly.
+    layout = _layout(
+        LayerKV("int8", "channel", "int8", "token"), sinks=2, store="bfloat16", dtype="bfloat16"
+    )
+    k = _tokens(6, 25).astype(ml_dtypes.bfloat16).astype(np.float32)  # bf16-exact tokens
+    table = _table(0, 6, [1, 2])
+    state = _write(layout, layout.init_state(), 0, table, 0, k, k)
+    keys, values, _ = _read(layout, state, 0, table, 6)
+    assert keys.dtype == values.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(keys[0, 4:6], np.float32), k[0, 4:6])
+    np.testing.assert_array_equal(np.asarray(values[0, :2], np.float32), k[0, :2])
