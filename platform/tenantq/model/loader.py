@@ -253,10 +253,7 @@ def _checked_stream(
             while submitted < len(jobs) and (not pending or ahead_bytes < _LOOKAHEAD_BYTES):
                 key, header, name, what, transpose = jobs[submitted]
                 source = map_tensor(header, header.entries[name])
-                if transpose and source.ndim != 2:
-                    raise ValueError(
-                        f"{what}: only 2-D tensors are transposed, this one has {source.ndim}"
-                    )
+                _check_transposable(source, what, transpose)
                 tasks = [
                     (pool.submit(_check_rows, *args), args)
                     for args in _row_ranges(source, what, _TASK_BYTES)
@@ -339,14 +336,18 @@ def _check_rows(source: np.ndarray, what: str, start: int, stop: int) -> None:
             check_finite(source, what)  # raises with the count and the first index
 
 
+def _check_transposable(source: np.ndarray, what: str, transpose: bool) -> None:
+    if transpose and source.ndim != 2:
+        raise ValueError(f"{what}: only 2-D tensors are transposed, this one has {source.ndim}")
+
+
 def read_tensor(source: np.ndarray, what: str, transpose: bool = False) -> np.ndarray:
     """`source` (a file-layout memory map) checked for NaN/inf on this thread, in engine
     layout (its transposed view for HF `[out, in]` linears); the bytes are not copied here.
     The streaming loader (`_checked_stream`) runs the same check (`_check_rows`) on a
     worker thread; the cost of both is measured by `python -m tenantq.bench load`.
     """
-    if transpose and source.ndim != 2:
-        raise ValueError(f"{what}: only 2-D tensors are transposed, this one has {source.ndim}")
+    _check_transposable(source, what, transpose)
     for args in _row_ranges(source, what, source.nbytes):
         _check_rows(*args)
     return source.T if transpose else source
