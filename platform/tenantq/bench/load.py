@@ -14,12 +14,21 @@ same round, and the ratio of mean times gets a paired bootstrap 95% CI over roun
 Wall and CPU seconds (user + system of the loading process, all threads, measured inside
 it) are both reported: CPU seconds are the steadier figure when other jobs share the
 machine; wall seconds gain from the worker thread only while a second core is idle.
+
+Two page-cache states (`--cache`, both by default):
+- warm: the checkpoint's pages are in the page cache (a repeated load on the same host);
+- cold: before each load the files' pages are evicted (`posix_fadvise(POSIX_FADV_DONTNEED)`,
+  Linux), so the load reads the disk, as a host's first load does. The fraction of pages
+  still resident when each load starts is measured (`mincore`) and reported: a filesystem
+  that ignores the eviction (tmpfs) shows up there rather than as a fast "cold" load.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -37,6 +46,7 @@ SIZES = {"reference": (1024, 8, 32000), "large": (2048, 12, 32000), "smoke": (12
 VARIANTS = ("plain", "shipped")
 PROFILE_VARIANTS = ("inline", "thread-nocheck")
 TARGET_RATIO = 1.05  # "within a few percent" (issue 14): the CI's upper bound at most this
+CACHE_STATES = ("warm", "cold")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -54,6 +64,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="rounds for the reference size (20)")  # fmt: skip
     parser.add_argument("--large-rounds", type=int, default=8, help="rounds for large (8)")
     parser.add_argument("--dtype", default="bfloat16", help="dtype loaded into (bfloat16)")
+    parser.add_argument("--cache", default=",".join(CACHE_STATES),
+                        help="comma-separated page-cache states: warm (pages cached), cold "
+                        "(pages evicted before each load) (warm,cold)")  # fmt: skip
     parser.add_argument("--profile", action="store_true",
                         help=f"also run {' and '.join(PROFILE_VARIANTS)}")  # fmt: skip
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"({DEFAULT_DIR})")
@@ -66,6 +79,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     for name in ("rounds", "large_rounds"):
         if getattr(args, name) < 2:
             parser.error(f"--{name.replace('_', '-')} must be at least 2 (a CI needs pairs)")
+    args.cache = [c.strip() for c in args.cache.split(",") if c.strip()]
+    if not args.cache or any(c not in CACHE_STATES for c in args.cache):
+        parser.error(f"--cache takes {' and/or '.join(CACHE_STATES)}; got {args.cache}")
+    if "cold" in args.cache:
+        if not hasattr(os, "posix_fadvise"):
+            parser.error("--cache cold needs posix_fadvise (Linux); use --cache warm")
+        fs = filesystem_type(args.dir)
+        if fs in MEMORY_FILESYSTEMS:
+            parser.error(
+                f"--cache cold: --dir {args.dir} is on {fs}, whose pages live only in memory "
+                "and cannot be evicted; give a --dir on a disk, or use --cache warm"
+            )
     if args.dtype not in ("bfloat16", "float32"):
         parser.error(f"--dtype must be bfloat16 or float32, got {args.dtype!r}")
     return args
@@ -167,14 +192,90 @@ def _ratio_ci(plain: np.ndarray, other: np.ndarray) -> list[float]:
     return [round(ci.delta, 4), round(ci.ci_low, 4), round(ci.ci_high, 4)]
 
 
-def measure_size(size: str, args: argparse.Namespace) -> dict[str, Any]:
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem holding `path` (or its nearest existing parent), from the
+    longest matching mount point in /proc/mounts; None where that is not available."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    path = path.resolve()
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1].replace("\\040", " ")
+        inside = str(path) == mount or str(path).startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > len(best):
+            best, kind = mount, fields[2]
+    return kind
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def _evict(files: list[Path]) -> None:
+    """Drop the files' pages from the page cache: written back first (dirty pages cannot be
+    dropped), then `POSIX_FADV_DONTNEED`, which the kernel honours for clean, unmapped pages."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _resident(files: list[Path]) -> float:
+    """Fraction of the files' pages in the page cache now (`mincore(2)` on a private map;
+    a page of a private map that was never written reports the file's page)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    resident, total = 0, 0
+    for path in files:
+        size = path.stat().st_size
+        if size == 0:
+            continue
+        pages = -(-size // mmap.PAGESIZE)
+        vec = np.zeros(pages, np.uint8)
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+            view = (ctypes.c_char * size).from_buffer(mm)
+            try:
+                if libc.mincore(ctypes.addressof(view), size, vec.ctypes.data) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
+            finally:
+                del view  # the map cannot close while a ctypes view exports it
+        resident += int((vec & 1).sum())
+        total += pages
+    return resident / total if total else 1.0
+
+
+def measure_size(size: str, cache: str, args: argparse.Namespace) -> dict[str, Any]:
     folder, config = _checkpoint(size, args.dir)
+    files = _files(folder)
     variants = VARIANTS + (PROFILE_VARIANTS if args.profile else ())
     rounds = args.large_rounds if size == "large" else args.rounds
+    if cache == "warm":
+        for path in files:  # read once, so that the first round finds every page cached
+            with open(path, "rb") as f:
+                while f.read(64 << 20):
+                    pass
     load_before, start = os.getloadavg()[0], time.perf_counter()
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    resident: list[float] = []
     for k in range(rounds):
         for variant in variants if k % 2 == 0 else reversed(variants):  # ABBA
+            if cache == "cold":
+                _evict(files)
+            resident.append(_resident(files))
             runs[variant].append(_child(folder, variant, args.dtype))
     wall = {v: np.array([r["wall_s"] for r in rs]) for v, rs in runs.items()}
     cpu = {v: np.array([r["cpu_s"] for r in rs]) for v, rs in runs.items()}
@@ -191,10 +292,13 @@ def measure_size(size: str, args: argparse.Namespace) -> dict[str, Any]:
     ]
     return {
         "size": size,
+        "cache": cache,
         "params": config.param_count(),
-        "file_bytes": (folder / "model.safetensors").stat().st_size,
+        "file_bytes": sum(p.stat().st_size for p in files),
         "dtype": args.dtype,
         "rounds": rounds,
+        # pages in the page cache as each load started: ~1 warm, ~0 cold
+        "resident_before": [round(min(resident), 4), round(max(resident), 4)],
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "seconds": round(time.perf_counter() - start, 1),
         "rows": rows,
@@ -207,13 +311,15 @@ def main(argv: list[str]) -> int:
         print(json.dumps(_one_load(folder, argv[1], argv[argv.index("--dtype") + 1])))
         return 0
     args = _parse(argv)
-    reports = [measure_size(size, args) for size in args.sizes]
+    reports = [measure_size(size, cache, args) for size in args.sizes for cache in args.cache]
     if args.json:
         print(json.dumps({"target_ratio": TARGET_RATIO, "sizes": reports}, indent=2))
         return 0
     for rep in reports:
         print(
-            f"{rep['size']}: {rep['params'] / 1e6:.1f}M params, {rep['file_bytes'] / 2**20:.0f} "
+            f"{rep['size']}, {rep['cache']} page cache (resident at start "
+            f"{rep['resident_before'][0]:.0%}-{rep['resident_before'][1]:.0%}): "
+            f"{rep['params'] / 1e6:.1f}M params, {rep['file_bytes'] / 2**20:.0f} "
             f"MiB bf16 -> {rep['dtype']}; {rep['rounds']} rounds (ABBA, fresh process per "
             f"load); load average {rep['load_average'][0]} -> {rep['load_average'][1]}; "
             f"{rep['seconds']} s"

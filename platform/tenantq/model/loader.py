@@ -248,32 +248,49 @@ def _checked_stream(
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tenantq-finite-check")
     pending: deque[tuple[str, np.ndarray, bool, list[tuple[Future[None], tuple]]]] = deque()
     ahead_bytes, submitted = 0, 0
+    # Set by a failed task (its done-callback), so that the queue is walked only once a
+    # check has failed: walking it for every item would cost O(tensors^2) future lookups.
+    failed: list[bool] = []
+
+    def _note_failure(future: Future[None]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            failed.append(True)
+
     try:
         for _ in range(len(jobs)):
             while submitted < len(jobs) and (not pending or ahead_bytes < _LOOKAHEAD_BYTES):
                 key, header, name, what, transpose = jobs[submitted]
                 source = map_tensor(header, header.entries[name])
                 _check_transposable(source, what, transpose)
-                tasks = [
-                    (pool.submit(_check_rows, *args), args)
-                    for args in _row_ranges(source, what, _TASK_BYTES)
-                ]
+                tasks = []
+                for args in _row_ranges(source, what, _TASK_BYTES):
+                    future = pool.submit(_check_rows, *args)
+                    future.add_done_callback(_note_failure)
+                    tasks.append((future, args))
                 pending.append((key, source, transpose, tasks))
                 ahead_bytes += source.nbytes
                 submitted += 1
-            _raise_first_failure(pending)
+            if failed:
+                _raise_first_failure(pending)
             key, source, transpose, tasks = pending.popleft()
-            for future, args in tasks:  # not started by the worker: check it here, now
-                if future.cancel():
-                    _check_rows(*args)
-            for future, _args in tasks:
-                if not future.cancelled():
-                    future.result()
+            _complete_checks(tasks)
             ahead_bytes -= source.nbytes
             yield key, source.T if transpose else source
             del source, tasks
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _complete_checks(tasks: list[tuple[Future[None], tuple]]) -> None:
+    """Finish one tensor's check: the row ranges the worker has not started are taken back
+    (`Future.cancel`) and checked on this thread, then the ones it has are waited for; a
+    failure of either raises here."""
+    for future, args in tasks:
+        if future.cancel():
+            _check_rows(*args)
+    for future, _args in tasks:
+        if not future.cancelled():
+            future.result()
 
 
 def _raise_first_failure(pending: Iterable[tuple[Any, Any, Any, list]]) -> None:
