@@ -1,11 +1,12 @@
 """`python -m tenantq.bench load`: what the loader's NaN/inf check costs a checkpoint load.
 
 Random Llama-shaped bf16 checkpoints (the reference model's size, 155.7M params, and a
-larger 672M, 1.3 GB one; written once under --dir) are loaded from the page cache, each
-load in a fresh Python process (as a user's load is: a fresh allocator, pages not yet
-mapped). Variants run in rounds, in ABBA order (reversed every other round) so that drift in
-the machine's load falls on both alike; each variant is compared with the plain load of the
-same round, and the ratio of mean times gets a paired bootstrap 95% CI over rounds:
+larger 672M, 1.3 GB one; written once under --dir) are loaded from the page cache or the
+disk (`--cache`, below), each load in a fresh Python process (as a user's load is: a
+fresh allocator, pages not yet mapped). Variants run in rounds, in ABBA order (reversed
+every other round) so that drift in the machine's load falls on both alike; each variant
+is compared with the plain load of the same round, and the ratio of mean times gets a
+paired bootstrap 95% CI over rounds:
 - plain: the load without the check (`jnp.asarray` of each memory-mapped tensor);
 - shipped: `load_params` (checks on a worker thread ahead of the copies, `_checked_stream`);
 - with --profile also: `inline` (each tensor checked on the loading thread, then copied)
