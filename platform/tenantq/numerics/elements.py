@@ -97,5 +97,9 @@ def e8m0_to_float32(e8m0) -> np.ndarray:
     Computed on the host with numpy, which keeps subnormals; inside jit use `scale_by_e8m0`.
     """
     code = np.asarray(e8m0).astype(np.int64)
-    out = np.ldexp(np.float32(1.0), (code - E8M0_BIAS).astype(np.int32)).astype(np.float32)
-    return np.where(code == E8M0_NAN, np.float32(np.nan), out)
+    nan = code == E8M0_NAN
+    # 2^128 overflows float32: the NaN code is given a finite exponent before ldexp (no
+    # overflow warning), then replaced.
+    exponent = (np.where(nan, E8M0_BIAS, code) - E8M0_BIAS).astype(np.int32)
+    out = np.ldexp(np.float32(1.0), exponent).astype(np.float32)
+    return np.where(nan, np.float32(np.nan), out)
