@@ -81,6 +81,15 @@ def test_bytes_that_are_not_whole_name_the_field_and_the_forms():
     assert str(err.value) == f"bytes: '1.5B' is not a whole number of bytes; write {RESERVE_FORMS}"
 
 
+def test_a_reserve_beyond_any_memory_names_the_limit_and_the_forms():
+    with pytest.raises(ValueError) as err:
+        parse_reserve("1e999999999GiB")
+    assert str(err.value) == (
+        "reserve: '1e999999999GiB' is more than 2^64 bytes (16 EiB), larger than any memory; "
+        f"write {RESERVE_FORMS}"
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "want"),
     [
@@ -93,6 +102,8 @@ def test_bytes_that_are_not_whole_name_the_field_and_the_forms():
         ("2kB", 2000),
         ("2KiB", 2048),
         ("1.5e9", 1_500_000_000),
+        ("18446744073709551616", 2**64),  # the largest accepted
+        ("16777216TiB", 2**64),
     ],
 )
 def test_parse_bytes_reads_exact_counts(text, want):
@@ -111,6 +122,21 @@ def test_parse_bytes_reads_exact_counts(text, want):
         ("1e999999999999999999999B", "size: cannot read '1e999999999999999999999B' as bytes"),
         ("1.5B", "size: '1.5B' is not a whole number of bytes"),
         (-5, "size: must not be negative, got -5"),
+        # Above 2^64 bytes: refused before int() (which would build a billion-digit int for
+        # 1e999999999GiB, or overflow Decimal's exponent range first); 2^64 itself passes.
+        ("1e400GiB", "size: '1e400GiB' is more than 2^64 bytes (16 EiB), larger than any memory"),
+        (
+            "1e999999999GiB",
+            "size: '1e999999999GiB' is more than 2^64 bytes (16 EiB), larger than any memory",
+        ),
+        (
+            "18446744073709551617",
+            "size: '18446744073709551617' is more than 2^64 bytes (16 EiB), larger than any memory",
+        ),  # fmt: skip
+        (
+            2**64 + 1,
+            "size: 18446744073709551617 is more than 2^64 bytes (16 EiB), larger than any memory",
+        ),  # fmt: skip
     ],
 )
 def test_parse_bytes_errors_are_one_named_line(text, message):

@@ -10,7 +10,7 @@ integer first.
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, Overflow
 from fractions import Fraction
 
 KiB = 1024
@@ -30,6 +30,9 @@ _UNITS = {
     "gib": GiB,
     "tib": TiB,
 }
+# No memory a budget describes comes near 2^64 bytes (16 EiB); a larger figure is a typo,
+# and refusing it before `int()` keeps "1e999999999GiB" from building a billion-digit int.
+MAX_BYTES = 2**64
 _QUANTITY = re.compile(r"^\s*([0-9][0-9_,]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -50,12 +53,22 @@ def parse_bytes(text: str | int, *, what: str = "size") -> int:
             amount = Decimal(match.group(1).replace("_", "").replace(",", "")) * _UNITS[unit]
         except InvalidOperation:
             raise ValueError(f"{what}: cannot read {text!r} as bytes") from None
+        except Overflow:  # beyond Decimal's exponent range, e.g. 1e999999999GiB
+            raise _too_large(what, text) from None
+        if amount > MAX_BYTES:
+            raise _too_large(what, text)
         if amount != amount.to_integral_value():
             raise ValueError(f"{what}: {text!r} is not a whole number of bytes")
         value = int(amount)
     if value < 0:
         raise ValueError(f"{what}: must not be negative, got {text!r}")
+    if value > MAX_BYTES:
+        raise _too_large(what, text)
     return value
+
+
+def _too_large(what: str, text: object) -> ValueError:
+    return ValueError(f"{what}: {text!r} is more than 2^64 bytes (16 EiB), larger than any memory")
 
 
 RESERVE_FORMS = (
