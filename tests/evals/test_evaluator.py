@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tenantq.evals import Evaluator, fidelity, load_suite
+from tenantq.evals.suite import suite_metrics
 from tenantq.quant.plan import KVPlan, QuantPlan, Rule
 from tenantq.reference import reference_model_path
 
@@ -73,6 +74,10 @@ def test_baseline_against_itself_is_no_change(small) -> None:
     assert all(r["margin"] == min(r["baseline_margins"]) for r in rows if r["task"] == "needle")
     assert set(result.timings_s) >= {"load", "quantize", "compile", "baseline", "fidelity",
                                      "needles", "structured", "total"}  # fmt: skip
+    # The suite's metric catalogue (what `tenantq search --check` validates objectives and
+    # constraints against) names exactly the numeric keys an evaluation reports.
+    numeric = {k for k, v in s.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    assert numeric == set(suite_metrics(evaluator.suite))
     # MLflow metric names: letters, digits and _ - . / only
     assert all(set(k) <= set("abcdefghijklmnopqrstuvwxyz0123456789_-./") for k in s)
     out = result.to_parquet(root / "examples.parquet")

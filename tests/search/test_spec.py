@@ -51,6 +51,19 @@ MISTAKES = [
         ["space.key_axes", "'channel', 'token', 'tensor' or 'head'"],
     ),
     (lambda d: d.update(space={"sink_tokens": []}), ["space.sink_tokens", "at least one"]),
+    # Sinks are the first tokens of a tenant's context: 300 of a 256-token context are not.
+    (
+        lambda d: d.update(space={"sink_tokens": [0, 4, 300]}),
+        ["space.sink_tokens", "[300]", "deployment.context_tokens = 256"],
+    ),
+    # numpy's seed range, which Optuna's samplers would refuse only when the study starts.
+    (lambda d: d.update(sampler={"seed": -1}), ["sampler.seed", "greater than or equal to 0"]),
+    (lambda d: d.update(sampler={"seed": 2**32}), ["sampler.seed", "less than or equal to"]),
+    # The name is the runs/NAME folder of the front's plans: one plain path component.
+    (lambda d: d["study"].update(name="../../etc"), ["study.name", "'../../etc'", "letters"]),
+    (lambda d: d["study"].update(name=""), ["study.name", "not a study name"]),
+    (lambda d: d["study"].update(name=".hidden"), ["study.name", "starting with a letter"]),
+    (lambda d: d["study"].update(name="a/b"), ["study.name", "'a/b'"]),
 ]
 
 
@@ -113,6 +126,42 @@ BAD_FILES = {
         '[study]\nname = "s"\ntrials = 2\n',
         "no/such/checkpoint has no config.json",
     ),
+    # Metric names are checked against what the suites report (`suite_metrics`), before any
+    # trial runs: a typo is not the failure of every trial.
+    "objective-typo.toml": (
+        'model = "reference"\n[[objectives]]\nmetric = "tenant"\ndirection = "maximize"\n'
+        '[deployment]\nhardware = "cpu"\nmemory = "10MiB"\ncontext_tokens = 256\n'
+        '[study]\nname = "s"\ntrials = 2\n',
+        "objectives.0.metric: suite 'quick' (eval.suite) does not report 'tenant'; did you "
+        "mean 'tenants'?",
+    ),
+    "unmeasured-length.toml": (
+        'model = "reference"\n[[objectives]]\nmetric = "needle.acc_delta.len4096"\n'
+        'direction = "maximize"\n'
+        '[deployment]\nhardware = "cpu"\nmemory = "10MiB"\ncontext_tokens = 256\n'
+        '[study]\nname = "s"\ntrials = 2\n',
+        "does not report 'needle.acc_delta.len4096'; did you mean 'needle.acc_delta.len1019'",
+    ),
+    "constraint-bound.toml": (
+        'model = "reference"\n[[constraints]]\nmetric = "fidelity.kl_p99"\ntolerance = 0.1\n'
+        '[deployment]\nhardware = "cpu"\nmemory = "10MiB"\ncontext_tokens = 256\n'
+        '[study]\nname = "s"\ntrials = 2\n',
+        "constraints.0: suite 'quick' (eval.suite) does not report 'fidelity.kl_p99.ci_high'",
+    ),
+    "unknown-suite.toml": (
+        'model = "reference"\n[eval]\nsuite = "quik"\n'
+        '[deployment]\nhardware = "cpu"\nmemory = "10MiB"\ncontext_tokens = 256\n'
+        '[study]\nname = "s"\ntrials = 2\n',
+        "eval.suite: suite 'quik' not found: use one of long, quick, standard",
+    ),
+    "confirm-lacks-objective.toml": (
+        'model = "reference"\n[eval]\nconfirm_suite = "CONFIRM"\n'
+        '[[objectives]]\nmetric = "needle.acc_delta.len1019"\ndirection = "maximize"\n'
+        '[deployment]\nhardware = "cpu"\nmemory = "10MiB"\ncontext_tokens = 256\n'
+        '[study]\nname = "s"\ntrials = 2\n',
+        "objectives.0.metric: suite 'fidelity-only' (eval.confirm_suite) does not report "
+        "'needle.acc_delta.len1019'",
+    ),
     "edge-layers.toml": (
         'model = "reference"\n[space]\nbf16_first_layers = [0, 9]\n'
         '[deployment]\nhardware = "cpu"\nmemory = "10MiB"\ncontext_tokens = 256\n'
@@ -125,10 +174,16 @@ BAD_FILES = {
 @pytest.mark.parametrize("name", sorted(BAD_FILES))
 def test_bad_spec_file_writes_nothing(name, tmp_path, monkeypatch, capsys) -> None:
     text, expected = BAD_FILES[name]
+    files = [name]
+    if "CONFIRM" in text:  # a confirmation suite that measures fidelity only
+        suite = tmp_path / "fidelity-only.toml"
+        suite.write_text("[fidelity]\nrows = 2\nrow_tokens = 64\n")
+        text = text.replace("CONFIRM", str(suite))
+        files.append(suite.name)
     (tmp_path / name).write_text(text)
     monkeypatch.chdir(tmp_path)
     assert main(["search", name, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert expected in err and len(err.splitlines()) == 1, err
     # No Optuna or MLflow store, no exported plans: the spec failed before anything was opened.
-    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)

@@ -27,7 +27,7 @@ from tenantq.evals import data, fidelity, retrieval, stats, structured
 from tenantq.evals.calibrated import CalibrationData, Calibrator
 from tenantq.evals.generation import Generated
 from tenantq.evals.identity import cache_key, model_identity
-from tenantq.evals.suite import Suite, load_suite
+from tenantq.evals.suite import Suite, load_suite, pass_fail_key
 
 # Part of every cached baseline's key: bump it whenever the suite's numerics change (version 2:
 # needles teacher-forced in fidelity-width steps, all at one KV window), so baselines cached
@@ -463,9 +463,7 @@ class Evaluator:
                 "n": int(mask.sum()),
             }  # fmt: skip
             for m, v in figures.items():
-                head, _, tail = m.partition(".")
-                name = f"{prefix}.{head}{suffix}" + (f".{tail}" if tail else "")
-                out[name] = v
+                out[pass_fail_key(prefix, m, suffix)] = v
         for item, b, c, gb, gc in zip(
             items, base_pass, cand_pass, base_gens, cand_gens, strict=True
         ):

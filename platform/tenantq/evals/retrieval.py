@@ -14,14 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from tenantq.evals.generation import Generated, generate_with_margins, teacher_forced_with_margins
+from tenantq.evals.suite import NEEDLE_TASK_NAMES
 from tenantq.reference import needles
 
-TASK_NAMES = {
-    "single": "needle",
-    "multikey": "needle_multikey",
-    "multivalue": "needle_multivalue",
-    "vartrack": "needle_vartrack",
-}
+TASK_NAMES = NEEDLE_TASK_NAMES  # variant -> task name (shared with the suite's metric names)
 
 
 @dataclass(frozen=True)

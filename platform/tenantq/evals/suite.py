@@ -85,6 +85,55 @@ class Suite(_Spec):
         return json.dumps(self.model_dump(mode="json"), sort_keys=True)
 
 
+# Needle variant -> the task name its summary keys and example ids carry.
+NEEDLE_TASK_NAMES = {
+    "single": "needle",
+    "multikey": "needle_multikey",
+    "multivalue": "needle_multivalue",
+    "vartrack": "needle_vartrack",
+}
+# The numeric summary keys `Evaluator.evaluate` reports, by family. The fidelity ones are
+# fixed; each pass/fail group (a needle length, the structured tasks together and each one)
+# reports every figure of PASS_FAIL_FIGURES, named by `pass_fail_key`.
+FIDELITY_METRICS = (
+    "fidelity.kl_mean", "fidelity.kl_mean.ci_low", "fidelity.kl_mean.ci_high",
+    "fidelity.kl_p99", "fidelity.kl_max", "fidelity.top1_agree",
+    "fidelity.top1_agree_delta", "fidelity.top1_agree_delta.ci_low",
+    "fidelity.top1_agree_delta.ci_high", "fidelity.ppl_base", "fidelity.ppl_cand",
+    "fidelity.ppl_ratio", "fidelity.ppl_ratio.ci_low", "fidelity.ppl_ratio.ci_high",
+    "fidelity.ppl_ratio.noise_floor", "fidelity.tokens", "fidelity.exact",
+)  # fmt: skip
+PASS_FAIL_FIGURES = (
+    "acc_base", "acc_cand", "acc_delta", "acc_delta.ci_low", "acc_delta.ci_high",
+    "acc_delta.noise_floor", "flips.correct_to_wrong", "flips.wrong_to_correct", "mcnemar_p",
+    "n",
+)  # fmt: skip
+OVERALL_METRICS = ("examples.n", "passed")
+
+
+def pass_fail_key(task: str, figure: str, group: str) -> str:
+    """`needle` + `acc_delta.ci_low` + `.len1019` -> `needle.acc_delta.len1019.ci_low`: the
+    group sits after the figure's first part, so each CI bound follows its delta's name."""
+    head, _, tail = figure.partition(".")
+    return f"{task}.{head}{group}" + (f".{tail}" if tail else "")
+
+
+def suite_metrics(suite: Suite) -> list[str]:
+    """Every numeric summary key an evaluation of `suite` reports, read from the suite alone
+    (no model, no examples drawn): the names a search objective or constraint may use."""
+    names = set(OVERALL_METRICS)
+    if suite.fidelity is not None:
+        names.update(FIDELITY_METRICS)
+    for spec in suite.needles:
+        task = NEEDLE_TASK_NAMES[spec.variant]
+        for length in spec.lengths:
+            names.update(pass_fail_key(task, f, f".len{length}") for f in PASS_FAIL_FIGURES)
+    if suite.structured is not None:
+        for group in ("", *(f".{t}" for t in suite.structured.tasks)):
+            names.update(pass_fail_key("structured", f, group) for f in PASS_FAIL_FIGURES)
+    return sorted(names)
+
+
 def builtin_suites() -> list[str]:
     return sorted(p.stem for p in SUITES_DIR.glob("*.toml"))
 

@@ -93,10 +93,57 @@ def prepare(spec: Spec, spec_text: str) -> _Prepared:
         else None
     )
     parameter_choices(spec.space, config, profile)  # raises on choices the model cannot take
+    check_metrics(spec)
     baselines = baseline_params(spec.space, config, profile) if wants_baselines(spec) else []
     return _Prepared(
         spec, spec_text, model_path, config, capacity_config, deployment, profile, baselines
     )
+
+
+def check_metrics(spec: Spec) -> None:
+    """Objectives and constraints name metrics the spec's suites report (`suite_metrics`):
+    a misspelt one is an error now, not a failure of every trial. The confirmation suite
+    must report the objectives too (the front is re-measured on it)."""
+    import difflib
+
+    from tenantq.evals.suite import load_suite, suite_metrics
+
+    where = [("eval.suite", spec.eval.suite)]
+    if spec.eval.confirm_suite:
+        where.append(("eval.confirm_suite", spec.eval.confirm_suite))
+    for key_name, name in where:
+        try:
+            suite = load_suite(name)
+        except ValueError as err:
+            raise ValueError(f"{key_name}: {err}") from None
+        metrics = suite_metrics(suite)
+        named = [
+            (f"objectives.{i}.metric", o.metric)
+            for i, o in enumerate(spec.objectives)
+            if o.metric != CAPACITY_METRIC
+        ]
+        if key_name == "eval.suite":  # constraints are checked on the search suite's results
+            named += [
+                (f"constraints.{i}", c.metric if c.bound == "value" else f"{c.metric}.{c.bound}")
+                for i, c in enumerate(spec.constraints or [])
+            ]
+        for key, metric in named:
+            if metric in metrics:
+                continue
+            close = difflib.get_close_matches(metric, [*metrics, CAPACITY_METRIC], n=3)
+            hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+            # the headline deltas (each also has .ci_low/.ci_high), not all of them
+            deltas = [
+                m
+                for m in metrics
+                if m in ("fidelity.kl_mean", "fidelity.top1_agree_delta", "fidelity.ppl_ratio")
+                or (".acc_delta" in m and not m.endswith(("ci_low", "ci_high", "noise_floor")))
+            ]
+            raise ValueError(
+                f"{key}: suite {suite.name!r} ({key_name}) does not report {metric!r}; {hint}"
+                f"its deltas are {', '.join(deltas)} ({len(metrics)} metrics in all, with "
+                f"their .ci_low/.ci_high), and the capacity objective is {CAPACITY_METRIC!r}"
+            )
 
 
 def make_sampler(spec: Spec):

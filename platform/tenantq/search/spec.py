@@ -8,6 +8,7 @@ Optuna and MLflow store the study. pydantic checks it before anything is written
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -186,7 +187,8 @@ class SamplerSpec(_Strict):
     predicted to improve the front most (tenantq.search.capacity_aware)."""
 
     kind: Literal[SAMPLERS] = "nsga2"  # type: ignore[valid-type]
-    seed: int = 0
+    # Optuna's samplers seed numpy, which takes 0 .. 2^32 - 1 ("Seed must be between ...").
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     population_size: int | None = Field(None, ge=2, description="NSGA-II population")
 
 
@@ -212,8 +214,24 @@ class WorkersSpec(_Strict):
         return self
 
 
+# A study name is also a folder name (runs/NAME, the front's plans) and the default MLflow
+# experiment: one path component, no separators, no leading dot.
+STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
+
+
 class StudySpec(_Strict):
     name: str = Field(description="Optuna study name")
+
+    @field_validator("name")
+    @classmethod
+    def _folder_safe(cls, v: str) -> str:
+        if not STUDY_NAME.fullmatch(v):
+            raise ValueError(
+                "is not a study name: use 1-128 letters, digits and - _ . +, starting with a "
+                "letter or digit (it names the runs/ folder of the front's plans)"
+            )
+        return v
+
     trials: int = Field(ge=1, description="trials to complete (baselines included)")
     storage: str = Field("sqlite:///optuna.db", description="Optuna RDB URL")
     baselines: bool | None = Field(
@@ -268,6 +286,19 @@ class Spec(_Strict):
         names = [o.metric for o in self.objectives]
         if len(set(names)) != len(names):
             raise ValueError(f"objectives: metric listed twice in {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _sinks_within_the_context(self) -> Spec:
+        # Sink tokens are part of each tenant's context: more sinks than context tokens would
+        # have the capacity objective reserve bf16 sink pages for tokens that never exist.
+        context = self.deployment.context_tokens
+        over = [n for n in self.space.sink_tokens if n > context]
+        if over:
+            raise ValueError(
+                f"space.sink_tokens: choices {over} exceed deployment.context_tokens = "
+                f"{context}; sink tokens are the first tokens of a tenant's context"
+            )
         return self
 
     @property
