@@ -162,6 +162,31 @@ BAD_FILES = {
         "objectives.0.metric: suite 'fidelity-only' (eval.confirm_suite) does not report "
         "'needle.acc_delta.len1019'",
     ),
+    # The two stores' URLs are checked before either is opened (no file, no connection).
+    "storage-not-a-url.toml": (
+        'model = "reference"\n'
+        '[deployment]\nhardware = "cpu"\nmemory = "10MiB"\ncontext_tokens = 256\n'
+        '[study]\nname = "s"\ntrials = 2\nstorage = "optuna.db"\n',
+        "study.storage: 'optuna.db' is not a database URL Optuna can use; write sqlite:///",
+    ),
+    "storage-no-folder.toml": (
+        'model = "reference"\n'
+        '[deployment]\nhardware = "cpu"\nmemory = "10MiB"\ncontext_tokens = 256\n'
+        '[study]\nname = "s"\ntrials = 2\nstorage = "sqlite:///no/such/folder/o.db"\n',
+        "study.storage: the folder of 'no/such/folder/o.db'",
+    ),
+    "storage-unknown-database.toml": (
+        'model = "reference"\n'
+        '[deployment]\nhardware = "cpu"\nmemory = "10MiB"\ncontext_tokens = 256\n'
+        '[study]\nname = "s"\ntrials = 2\nstorage = "mongodb://h/x"\n',
+        "study.storage: 'mongodb://h/x' is not a database URL Optuna can use",
+    ),
+    "tracking-scheme.toml": (
+        'model = "reference"\n'
+        '[deployment]\nhardware = "cpu"\nmemory = "10MiB"\ncontext_tokens = 256\n'
+        '[study]\nname = "s"\ntrials = 2\n[tracking]\nuri = "ftp://host/x"\n',
+        "tracking.uri: MLflow cannot track to 'ftp://host/x' (scheme 'ftp')",
+    ),
     "edge-layers.toml": (
         'model = "reference"\n[space]\nbf16_first_layers = [0, 9]\n'
         '[deployment]\nhardware = "cpu"\nmemory = "10MiB"\ncontext_tokens = 256\n'
@@ -187,3 +212,68 @@ def test_bad_spec_file_writes_nothing(name, tmp_path, monkeypatch, capsys) -> No
     assert expected in err and len(err.splitlines()) == 1, err
     # No Optuna or MLflow store, no exported plans: the spec failed before anything was opened.
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)
+
+
+def test_a_storage_driver_that_is_missing_is_named(monkeypatch):
+    # A database URL whose driver module is not installed: named before any connection.
+    from sqlalchemy.engine import make_url
+
+    from tenantq.search.driver import check_stores
+
+    url = "postgresql://u@127.0.0.1/db"
+    dialect = make_url(url).get_dialect()  # the dialect class
+
+    def missing(cls):
+        raise ImportError("No module named 'psycopg'")
+
+    monkeypatch.setattr(dialect, "import_dbapi", classmethod(missing))
+    spec = parse_spec(_with(lambda d: d["study"].update(storage=url)))
+    with pytest.raises(ValueError) as err:
+        check_stores(spec)
+    assert str(err.value) == (
+        f"study.storage: {url!r} needs the postgresql driver, which is not installed (No "
+        "module named 'psycopg'); install it, or use sqlite:///FILE.db, "
+        "postgresql://USER@HOST/DB or mysql://USER@HOST/DB"
+    )
+
+
+def test_unreachable_tracking_server_stops_before_the_study_is_created(
+    tmp_path, monkeypatch, capsys
+):
+    # A closed port: MLflow's client fails (no retries here); Optuna's storage was not yet
+    # opened, so no optuna.db holds a study that a rerun would have to --resume.
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    text = (ROOT / "experiments" / "capacity-only.toml").read_text()
+    text = text.replace(
+        "trials = 20\n", f'trials = 2\n\n[tracking]\nuri = "http://127.0.0.1:{port}"\n'
+    )
+    (tmp_path / "spec.toml").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    assert main(["search", "spec.toml", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(
+        f"tenantq search: error: tracking.uri: cannot open MLflow at 'http://127.0.0.1:{port}'"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.toml"]
+
+
+def test_a_storage_that_cannot_be_opened_is_one_line(tmp_path, monkeypatch, capsys):
+    # The URL is well formed and its folder exists, but the "file" is a folder: sqlite's
+    # OperationalError when Optuna opens it becomes one line naming study.storage.
+    (tmp_path / "optuna.db").mkdir()
+    text = (ROOT / "experiments" / "capacity-only.toml").read_text()
+    text = text.replace("trials = 20\n", 'trials = 2\nstorage = "sqlite:///optuna.db"\n')
+    (tmp_path / "spec.toml").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    assert main(["search", "spec.toml", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(
+        "tenantq search: error: study.storage: cannot open 'sqlite:///optuna.db': "
+        "(sqlite3.OperationalError)"
+    ), err

@@ -94,6 +94,7 @@ def prepare(spec: Spec, spec_text: str) -> _Prepared:
     )
     parameter_choices(spec.space, config, profile)  # raises on choices the model cannot take
     check_metrics(spec)
+    check_stores(spec)
     baselines = baseline_params(spec.space, config, profile) if wants_baselines(spec) else []
     return _Prepared(
         spec, spec_text, model_path, config, capacity_config, deployment, profile, baselines
@@ -144,6 +145,61 @@ def check_metrics(spec: Spec) -> None:
                 f"its deltas are {', '.join(deltas)} ({len(metrics)} metrics in all, with "
                 f"their .ci_low/.ci_high), and the capacity objective is {CAPACITY_METRIC!r}"
             )
+
+
+# MLflow URIs that are SQLAlchemy database URLs (the rest: files, servers, Databricks).
+_MLFLOW_DB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def _check_database_url(url: str, key: str, what: str) -> None:
+    """A SQLAlchemy URL whose dialect and driver load here, and for a sqlite file, whose
+    folder exists; checked without connecting or creating anything."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    forms = "sqlite:///FILE.db, postgresql://USER@HOST/DB or mysql://USER@HOST/DB"
+    try:
+        parsed = make_url(url)
+        dialect = parsed.get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError):
+        raise ValueError(
+            f"{key}: {url!r} is not a database URL {what} can use; write {forms}"
+        ) from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as err:
+        raise ValueError(
+            f"{key}: {url!r} needs the {parsed.get_backend_name()} driver, which is not "
+            f"installed ({err}); install it, or use {forms}"
+        ) from None
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        folder = Path(parsed.database).expanduser().absolute().parent
+        if what == "Optuna" and not folder.is_dir():  # sqlite creates the file, not folders
+            raise ValueError(
+                f"{key}: the folder of {parsed.database!r} ({folder}) does not exist; create "
+                "it, or give a sqlite:/// path in an existing folder"
+            )
+
+
+def check_stores(spec: Spec) -> None:
+    """`study.storage` is an Optuna RDB URL and `tracking.uri` a URI MLflow takes, checked
+    before either store is opened, so that a typo in one does not leave the other written."""
+    _check_database_url(spec.study.storage, "study.storage", "Optuna")
+    uri = spec.tracking.uri
+    scheme = uri.split(":", 1)[0] if "://" in uri or uri.startswith("sqlite:") else ""
+    if scheme.split("+")[0] in _MLFLOW_DB_SCHEMES:
+        _check_database_url(uri, "tracking.uri", "MLflow")
+        return
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    try:  # MLflow's own table of URI schemes; builds nothing
+        _tracking_store_registry.get_store_builder(uri)
+    except MlflowException:
+        raise ValueError(
+            f"tracking.uri: MLflow cannot track to {uri!r} (scheme {scheme!r}); write "
+            "sqlite:///mlflow.db, a folder, or http://HOST:PORT of an MLflow server"
+        ) from None
 
 
 def make_sampler(spec: Spec):
@@ -239,9 +295,16 @@ class SearchDriver:
     def _open_study(self):
         import optuna
         from optuna.storages import RetryHeartbeatStaleTrialCallback
+        from sqlalchemy.exc import SQLAlchemyError
 
         spec = self.spec
-        storage = make_storage(spec.study.storage, spec.study.max_trial_retries)
+        try:
+            storage = make_storage(spec.study.storage, spec.study.max_trial_retries)
+        except SQLAlchemyError as err:  # OperationalError and kin: the server or the file
+            first = str(err).strip().splitlines()[0]
+            raise ValueError(
+                f"study.storage: cannot open {spec.study.storage!r}: {first}"
+            ) from None
         self._retry = RetryHeartbeatStaleTrialCallback(max_retry=spec.study.max_trial_retries)
         names = optuna.study.get_all_study_names(storage)
         exists = spec.study.name in names
@@ -273,12 +336,23 @@ class SearchDriver:
                 study.enqueue_trial(params, user_attrs={"baseline": True})
         return storage, study
 
-    def _open_tracking(self, study):
+    def _connect_tracking(self):
+        from mlflow.exceptions import MlflowException
+
+        from tenantq.tracking import StudyTracker
+
+        uri = self.spec.tracking.uri
+        try:
+            return StudyTracker(uri, self.spec.experiment_name)
+        except MlflowException as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"tracking.uri: cannot open MLflow at {uri!r}: {first}") from None
+
+    def _open_tracking(self, study, tracker):
         from tenantq.evals.identity import model_identity
-        from tenantq.tracking import StudyTracker, code_version
+        from tenantq.tracking import code_version
 
         spec = self.spec
-        tracker = StudyTracker(spec.tracking.uri, spec.experiment_name)
         parent = study.user_attrs.get(PARENT_RUN_ATTR)
         if parent:
             tracker.resume_study(parent)
@@ -316,9 +390,12 @@ class SearchDriver:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+        # MLflow first: its experiment is only looked up or created here, so a tracking URI
+        # that cannot be reached stops the study before Optuna's storage holds a new study.
+        tracker = self._connect_tracking()
         storage, study = self._open_study()
         self.storage, self.study = storage, study
-        tracker = self._open_tracking(study)
+        tracker = self._open_tracking(study, tracker)
         self.tracker = tracker
         self._requeue_dead_driver_trials()
         self._reconcile_runs()
