@@ -86,3 +86,49 @@ def test_experiment_without_a_study_run(tmp_path) -> None:
         ValueError, match=r"^experiment 'empty' has no study run .*studies there: none$"
     ):
         load_study(uri, "empty")
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        # a scheme MLflow has no store for: named before MLflow is asked (its own exception
+        # was a traceback about the *model registry*)
+        ("ftp://host/x", "--tracking-uri: MLflow cannot track to 'ftp://host/x' (scheme 'ftp')"),
+        # a sqlite store that does not exist: reading must not create an empty one
+        ("sqlite:///{tmp}/nope.db", "--tracking-uri: no MLflow store at sqlite:///{tmp}/nope.db"),
+    ],
+)
+def test_a_store_that_cannot_hold_the_study_is_one_line(uri, message, tmp_path, capsys):
+    uri, message = uri.format(tmp=tmp_path), message.format(tmp=tmp_path)
+    code = main(["report", "--experiment", "quickstart", "--tracking-uri", uri,
+                 "--out", str(tmp_path / "out")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"tenantq report: error: {message}"), err
+    assert list(tmp_path.iterdir()) == []  # no store created, no report folder
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
+def test_a_profile_that_is_not_a_table_names_the_file_and_the_format(suffix, tmp_path):
+    from tenantq.search.space import read_profile_table
+
+    path = tmp_path / f"profile{suffix}"
+    path.write_text("tensor,format,kl_mean\n")  # a CSV under a table's name
+    kind = "Parquet" if suffix == ".parquet" else r"Arrow IPC \(Feather\)"
+    expected = rf"^sensitivity profile {path}: cannot read it as {kind} "
+    with pytest.raises(ValueError, match=expected):
+        read_profile_table(path)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_an_out_folder_that_is_a_file_is_refused_before_any_figure(studies, tmp_path, capsys):
+    (tmp_path / "report").write_text("not a folder")
+    code = main(["report", "--experiment", "single", "--tracking-uri", studies.tracking_uri,
+                 "--out", str(tmp_path / "report"), "--static", "none"])  # fmt: skip
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"tenantq report: error: out: {tmp_path / 'report'} is a file; give a folder for "
+        "report.html and figures/\n"
+    )
+    assert (tmp_path / "report").read_text() == "not a folder"

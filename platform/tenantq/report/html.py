@@ -102,6 +102,8 @@ def write_report(
     from plotly.offline import get_plotlyjs
 
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():  # checked before any figure is built
+        raise ValueError(f"out: {out} is a file; give a folder for report.html and figures/")
     table = load_profile(study, profile)
     chosen, sections = build_figures(study, trial, table)
     outcome = ReportOutcome(html_path=out / "report.html")

@@ -216,6 +216,19 @@ def load_study(tracking_uri: str, experiment: str, study: str | None = None) -> 
     the ones that exist. Without `study`, the experiment's latest study run is read."""
     from mlflow import MlflowClient
 
+    from tenantq.tracking import check_tracking_uri
+
+    check_tracking_uri(tracking_uri, "--tracking-uri")
+    if tracking_uri.startswith("sqlite:///"):  # reading must not create an empty store
+        from sqlalchemy.engine import make_url
+
+        database = make_url(tracking_uri).database
+        if database and database != ":memory:" and not Path(database).is_file():
+            raise ValueError(
+                f"--tracking-uri: no MLflow store at {tracking_uri} ({database} does not "
+                "exist); give the tracking.uri the study ran with (default sqlite:///mlflow.db, "
+                "in the folder the study ran in)"
+            )
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:

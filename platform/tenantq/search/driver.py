@@ -190,16 +190,9 @@ def check_stores(spec: Spec) -> None:
     if scheme.split("+")[0] in _MLFLOW_DB_SCHEMES:
         _check_database_url(uri, "tracking.uri", "MLflow")
         return
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+    from tenantq.tracking import check_tracking_uri
 
-    try:  # MLflow's own table of URI schemes; builds nothing
-        _tracking_store_registry.get_store_builder(uri)
-    except MlflowException:
-        raise ValueError(
-            f"tracking.uri: MLflow cannot track to {uri!r} (scheme {scheme!r}); write "
-            "sqlite:///mlflow.db, a folder, or http://HOST:PORT of an MLflow server"
-        ) from None
+    check_tracking_uri(uri, "tracking.uri")
 
 
 def make_sampler(spec: Spec):

@@ -259,7 +259,16 @@ def read_profile_table(path: str | Path):
     if not p.is_file():
         raise ValueError(f"sensitivity profile {p} does not exist; give a file `tenantq "
                          "sensitivity --out` wrote")  # fmt: skip
-    table = pq.read_table(p) if p.suffix == ".parquet" else feather.read_table(p)
+    import pyarrow as pa
+
+    kind = "Parquet" if p.suffix == ".parquet" else "Arrow IPC (Feather)"
+    try:
+        table = pq.read_table(p) if p.suffix == ".parquet" else feather.read_table(p)
+    except (pa.ArrowException, OSError) as err:  # ArrowInvalid on a damaged or foreign file
+        raise ValueError(
+            f"sensitivity profile {p}: cannot read it as {kind} ({err}); give the table "
+            "`tenantq sensitivity --out` wrote (.parquet, or Arrow IPC for other suffixes)"
+        ) from None
     need = {"tensor", "format", "kl_mean"}
     if not need <= set(table.column_names):
         raise ValueError(

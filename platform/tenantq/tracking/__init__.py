@@ -7,6 +7,6 @@ artifacts). Uses `MlflowClient` with explicit run ids, so nothing depends on an 
 """
 
 from tenantq.tracking.flatten import flatten_plan
-from tenantq.tracking.runs import StudyTracker, code_version
+from tenantq.tracking.runs import StudyTracker, check_tracking_uri, code_version
 
-__all__ = ["StudyTracker", "code_version", "flatten_plan"]
+__all__ = ["StudyTracker", "check_tracking_uri", "code_version", "flatten_plan"]

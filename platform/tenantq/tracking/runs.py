@@ -38,6 +38,22 @@ def code_version(root: str | Path | None = None) -> str:
         return f"tenantq-{getattr(tenantq, '__version__', 'unknown')}"
 
 
+def check_tracking_uri(uri: str, key: str = "tracking.uri") -> None:
+    """Raise a one-line ValueError naming `key` when MLflow has no tracking store for the
+    URI's scheme (MLflow's own table of schemes: nothing is built, opened or connected)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except MlflowException:
+        scheme = uri.split(":", 1)[0] if ":" in uri else ""
+        raise ValueError(
+            f"{key}: MLflow cannot track to {uri!r} (scheme {scheme!r}); write "
+            "sqlite:///mlflow.db, a folder, or http://HOST:PORT of an MLflow server"
+        ) from None
+
+
 class StudyTracker:
     """The MLflow side of one study: experiment, parent run, nested trial runs."""
 
