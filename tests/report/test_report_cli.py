@@ -122,13 +122,14 @@ def test_a_profile_that_is_not_a_table_names_the_file_and_the_format(suffix, tmp
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_an_out_folder_that_is_a_file_is_refused_before_any_figure(studies, tmp_path, capsys):
+def test_an_out_folder_that_is_a_file_is_refused_before_any_figure(studies, tmp_path):
+    # The CLI refuses it before reading MLflow (tests/test_cli_outputs.py); `write_report`,
+    # called as a library, refuses it before building a figure.
     (tmp_path / "report").write_text("not a folder")
-    code = main(["report", "--experiment", "single", "--tracking-uri", studies.tracking_uri,
-                 "--out", str(tmp_path / "report"), "--static", "none"])  # fmt: skip
-    assert code == 2
-    assert capsys.readouterr().err == (
-        f"tenantq report: error: out: {tmp_path / 'report'} is a file; give a folder for "
-        "report.html and figures/\n"
+    study = load_study(studies.tracking_uri, "single")
+    with pytest.raises(ValueError) as err:
+        write_report(study, tmp_path / "report", static="none")
+    assert str(err.value) == (
+        f"out: {tmp_path / 'report'} is a file; give a folder for report.html and figures/"
     )
     assert (tmp_path / "report").read_text() == "not a folder"

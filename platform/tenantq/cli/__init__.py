@@ -11,6 +11,8 @@ import importlib
 import sys
 from pathlib import Path
 
+from tenantq.cli._args import one_line_errors
+
 # Every module under tenantq.cli with `add_parser`/`run` is a subcommand; this is the order shown
 # in --help (modules not named here follow, alphabetically). A new room adds a module, nothing else.
 _HELP_ORDER = ["formats", "capacity", "eval", "sensitivity", "search", "report"]
@@ -33,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"tenantq.cli.{name}")
-        module.add_parser(sub)
+        # Every subcommand's argument mistakes are one line naming the argument (exit 2),
+        # not argparse's usage block: the same for all, whatever the module does itself.
+        one_line_errors(module.add_parser(sub))
     return parser
 
 

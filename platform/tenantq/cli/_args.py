@@ -9,7 +9,9 @@ parser stays cheap.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+from pathlib import Path
 
 REQUIRED_PREFIX = "the following arguments are required: "
 
@@ -19,8 +21,11 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     Missing required arguments list what each one accepts (its help text); arguments the
     subcommand does not know are reported by it, with its valid options, not by the
-    top-level parser.
+    top-level parser. Applying it twice changes nothing.
     """
+    if getattr(parser, "_tenantq_one_line", False):
+        return parser
+    parser._tenantq_one_line = True  # type: ignore[attr-defined]
 
     def error(message: str):
         if message.startswith(REQUIRED_PREFIX):
@@ -86,3 +91,74 @@ def number_format(text: str) -> str:
             f"unknown number format {text!r}; valid formats: {', '.join(FORMATS)}"
         )
     return text
+
+
+def byte_count(what: str):
+    """An argparse type: a byte count >= 1, with a unit or without (`2GiB`, `16GB`,
+    `1000000`; `tenantq.capacity.parse_bytes`), else an error naming `what`."""
+
+    def parse(text: str) -> int:
+        from tenantq.capacity.units import parse_bytes
+
+        try:
+            value = parse_bytes(text, what=what)
+        except ValueError as err:  # argparse names the argument itself
+            raise argparse.ArgumentTypeError(str(err).removeprefix(f"{what}: ")) from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+        return value
+
+    parse.__name__ = what
+    return parse
+
+
+def output_folder(value: str | Path, what: str) -> Path:
+    """`value` as a folder the command may write into, checked before the work starts so a
+    long run does not end in a traceback: an existing folder, or a path whose nearest existing
+    parent is a writable folder. Nothing is created here."""
+    path = Path(value)
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{what} {path} is a file; give a folder (it is created if missing)")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{what} {path}: the folder is not writable")
+        return path
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{what} {path}: {parent} is a file, so the folder cannot be created")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path}: cannot create it, {parent} is not writable")
+    return path
+
+
+def output_file(value: str | Path, what: str, suffix: str | None = None) -> Path:
+    """`value` as a file the command will write, checked before the work: not a folder, its
+    folder existing and writable, and (if given) ending in `suffix`."""
+    path = Path(value)
+    if suffix is not None and path.suffix.lower() != suffix:
+        raise ValueError(f"{what} {path}: the file name must end in {suffix}")
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder; give a file name ending in {suffix or ''}")
+    folder = path.absolute().parent
+    if not folder.is_dir():
+        raise ValueError(f"{what} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path}: the folder {folder} is not writable")
+    return path
+
+
+def cache_folder(value: str | Path, what: str) -> Path:
+    """`value` as a cache folder, created now (a cache may be): a path that cannot be one is
+    an error before the work, naming `what`."""
+    path = Path(value)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(
+            f"{what} {path}: cannot create the cache folder ({err.strerror})"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path}: the cache folder is not writable")
+    return path

@@ -12,6 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
+from tenantq.cli._args import byte_count, cache_folder, output_folder
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -26,7 +28,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--split", choices=("search", "confirm"), help="override the suite's split")
     p.add_argument("--cache-dir", default=".tenantq-cache", help="baseline cache folder")
     p.add_argument(
-        "--pool-bytes", type=int, help="size the engine's KV pool like a deployment (bytes)"
+        "--pool-bytes",
+        type=byte_count("--pool-bytes"),
+        help="size the engine's KV pool like a deployment: bytes, e.g. 2GiB or 2000000000",
     )
     p.add_argument("--out", help="folder for examples.parquet and summary.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -39,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from tenantq.quant.plan import QuantPlan
     from tenantq.reference import reference_model_path
 
+    out = output_folder(args.out, "--out") if args.out else None
+    cache_folder(args.cache_dir, "--cache-dir")
     plan = QuantPlan.load(args.plan) if args.plan else QuantPlan()
     suite = load_suite(args.suite)
     if args.split:
@@ -52,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )  # fmt: skip
     result = evaluator.evaluate(plan)
-    if args.out:
-        out = Path(args.out)
+    if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         result.to_parquet(out / "examples.parquet")
         record = {"summary": result.summary, "timings_s": result.timings_s}

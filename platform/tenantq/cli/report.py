@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from tenantq.cli._args import output_folder
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -47,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
     from tenantq.report import load_study, write_report
 
+    out = output_folder(args.out or Path("reports") / args.experiment, "--out")
     study = load_study(args.tracking_uri, args.experiment, args.study)
-    out = Path(args.out) if args.out else Path("reports") / args.experiment
     outcome = write_report(study, out, trial=args.trial, profile=args.profile, static=args.static)
     if args.json:
         print(

@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+from tenantq.cli._args import output_folder
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -50,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers must be a positive integer, got {args.workers}")
     if args.trials is not None and args.trials < 1:
         raise ValueError(f"--trials must be a positive integer, got {args.trials}")
+    if args.out is not None:  # the front's plans are written at the end: checked now
+        output_folder(args.out, "--out")
     spec = load_spec(args.spec)
     if args.trials is not None:
         spec = spec.model_copy(

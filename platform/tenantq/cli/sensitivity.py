@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from tenantq.cli._args import cache_folder, output_file
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -52,13 +54,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {model}: no config.json there; pass a checkpoint folder")
     if args.rows < 2 or args.row_tokens < 2:
         raise ValueError("--rows and --row-tokens must be at least 2 (a CI needs two windows)")
+    # Checked before the profile runs (minutes): `.parquet`, as every reader of a profile
+    # (`--profile`, a sensitivity space) reads other suffixes as Arrow IPC.
+    out = output_file(args.out, "--out", ".parquet") if args.out else None
+    cache_folder(args.cache_dir, "--cache-dir")
     table = profile(
         model, args.format, kv=args.kv, by=args.by, source=args.dataset, rows=args.rows,
         row_tokens=args.row_tokens, resamples=args.resamples, cache_dir=args.cache_dir,
         progress=not args.no_progress,
     )  # fmt: skip
-    if args.out:
-        pq.write_table(table, args.out)
+    if out is not None:
+        pq.write_table(table, out)
     if args.json:
         print(json.dumps(table.to_pylist(), indent=2))
         return 0
