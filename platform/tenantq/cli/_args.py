@@ -155,10 +155,9 @@ def cache_folder(value: str | Path, what: str) -> Path:
     path = Path(value)
     try:
         path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(
-            f"{what} {path}: cannot create the cache folder ({err.strerror})"
-        ) from None
+    except OSError as err:  # strerror is None for some OSErrors: fall back to the message
+        reason = err.strerror or str(err)
+        raise ValueError(f"{what} {path}: cannot create the cache folder ({reason})") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path}: the cache folder is not writable")
     return path
