@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine with Python 3.11+ and make:
 #   make demo   -- create .venv, install, run the main job on the embedded defaults
-#   make test   -- create .venv, install with test extras, run the whole suite
+#   make test   -- create .venv, install with test extras (and docs: the site is built), run the whole suite
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --quiet -e '.[test,parity]'
+	$(PY) -m pip install --quiet -e '.[test,parity,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
