@@ -233,6 +233,12 @@ def test_the_docs_show_commands_that_run() -> None:
     assert any(c.startswith("tenantq search") and "--check" in c for c in runnable)
 
 
+def test_commands_are_shown_only_in_console_blocks() -> None:
+    # A ```sh or ```bash block would be neither run nor marked: the drift this file prevents.
+    shell = [f"{b.page}:{b.line}" for b in _all_blocks() if b.lang in {"sh", "bash", "shell"}]
+    assert not shell, f"show commands in ```console blocks ($ lines): {shell}"
+
+
 def test_the_parser_reads_continuations_output_and_markers() -> None:
     text = (
         "<!-- not-run: slow; covered by tests/x.py::test_y -->\n"
