@@ -280,6 +280,7 @@ def test_the_readme_is_a_front_page() -> None:
         path = ROOT / image
         assert path.is_file(), image
         assert path.stat().st_size < README_IMAGE_MAX_BYTES, (image, path.stat().st_size)
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{image} is not a PNG"
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (ROOT / link).is_file(), f"README links to a missing page: {link}"
     for command in ("formats", "capacity", "eval", "sensitivity", "search", "report"):
