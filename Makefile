@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench clean mutation
+.PHONY: demo test test-fast lint docs bench clean mutation
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow and not e2e"
+
+# The docs site (mkdocs.yml, docs/) into site/; --strict fails on any warning, as tests/test_docs.py does.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check platform tests
