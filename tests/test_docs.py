@@ -11,6 +11,7 @@ the page's folder first. docs/developer.md ("The docs") describes the convention
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -231,6 +232,46 @@ def test_the_docs_show_commands_that_run() -> None:
     ]
     assert len(runnable) >= 15, runnable
     assert any(c.startswith("tenantq search") and "--check" in c for c in runnable)
+
+
+@pytest.mark.slow  # imports jax and most of tenantq: 3 s idle, 10 s at load average 12
+def test_python_examples_parse_and_import_names_that_exist() -> None:
+    # The ```python examples need a checkpoint or a plan to run, so they are not run; but a
+    # renamed or moved function is the drift they suffer first: each must parse, and every
+    # `from tenantq... import NAME` / `import tenantq...` in it must resolve now.
+    import importlib
+
+    problems = []
+    for block in _all_blocks():
+        if block.lang != "python":
+            continue
+        where = f"{block.page}:{block.line}"
+        try:
+            tree = ast.parse(block.text)
+        except SyntaxError as e:
+            problems.append(f"{where}: not Python: {e}")
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tenantq"):
+                try:
+                    module = importlib.import_module(node.module)
+                except ImportError:
+                    problems.append(f"{where}: no module {node.module}")
+                    continue
+                for alias in node.names:
+                    if not hasattr(module, alias.name):
+                        try:
+                            importlib.import_module(f"{node.module}.{alias.name}")
+                        except ImportError:
+                            problems.append(f"{where}: {node.module} has no {alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("tenantq"):
+                        try:
+                            importlib.import_module(alias.name)
+                        except ImportError:
+                            problems.append(f"{where}: no module {alias.name}")
+    assert not problems, "\n".join(problems)
 
 
 def test_commands_are_shown_only_in_console_blocks() -> None:
