@@ -2,11 +2,14 @@
 
 `mkdocs build --strict` (mkdocs.yml, docs/, the API reference from the docstrings) must finish
 without one warning. Every ```console block of README.md and docs/**/*.md is run: its `$ `
-lines (with their `\\` continuations) in bash, in a fresh folder per page; the block must exit 0
-and each line it shows as output must appear in what the commands printed. A block too slow
-for the suite is marked `<!-- not-run: REASON; covered by tests/PATH.py::TEST -->` and skipped,
-and each test it names must exist. `<!-- file: NAME -->` before a block writes it to NAME in
-the page's folder first. docs/developer.md ("The docs") describes the conventions.
+lines (with their `\\` continuations) in bash (`set -eo pipefail`), in a fresh folder per page;
+the block must exit 0 and each line it shows as output must appear in what the commands
+printed. A block too slow for the suite is marked `<!-- not-run: REASON; covered by
+tests/PATH.py::TEST -->` and skipped; each test it names must be one pytest collects, and its
+`tenantq ...` commands must still parse with the CLI's own parser. `<!-- file: NAME -->` before
+a block writes it to NAME in the page's folder first. The README's links (and their anchors)
+and the API pages (one per package) are checked too. docs/developer.md ("The docs") describes
+the conventions.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -41,7 +45,17 @@ BLOCK_TIMEOUT_S = 300
 
 _FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
 _MARKER = re.compile(r"^<!--\s*(not-run|file):\s*(.*?)\s*-->$")
-_COVERED = re.compile(r"(tests/[\w/.-]+\.py)::(\w+)")
+# Anything that looks like the start of a marker: it must be a whole `_MARKER` line with only
+# blank lines between it and a fence, or it would silently stop applying (a block run that
+# was meant to be skipped, a file not written).
+_MARKER_START = re.compile(r"^\s*<!--\s*(not-run|file)\b")
+# A covering test as written in a not-run marker; the name is checked against what pytest
+# collects, so anything after `::` up to a space, `;`, `,` or `)` is taken whole.
+_COVERED = re.compile(r"(tests/[\w/.-]+\.py)::([^\s;,)]+)")
+# Packages of platform/tenantq/ with no page under docs/api/, on purpose: the CLI is documented
+# by its --help and the guide pages, the benchmarks by docs/results/, and `testing` holds the
+# test suite's tiny model, not a user API.
+API_EXCLUDED = {"cli", "bench", "testing"}
 
 
 @dataclass
@@ -107,6 +121,45 @@ def parse_console(text: str) -> tuple[list[str], list[str]]:
         elif line.strip() and not line.strip().startswith("#") and line.strip() != "...":
             shown.append(line)
     return commands, shown
+
+
+def misplaced_markers(text: str, page: str) -> list[str]:
+    """Marker lines that are malformed or not followed (blank lines aside) by a fence."""
+    lines = text.split("\n")
+    problems = []
+    for i, line in enumerate(lines):
+        if not _MARKER_START.match(line):
+            continue
+        where = f"{page}:{i + 1}"
+        if not _MARKER.match(line.strip()):
+            problems.append(f"{where}: a marker is one line `<!-- not-run|file: TEXT -->`")
+            continue
+        after = i + 1
+        while after < len(lines) and not lines[after].strip():
+            after += 1
+        if after >= len(lines) or not _FENCE.match(lines[after]):
+            problems.append(f"{where}: the marker is not right above a fence (blank lines only)")
+    return problems
+
+
+def cli_words(command: str) -> list[str] | None:
+    """The arguments after `tenantq` of a `$ tenantq ...` command (or of one run after `--`,
+    as `ray job submit ... -- tenantq ...`), up to its first shell operator (pipe,
+    redirection, `;`, `&&`) or comment; None for any other command."""
+    lexer = shlex.shlex(command.replace("\\\n", " "), posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    words = []
+    for word in lexer:
+        if word and set(word) <= set("|&;<>()"):
+            break
+        words.append(word)
+    if words[:1] == ["tenantq"]:
+        return words[1:]
+    for i in range(len(words) - 1):
+        if words[i : i + 2] == ["--", "tenantq"]:
+            return words[i + 2 :]
+    return None
 
 
 def _collapse(text: str) -> str:
@@ -187,7 +240,7 @@ def test_console_blocks_of_the_page_run(page: str, tmp_path) -> None:
     for block in blocks:
         if block.lang != "console" or block.not_run or not block.commands:
             continue
-        script = "set -e\n" + "\n".join(block.commands) + "\n"
+        script = "set -eo pipefail\n" + "\n".join(block.commands) + "\n"
         proc = subprocess.run(
             ["bash", "-c", script],
             cwd=work,
@@ -204,29 +257,108 @@ def test_console_blocks_of_the_page_run(page: str, tmp_path) -> None:
             assert _collapse(line) in printed, f"{where}: shown output not printed: {line!r}"
 
 
-def test_every_skipped_block_names_a_test_that_exists() -> None:
+def _covering_tests() -> dict[str, list[str]]:
+    """Each `tests/PATH.py::NAME` the not-run markers name -> the blocks naming it."""
+    named: dict[str, list[str]] = {}
+    for block in _all_blocks():
+        for path, name in _COVERED.findall(block.not_run or ""):
+            named.setdefault(f"{path}::{name}", []).append(f"{block.page}:{block.line}")
+    return named
+
+
+def test_every_skipped_block_names_a_test_function() -> None:
+    # Fast and static: each named test is a module-level `def test_...` of an existing file
+    # (the slow test below asks pytest itself).
     skipped = [b for b in _all_blocks() if b.not_run is not None]
     assert skipped, "no block is marked not-run: the marker parser is broken"
-    problems = []
-    for block in skipped:
-        where = f"{block.page}:{block.line}"
-        covered = _COVERED.findall(block.not_run)
-        if not covered:
-            problems.append(f"{where}: names no covering test (tests/PATH.py::TEST)")
-        for path, name in covered:
-            source = ROOT / path
-            if not source.is_file() or not re.search(
-                rf"^\s*def {name}\(", source.read_text(), re.M
-            ):
-                problems.append(f"{where}: {path}::{name} does not exist")
+    problems = [
+        f"{b.page}:{b.line}: names no covering test (tests/PATH.py::test_NAME)"
+        for b in skipped
+        if not _COVERED.search(b.not_run)
+    ]
+    for test_id, where in _covering_tests().items():
+        path, name = test_id.split("::")
+        name = name.split("[")[0]  # a parametrized case: its function
+        source = ROOT / path
+        defined = source.is_file() and any(
+            isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name
+            for node in ast.parse(source.read_text()).body
+        )
+        if not (name.startswith("test_") and defined):
+            problems.append(f"{', '.join(where)}: {test_id} is no test function of that file")
     listing = "\n".join(f"  {b.page}:{b.line}: {b.not_run}" for b in skipped)
     print(f"console blocks not run ({len(skipped)}):\n{listing}")
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.slow  # one `pytest --collect-only` of the ~12 named test files: 10-40 s loaded
+def test_every_test_a_skipped_block_names_is_collected_by_pytest() -> None:
+    # A test defined but not collected (a helper named test_*, a file pytest does not pick up,
+    # a typo in the path) covers nothing; pytest's own collection is the judge.
+    named = _covering_tests()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         *sorted(named)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    ids = [line.strip() for line in proc.stdout.splitlines() if "::" in line]
+    collected = {*ids, *(i.split("[")[0] for i in ids)}  # a case, or its whole function
+    missing = {test_id: where for test_id, where in named.items() if test_id not in collected}
+    assert not missing, f"not collected by pytest: {missing}\n{proc.stdout[-2000:]}{proc.stderr}"
+
+
+def test_skipped_tenantq_commands_parse_with_the_cli_parser() -> None:
+    # A block that is not run can still drift: a renamed or missing flag. Its `tenantq ...`
+    # commands go through the real parser (exit 2 on a wrong or missing argument).
+    import contextlib
+    import io
+
+    from tenantq.cli import build_parser
+
+    parser = build_parser()
+    checked, problems = 0, []
+    for block in _all_blocks():
+        if block.lang != "console" or block.not_run is None:
+            continue
+        for command in block.commands:
+            words = cli_words(command)
+            if words is None:
+                continue
+            checked += 1
+            err = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                    parser.parse_args(words)
+            except SystemExit as exit_:
+                if exit_.code not in (0, None):  # 0: --help
+                    problems.append(f"{block.page}:{block.line}: {command}\n  {err.getvalue()}")
+    # Bound: the skipped blocks show at least the study, report and sensitivity commands.
+    assert checked >= 5, checked
+    assert not problems, "\n".join(problems)
+
+
+def test_markers_sit_right_above_their_fence() -> None:
+    problems = [p for page in PAGES for p in misplaced_markers(page.read_text(), page.name)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_console_block_shows_a_command_or_is_marked() -> None:
+    # A ```console block without a `$ ` line would run nothing and check nothing.
+    empty = [
+        f"{b.page}:{b.line}"
+        for b in _all_blocks()
+        if b.lang == "console" and not b.commands and b.not_run is None
+    ]
+    assert not empty, f"console blocks with no `$ ` line (mark them not-run or add one): {empty}"
+
+
 def test_the_docs_show_commands_that_run() -> None:
     # A bound against a parser that silently finds nothing: the guide shows at least the
-    # formats, capacity, --check and --help commands (counted when this test was written: 19).
+    # formats, capacity, --check and --help commands (17 on 2026-12-02).
     runnable = [
         c for b in _all_blocks() if b.lang == "console" and not b.not_run for c in b.commands
     ]
@@ -322,7 +454,98 @@ def test_the_readme_is_a_front_page() -> None:
         assert path.is_file(), image
         assert path.stat().st_size < README_IMAGE_MAX_BYTES, (image, path.stat().st_size)
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{image} is not a PNG"
-    for link in re.findall(r"\]\((docs/[^)#]+)", readme):
-        assert (ROOT / link).is_file(), f"README links to a missing page: {link}"
     for command in ("formats", "capacity", "eval", "sensitivity", "search", "report"):
         assert f"tenantq {command}" in readme, command
+
+
+def _slugs(markdown_text: str) -> set[str]:
+    """The anchors mkdocs gives a page's headings (the toc extension's own slugify)."""
+    from markdown.extensions.toc import slugify
+
+    slugs = set()
+    in_fence = False
+    for line in markdown_text.split("\n"):
+        if _FENCE.match(line):
+            in_fence = not in_fence
+        elif not in_fence and (m := re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)):
+            text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", m.group(1)).replace("`", "")
+            slugs.add(slugify(text, "-"))
+    return slugs
+
+
+def test_the_readmes_links_reach_a_page_and_heading() -> None:
+    # The README is not part of the mkdocs build, so --strict does not check its links.
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(((?:docs/|#)[^)\s]*)\)", readme)
+    assert len(links) >= 10, links  # the README's table and "where next" list link the guide
+    problems = []
+    for link in links:
+        path, _, anchor = link.partition("#")
+        page = ROOT / path if path else ROOT / "README.md"
+        if not page.is_file():
+            problems.append(f"{link}: no such file")
+        elif anchor and page.suffix == ".md" and anchor not in _slugs(page.read_text()):
+            problems.append(f"{link}: {path or 'README.md'} has no heading with anchor #{anchor}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_slugs_are_the_ones_mkdocs_makes() -> None:
+    assert _slugs("## The quickstart study (`make demo`)\n```\n# not a heading\n```\n") == {
+        "the-quickstart-study-make-demo"
+    }
+
+
+def test_every_package_has_an_api_page() -> None:
+    # One docs/api/NAME.md per package of platform/tenantq/ (API_EXCLUDED aside, on purpose),
+    # each rendering that package with mkdocstrings, and listed in mkdocs.yml's nav.
+    packages = {p.parent.name for p in (ROOT / "platform" / "tenantq").glob("*/__init__.py")}
+    pages = {p.stem for p in (ROOT / "docs" / "api").glob("*.md")} - {"index"}
+    assert packages >= API_EXCLUDED, API_EXCLUDED - packages  # an exclusion names a package
+    assert pages == packages - API_EXCLUDED, (
+        f"packages without a page: {sorted(packages - API_EXCLUDED - pages)}; "
+        f"pages without a package: {sorted(pages - packages)}"
+    )
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for name in pages:
+        assert f"::: tenantq.{name}\n" in (ROOT / "docs" / "api" / f"{name}.md").read_text()
+        assert f"api/{name}.md" in nav, name
+
+
+@pytest.mark.slow  # a 2-trial study, Ray started by the CLI: ~40 s idle, 1-3 min at load 15-30
+@pytest.mark.e2e
+def test_getting_started_study_runs_through_the_cli(tmp_path) -> None:
+    # The newcomer's path of docs/getting-started.md, section 6, which is too slow to run as
+    # shown: the page's own my-study.toml on `my-checkpoint`, run by the page's own
+    # `tenantq search my-study.toml` line in a fresh folder, with two changes only: 2 trials
+    # instead of 20, and the e2e tests' tiny suite (tests/search/tiny_suite.toml, copied
+    # beside the spec: a path in the spec is relative to the working folder) for "quick".
+    page = "docs/getting-started.md"
+    work, env = _page_folder(tmp_path)
+    blocks = parse_blocks((ROOT / page).read_text(), page)
+    spec = next(b for b in blocks if b.file_name == "my-study.toml").text
+    # The section-6 block (not run by the page test: it is marked not-run).
+    study = [c for b in blocks if b.not_run for c in b.commands if "search my-study" in c]
+    assert study, f"{page}: no skipped `tenantq search my-study.toml` line; update this test"
+    shutil.copy(ROOT / "tests" / "search" / "tiny_suite.toml", work / "tiny_suite.toml")
+    small = {"trials = 20": "trials = 2", 'suite = "quick"': 'suite = "tiny_suite.toml"'}
+    for old, new in small.items():
+        assert old in spec, f"{page}: my-study.toml no longer has {old!r}; update this test"
+        spec = spec.replace(old, new)
+    (work / "my-study.toml").write_text(spec)
+    command = study[0]
+    proc = subprocess.run(
+        ["bash", "-c", "set -eo pipefail\n" + command],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT_S * 2,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{command}: exit {proc.returncode}\n{out[-3000:]}"
+    # What the page says the study does: it prints its front, re-measures it on the held-out
+    # split and writes the front's plans to runs/my-study/front/, next to the sqlite stores.
+    assert "confirmed fidelity.kl_mean" in out, out[-3000:]
+    plans = sorted((work / "runs" / "my-study" / "front").glob("*.json"))
+    assert plans, out[-3000:]
+    assert (work / "optuna.db").is_file() and (work / "mlflow.db").is_file()
