@@ -291,7 +291,7 @@ def test_every_skipped_block_names_a_test_function() -> None:
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.slow  # `pytest --collect-only` of the ~15 named test files: 40-60 s at load 30
+@pytest.mark.slow  # collects the 16 named test files: 36-140 s at load 17-32, 8 s CPU
 def test_every_test_a_skipped_block_names_is_collected_by_pytest() -> None:
     # A test defined but not collected (a helper named test_*, a file pytest does not pick up,
     # a typo in the path) covers nothing; pytest's own collection is the judge.
@@ -525,7 +525,7 @@ def test_every_package_has_an_api_page() -> None:
         assert f"api/{name}.md" in nav, name
 
 
-@pytest.mark.slow  # a 2-trial study, Ray started by the CLI: ~40 s idle, 1-3 min at load 15-30
+@pytest.mark.slow  # a 2-trial study, Ray started by the CLI: 95-187 s at load 17-33; not timed idle
 @pytest.mark.e2e
 def test_getting_started_study_runs_through_the_cli(tmp_path) -> None:
     # The newcomer's path of docs/getting-started.md, section 6, which is too slow to run as
