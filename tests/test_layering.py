@@ -26,6 +26,7 @@ ORDER = (
     "model",
     "testing",
     "quant",
+    "export",
     "engine",
     "capacity",
     "reference",
