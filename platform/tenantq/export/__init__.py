@@ -6,11 +6,19 @@ folder atomically. vLLM and SGLang serve this layout; `tenantq.model.compressed`
 """
 
 from tenantq.export.schemes import NotExportable, export_problems
-from tenantq.export.writer import ExportResult, export_checkpoint, export_command
+from tenantq.export.writer import (
+    ExportResult,
+    check_out,
+    decide,
+    export_checkpoint,
+    export_command,
+)
 
 __all__ = [
     "ExportResult",
     "NotExportable",
+    "check_out",
+    "decide",
     "export_checkpoint",
     "export_command",
     "export_problems",

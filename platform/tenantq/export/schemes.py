@@ -40,6 +40,12 @@ REFUSED_WEIGHT_FORMATS = {
 }
 
 
+TIED_EMBEDDING = (
+    "embed: a quantized embedding tied to the LM head has no compressed-tensors layout "
+    "(keep embed bf16, or untie and quantize lm_head)"
+)
+
+
 class NotExportable(ValueError):
     """A plan part compressed-tensors cannot express (one line naming it)."""
 
@@ -129,20 +135,18 @@ def kv_scheme(plan: QuantPlan, config: ModelConfig) -> dict | None:
     if kv.sink_tokens:
         raise NotExportable(
             f"kv.sink_tokens = {kv.sink_tokens}: compressed-tensors has no unquantized sink "
-            "tokens (use 0, or --kv-bf16 to export the weights alone)"
+            "tokens (use 0)"
         )
     for i, layer in enumerate(layers):
         if (layer.key_format, layer.value_format) != ("fp8_e4m3", "fp8_e4m3"):
             raise NotExportable(
                 f"kv layer {i}: keys {layer.key_format}, values {layer.value_format}: "
-                "compressed-tensors stores one KV format for every layer, fp8_e4m3 only "
-                "(or pass --kv-bf16 to export the weights alone)"
+                "compressed-tensors stores one KV format for every layer, fp8_e4m3 only"
             )
     if kv.key_axis != kv.value_axis or kv.key_axis not in ("tensor", "head"):
         raise NotExportable(
             f"kv.key_axis {kv.key_axis!r}, kv.value_axis {kv.value_axis!r}: compressed-tensors "
-            "KV scales are static and shared by keys and values, 'tensor' or 'head' for both "
-            "(or pass --kv-bf16 to export the weights alone)"
+            "KV scales are static and shared by keys and values, 'tensor' or 'head' for both"
         )
     return {
         "num_bits": 8,
@@ -169,10 +173,7 @@ def export_problems(plan: QuantPlan, config: ModelConfig) -> list[str]:
         except NotExportable as err:
             problems.append(str(err))
         if path == "embed" and config.tie_word_embeddings:
-            problems.append(
-                "embed: a quantized embedding tied to the LM head has no compressed-tensors "
-                "layout (quantize lm_head separately in an untied model, or keep embed bf16)"
-            )
+            problems.append(TIED_EMBEDDING)
     try:
         kv_scheme(plan, config)
     except (NotExportable, ValueError) as err:

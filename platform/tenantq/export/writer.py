@@ -26,9 +26,9 @@ import numpy as np
 from tenantq.export.schemes import (
     COMPRESSED_TENSORS_VERSION,
     FLOAT_QUANTIZED,
+    TIED_EMBEDDING,
     NotExportable,
     WeightScheme,
-    export_problems,
     kv_scheme,
     weight_scheme,
 )
@@ -132,7 +132,7 @@ def _dense(value: Any, transpose: bool) -> np.ndarray:
     return np.ascontiguousarray(array.T if transpose else array)
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
+def check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not overwrite:
         raise ValueError(f"--out {out} already exists; choose a new folder (or --overwrite)")
     if out.exists() and not out.is_dir():
@@ -158,6 +158,43 @@ def _stream_params(model: Path, config: ModelConfig, plan: QuantPlan) -> Iterabl
     for path, array in iter_checkpoint(model, config):
         how = resolved.get(path)
         yield path, (array if how is None else quantize_tensor(np.asarray(array, np.float32), how))
+
+
+def decide(plan: QuantPlan, config: ModelConfig, *, dequantize_unsupported=False, kv_bf16=False):
+    """(scheme per exported tensor, refused tensor -> why, kv_cache_scheme, choices made).
+
+    Without the opt-ins, every part the format cannot express is named in one ValueError
+    line (`NotExportable`); with them, each fallback is logged and listed in `choices`.
+    """
+    tensors = config.tensors()
+    schemes: dict[str, WeightScheme] = {}
+    refused: dict[str, str] = {}
+    for path, how in plan.resolve(config).items():
+        try:
+            if path == "embed" and config.tie_word_embeddings:
+                raise NotExportable(TIED_EMBEDDING)
+            schemes[path] = weight_scheme(how, tensors[path])
+        except NotExportable as err:
+            refused[path] = str(err)
+    problems, choices = [], []
+    if refused and not dequantize_unsupported:
+        more = f" (and {len(refused) - 1} more tensors)" if len(refused) > 1 else ""
+        problems.append(f"{next(iter(refused.values()))}{more} [--dequantize-unsupported]")
+    for path, why in refused.items() if dequantize_unsupported else ():
+        choices.append(f"{path} written as dequantized float32 ({why})")
+    kv = None
+    try:
+        kv = kv_scheme(plan, config)
+    except NotExportable as err:
+        if not kv_bf16:
+            problems.append(f"{err} [--kv-bf16]")
+        else:
+            choices.append(f"KV part dropped, the cache stays unquantized ({err})")
+    if problems:
+        raise NotExportable("; ".join(problems))
+    for choice in choices:
+        log.warning("export: %s", choice)
+    return schemes, refused, kv, choices
 
 
 def export_checkpoint(
@@ -186,42 +223,19 @@ def export_checkpoint(
 
     model, out = Path(model), Path(out)
     config = ModelConfig.from_file(model)
-    _check_out(out, overwrite)
+    check_out(Path(out), overwrite)
     result = ExportResult(out)
-    problems = export_problems(plan, config)
+    schemes, refused, result.kv_cache_scheme, result.choices = decide(
+        plan, config, dequantize_unsupported=dequantize_unsupported, kv_bf16=kv_bf16
+    )
+    result.dequantized = sorted(refused)
     resolved = plan.resolve(config)
     tensors = config.tensors()
-    schemes: dict[str, WeightScheme] = {}
-    refused: dict[str, str] = {}
-    for path, how in resolved.items():
-        try:
-            if path == "embed" and config.tie_word_embeddings:
-                raise NotExportable(next(p for p in problems if p.startswith("embed: a quant")))
-            schemes[path] = weight_scheme(how, tensors[path])
-        except NotExportable as err:
-            refused[path] = str(err)
-    if refused and not dequantize_unsupported:
-        first = next(iter(refused.values()))
-        more = f" (and {len(refused) - 1} more tensors)" if len(refused) > 1 else ""
-        raise NotExportable(f"{first}{more}; or pass --dequantize-unsupported")
-    for path, why in refused.items():
-        choice = f"{path} written as dequantized float32 ({why})"
-        log.warning("export: %s", choice)
-        result.choices.append(choice)
-        result.dequantized.append(path)
-    try:
-        result.kv_cache_scheme = kv_scheme(plan, config)
-    except NotExportable as err:
-        if not kv_bf16:
-            raise
-        choice = f"KV part dropped, the cache stays unquantized ({err})"
-        log.warning("export: %s", choice)
-        result.choices.append(choice)
     if result.kv_cache_scheme is not None and kv_scales is None:
         raise ValueError(
             f"kv: {plan.kv.key_format} with {plan.kv.key_axis} scales needs calibrated static "
             "scales; pass kv_scales=tenantq.quant.kv_calibration.kv_static_scales(...) "
-            "(or --kv-bf16 to export the weights alone)"
+            "(tenantq export calibrates them)"
         )
 
     names = hf_names(config)
