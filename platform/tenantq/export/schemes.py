@@ -40,9 +40,9 @@ REFUSED_WEIGHT_FORMATS = {
 }
 
 
-TIED_EMBEDDING = (
-    "embed: a quantized embedding tied to the LM head has no compressed-tensors layout "
-    "(keep embed bf16, or untie and quantize lm_head)"
+QUANTIZED_EMBEDDING = (
+    "a quantized embedding does not run from compressed-tensors (transformers cannot run "
+    "one it loads; vLLM serves embeddings unquantized): keep embed bf16"
 )
 
 
@@ -98,6 +98,8 @@ class WeightScheme:
 
 def weight_scheme(how: TensorQuant, info: TensorInfo) -> WeightScheme:
     """The scheme of one resolved tensor, or NotExportable naming the tensor and why."""
+    if info.kind == "embedding":
+        raise NotExportable(f"{how.path}: {how.format}: {QUANTIZED_EMBEDDING}")
     if how.format in REFUSED_WEIGHT_FORMATS:
         raise NotExportable(f"{how.path}: {how.format}: {REFUSED_WEIGHT_FORMATS[how.format]}")
     kind, bits, compressor = WEIGHT_FORMATS[how.format]
@@ -172,8 +174,6 @@ def export_problems(plan: QuantPlan, config: ModelConfig) -> list[str]:
             weight_scheme(how, tensors[path])
         except NotExportable as err:
             problems.append(str(err))
-        if path == "embed" and config.tie_word_embeddings:
-            problems.append(TIED_EMBEDDING)
     try:
         kv_scheme(plan, config)
     except (NotExportable, ValueError) as err:

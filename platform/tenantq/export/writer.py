@@ -26,7 +26,6 @@ import numpy as np
 from tenantq.export.schemes import (
     COMPRESSED_TENSORS_VERSION,
     FLOAT_QUANTIZED,
-    TIED_EMBEDDING,
     NotExportable,
     WeightScheme,
     kv_scheme,
@@ -171,8 +170,6 @@ def decide(plan: QuantPlan, config: ModelConfig, *, dequantize_unsupported=False
     refused: dict[str, str] = {}
     for path, how in plan.resolve(config).items():
         try:
-            if path == "embed" and config.tie_word_embeddings:
-                raise NotExportable(TIED_EMBEDDING)
             schemes[path] = weight_scheme(how, tensors[path])
         except NotExportable as err:
             refused[path] = str(err)
