@@ -1,0 +1,152 @@
+"""What the export refuses, how it says so, and that a failure leaves nothing behind.
+
+No torch here: these run on the base install.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from _ct import write_folder
+
+from tenantq.cli import main
+from tenantq.export import NotExportable, export_checkpoint, export_command, export_problems
+from tenantq.export.writer import pack_int32
+from tenantq.model.compressed import unpack_int32
+from tenantq.quant.plan import QuantPlan
+from tenantq.testing import tiny_config, tiny_params
+
+INT8_MLP = {"rules": [{"pattern": "layers/.*/mlp/.*", "format": "int8"}], "kv": {}}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    config = tiny_config()
+    return write_folder(tmp_path_factory.mktemp("src") / "m", config, tiny_params(config))
+
+
+@pytest.mark.parametrize(
+    ("plan", "named"),
+    [
+        ({"rules": [{"pattern": "lm_head", "format": "nvfp4"}]}, "lm_head: nvfp4"),
+        ({"rules": [{"pattern": "lm_head", "format": "mxfp4"}]}, "lm_head: mxfp4"),
+        ({"rules": [{"pattern": "lm_head", "format": "fp8_e5m2"}]}, "lm_head: fp8_e5m2"),
+        ({"rules": [{"pattern": "embed", "format": "int8"}]}, "embed: int8"),
+        # hidden 32: a group of 24 leaves a partial group
+        ({"rules": [{"pattern": "layers/0/attn/q_proj", "format": "int4", "group_size": 24}]},
+         "group_size 24 does not divide"),
+        ({"rules": [{"pattern": "lm_head", "format": "int4", "group_size": 8, "symmetric": False}]},
+         "asymmetric int4"),
+        ({"kv": {"key_format": "int2", "value_format": "int2"}}, "kv layer 0: keys int2"),
+        ({"kv": {"key_format": "fp8_e4m3", "key_axis": "tensor", "value_format": "fp8_e4m3",
+                 "value_axis": "tensor", "sink_tokens": 4}}, "kv.sink_tokens = 4"),
+        ({"kv": {"key_format": "fp8_e4m3", "value_format": "fp8_e4m3"}}, "kv.key_axis 'channel'"),
+        ({"kv": {"key_format": "fp8_e4m3", "key_axis": "tensor", "value_format": "fp8_e4m3",
+                 "value_axis": "tensor", "bf16_layers": [0]}}, "kv layer 0: keys bf16"),
+    ],
+)  # fmt: skip
+def test_unexpressible_plan_part_is_one_line_naming_it(source, tmp_path, plan, named):
+    plan = QuantPlan.from_dict({"rules": [], "kv": {}, **plan})
+    problems = export_problems(plan, tiny_config())
+    assert problems and any(named in p for p in problems), problems
+    with pytest.raises(NotExportable) as err:
+        export_checkpoint(source, plan, tmp_path / "out")
+    assert named in str(err.value) and "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary folder
+
+
+def test_opt_ins_write_the_rest_and_record_each_choice(source, tmp_path, caplog):
+    plan = QuantPlan.from_dict(
+        {"rules": [{"pattern": "lm_head", "format": "nvfp4"},
+                   {"pattern": "layers/.*/mlp/.*", "format": "int8"}],
+         "kv": {"key_format": "int4", "value_format": "int4"}}
+    )  # fmt: skip
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING", logger="tenantq.export.writer"):
+        result = export_checkpoint(source, plan, out, dequantize_unsupported=True, kv_bf16=True)
+    assert result.dequantized == ["lm_head"] and result.kv_cache_scheme is None
+    assert len(result.quantized) == 6  # 2 layers x 3 MLP projections
+    provenance = json.loads((out / "tenantq_export.json").read_text())
+    assert provenance["choices"] == result.choices and len(result.choices) == 2
+    assert all(c in caplog.text for c in result.choices)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["kv_cache_scheme"] is None
+
+
+def test_failure_while_writing_leaves_nothing(source, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.numpy.save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export_checkpoint(source, QuantPlan.from_dict(INT8_MLP), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_out_is_kept_unless_overwrite(source, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    plan = QuantPlan.from_dict(INT8_MLP)
+    with pytest.raises(ValueError, match="already exists"):
+        export_checkpoint(source, plan, out)
+    assert (out / "keep").is_file()
+    export_checkpoint(source, plan, out, overwrite=True)
+    assert not (out / "keep").exists() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_static_kv_without_scales_is_refused_by_name(source, tmp_path):
+    plan = QuantPlan.uniform("bf16", "fp8_e4m3")  # static per-tensor fp8 KV
+    with pytest.raises(ValueError, match="needs calibrated static scales"):
+        export_checkpoint(source, plan, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int32_packing_round_trips_and_matches_the_layout(bits):
+    """Element i sits at bit i*bits of little-endian int32 words, offset by 2^(bits-1)
+    (compressed-tensors' pack_to_int32); unpacking gives the codes back."""
+    rng = np.random.default_rng(bits)
+    low = -(1 << (bits - 1))
+    codes = rng.integers(low, -low, size=(3, 37), dtype=np.int8)
+    packed = pack_int32(codes, bits)
+    assert packed.shape == (3, -(-37 * bits // 32)) and packed.dtype == np.int32
+    np.testing.assert_array_equal(unpack_int32(packed, bits, 37), codes)
+    word = int(np.uint32(packed.view(np.uint32)[1, 0]))
+    per_word = 32 // bits
+    expect = sum((int(c) - low) << (bits * i) for i, c in enumerate(codes[1, :per_word]))
+    assert word == expect
+
+
+def test_cli_exports_and_refuses_in_one_line(source, tmp_path, capsys):
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(INT8_MLP))
+    out = tmp_path / "out"
+    args = ["export", "--model", str(source), "--plan", str(plan_file), "--out", str(out)]
+    assert main([*args, "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["quantized"]) == 6
+    assert main(args) == 2  # exists
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "already exists" in err
+
+    plan_file.write_text(json.dumps({"rules": [{"pattern": "lm_head", "format": "nvfp4"}]}))
+    assert main([*args[:-1], str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "lm_head: nvfp4" in err and "--dequantize-unsupported" in err
+    assert not (tmp_path / "other").exists()
+
+
+def test_export_command_quotes_its_paths():
+    command = export_command("models/my model", "plans/a.json", "out dir")
+    assert command == "tenantq export --model 'models/my model' --plan plans/a.json --out 'out dir'"
+
+
+def test_stream_refuses_calibrated_algorithms_by_name(source, tmp_path):
+    plan = QuantPlan.from_dict({"rules": [{"pattern": "lm_head", "format": "int8",
+                                           "algorithm": "gptq"}]})  # fmt: skip
+    with pytest.raises(ValueError, match="lm_head: gptq needs calibration"):
+        export_checkpoint(source, plan, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
