@@ -150,3 +150,50 @@ def test_stream_refuses_calibrated_algorithms_by_name(source, tmp_path):
     with pytest.raises(ValueError, match="lm_head: gptq needs calibration"):
         export_checkpoint(source, plan, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_cli_reads_a_trial_plan_from_mlflow(source, tmp_path, capsys):
+    """The report's export command names the trial's plan.json in MLflow (real sqlite store)."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    run = client.create_run(client.create_experiment("e"))
+    (tmp_path / "plan.json").write_text(json.dumps(INT8_MLP))
+    client.log_artifact(run.info.run_id, str(tmp_path / "plan.json"))
+    out = tmp_path / "out"
+    plan_uri = f"runs:/{run.info.run_id}/plan.json"
+    args = ["export", "--model", str(source), "--plan", plan_uri, "--tracking-uri", uri]
+    assert main([*args, "--out", str(out), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["quantized"]) == 6
+    missing = ["export", "--model", str(source), "--plan", "runs:/0123abcd/plan.json"]
+    assert main([*missing, "--tracking-uri", uri, "--out", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--plan runs:/0123abcd/plan.json" in err
+
+
+def test_report_front_row_carries_the_export_command():
+    from types import SimpleNamespace
+
+    from tenantq.report.figures import export_command as report_command
+
+    study = SimpleNamespace(params={"model.path": "/m/llama"}, tracking_uri="sqlite:///x.db")
+    trial = SimpleNamespace(run_id="abc123", fingerprint="f00d")
+    assert report_command(study, trial) == (
+        "tenantq export --model /m/llama --plan runs:/abc123/plan.json "
+        "--tracking-uri sqlite:///x.db --out export-f00d"
+    )
+
+
+def test_front_export_writes_the_exportable_and_names_the_rest(source, tmp_path):
+    from tenantq.export import export_plans
+
+    front = {
+        "trial-3": QuantPlan.from_dict(INT8_MLP),
+        "trial-7": QuantPlan.from_dict({"rules": [{"pattern": "lm_head", "format": "nvfp4"}]}),
+    }
+    results = export_plans(source, front, tmp_path / "front")
+    assert (tmp_path / "front" / "trial-3" / "model.safetensors").is_file()
+    assert isinstance(results["trial-7"], str) and "lm_head: nvfp4" in results["trial-7"]
+    assert sorted(p.name for p in (tmp_path / "front").iterdir()) == ["trial-3"]

@@ -26,8 +26,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "compressed-tensors layout (config.json quantization_config + packed safetensors), "
         "with its tokenizer, generation config and the plan (tenantq_export.json).",
     )
-    p.add_argument("--model", help="checkpoint folder (default: the shipped reference model)")
-    p.add_argument("--plan", required=True, help="QuantPlan .json/.toml file")
+    p.add_argument(
+        "--model", help="checkpoint folder, or 'reference' (default: the shipped reference model)"
+    )
+    p.add_argument(
+        "--plan",
+        required=True,
+        help="QuantPlan .json/.toml file, or a trial's runs:/RUN_ID/plan.json in MLflow",
+    )
+    p.add_argument(
+        "--tracking-uri",
+        default="sqlite:///mlflow.db",
+        help="MLflow store a runs:/ plan is read from (default sqlite:///mlflow.db)",
+    )
     p.add_argument("--out", required=True, help="new folder to write (must not exist)")
     p.add_argument(
         "--dequantize-unsupported",
@@ -59,6 +70,29 @@ def calibrated(model: Path, plan, cache_dir: str):
     return engine.params, getattr(engine.cache, "kv_scales", None)
 
 
+def plan_file(plan: str, tracking_uri: str) -> Path:
+    """`--plan` as a local file: a runs:/ URI (the report's export command) is downloaded
+    from MLflow into a temporary folder."""
+    if not plan.startswith("runs:/"):
+        return Path(plan)
+    import tempfile
+
+    import mlflow
+
+    from tenantq.tracking import check_tracking_uri
+
+    check_tracking_uri(tracking_uri, "--tracking-uri")
+    if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[10:]).is_file():
+        raise ValueError(f"--tracking-uri {tracking_uri}: no such MLflow store")
+    folder = tempfile.mkdtemp(prefix=".tenantq-plan-")
+    try:
+        return Path(
+            mlflow.artifacts.download_artifacts(plan, dst_path=folder, tracking_uri=tracking_uri)
+        )
+    except Exception as err:  # MLflow raises its own and OSError types for a missing run
+        raise ValueError(f"--plan {plan}: cannot read it from {tracking_uri} ({err})") from None
+
+
 def needs_calibration(plan, config) -> bool:
     resolved = plan.resolve(config).values()
     static = any(t.activation_scale == "static" or t.algorithm != "rtn" for t in resolved)
@@ -71,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
     from tenantq.quant.plan import QuantPlan
     from tenantq.reference import reference_model_path
 
-    model = Path(args.model) if args.model else reference_model_path()
+    reference = args.model in (None, "reference")  # the spec's name for the shipped model
+    model = reference_model_path() if reference else Path(args.model)
     if not (model / "config.json").is_file():
         raise ValueError(f"--model {model} is not a checkpoint folder (no config.json)")
-    plan = QuantPlan.load(args.plan)
+    plan = QuantPlan.load(plan_file(args.plan, args.tracking_uri))
     config = ModelConfig.from_file(model)
     logging.basicConfig(level=logging.WARNING, format="tenantq export: %(message)s")
     check_out(Path(args.out), args.overwrite)  # before any work: a refusal costs nothing

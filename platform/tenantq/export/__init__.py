@@ -12,6 +12,7 @@ from tenantq.export.writer import (
     decide,
     export_checkpoint,
     export_command,
+    export_plans,
 )
 
 __all__ = [
@@ -21,5 +22,6 @@ __all__ = [
     "decide",
     "export_checkpoint",
     "export_command",
+    "export_plans",
     "export_problems",
 ]

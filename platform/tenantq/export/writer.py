@@ -349,3 +349,20 @@ def _write_folder(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def export_plans(
+    model: str | Path, plans: Mapping[str, QuantPlan], out_root: str | Path, **options: Any
+) -> dict[str, ExportResult | str]:
+    """Each named plan (a study's front) exported to `out_root/NAME`; a plan the format
+    cannot express gets its one-line refusal instead, and the others still go out.
+    `options` are `export_checkpoint`'s (opt-ins, overwrite)."""
+    out_root = Path(out_root)
+    out_root.mkdir(parents=True, exist_ok=True)
+    results: dict[str, ExportResult | str] = {}
+    for name, plan in plans.items():
+        try:
+            results[name] = export_checkpoint(model, plan, out_root / name, **options)
+        except NotExportable as err:
+            results[name] = str(err)
+    return results
