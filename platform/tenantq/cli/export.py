@@ -101,6 +101,7 @@ def needs_calibration(plan, config) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from tenantq.export import check_out, decide, export_checkpoint
+    from tenantq.export.writer import PROVENANCE_FILE as PROVENANCE
     from tenantq.model.config import ModelConfig
     from tenantq.quant.plan import QuantPlan
     from tenantq.reference import reference_model_path
@@ -138,6 +139,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {result.out} ({result.nbytes / 2**20:.1f} MiB): quantized modules {shown}")
     kv = result.kv_cache_scheme
     print(f"  kv_cache_scheme: {'none (bf16)' if kv is None else kv['strategy'] + ' fp8'}")
-    for choice in result.choices:
-        print(f"  chosen: {choice}")
+    if result.choices:
+        print(f"  {len(result.choices)} choice(s) made by opt-in, logged above and in {PROVENANCE}")
     return 0

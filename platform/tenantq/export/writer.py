@@ -190,7 +190,7 @@ def decide(plan: QuantPlan, config: ModelConfig, *, dequantize_unsupported=False
     if problems:
         raise NotExportable("; ".join(problems))
     for choice in choices:
-        log.warning("export: %s", choice)
+        log.warning("%s", choice)
     return schemes, refused, kv, choices
 
 
