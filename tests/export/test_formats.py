@@ -139,3 +139,29 @@ def test_static_activations_and_kv_scales_survive_the_round_trip(tmp_path):
     ids = [[3, 9, 27, 5, 44, 12, 7]]
     want = Engine(config, params, plan, kv_scales=kv_scales, **options).logits(ids)
     np.testing.assert_array_equal(Engine.from_checkpoint(out, **options).logits(ids), want)
+
+
+@pytest.mark.slow
+def test_transformers_runs_static_fp8_activation_scales_as_the_engine(tmp_path):
+    """Static W8A8 fp8: the stored `input_scale` is the one transformers quantizes inputs
+    with, so logits agree within the float32 round-off bound. (A static fp8 KV cache is
+    not compared here: transformers 5.24 ignores `k_scale`/`v_scale` and keeps its cache in
+    float, so only tenantq's read-back checks the KV scheme.)"""
+    config = tiny_config()
+    source = write_folder(tmp_path / "src", config, tiny_params(config))
+    plan = QuantPlan.from_dict(
+        {"rules": [{"pattern": "layers/.*/attn/.*", "format": "fp8_e4m3",
+                    "activations": "fp8_e4m3", "activation_scale": "static"}]}
+    )  # fmt: skip
+    float_params = dict(load_quantized(source, config, None, dtype="float32"))
+    # amax below the inputs' real range, so that clipping at the static scale is exercised
+    amax = {p: {"act_amax": 0.5 + 0.25 * i} for i, p in enumerate(sorted(plan.resolve(config)))}
+    params = apply_plan(float_params, plan, config, inputs=amax)
+    export_checkpoint(source, plan, tmp_path / "ct", params=params)
+    ids = [[3, 9, 27, 5, 44, 12, 7]]
+    options = dict(dtype="float32", max_seqs=1, max_seq_tokens=32)
+    want = Engine(config, params, plan, **options).logits(ids)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32)
+    with torch.no_grad():
+        got = model(torch.tensor(ids)).logits[0].numpy()
+    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
