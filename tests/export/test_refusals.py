@@ -197,3 +197,14 @@ def test_front_export_writes_the_exportable_and_names_the_rest(source, tmp_path)
     assert (tmp_path / "front" / "trial-3" / "model.safetensors").is_file()
     assert isinstance(results["trial-7"], str) and "lm_head: nvfp4" in results["trial-7"]
     assert sorted(p.name for p in (tmp_path / "front").iterdir()) == ["trial-3"]
+
+
+def test_fused_projections_in_different_formats_are_warned(source, tmp_path, caplog):
+    plan = QuantPlan.from_dict(
+        {"rules": [{"pattern": "layers/0/attn/q_proj", "format": "int4", "group_size": 16},
+                   {"pattern": "layers/.*/attn/.*", "format": "int8"}]}
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="tenantq.export.writer"):
+        export_checkpoint(source, plan, tmp_path / "out")
+    assert "layers/0: q_proj/k_proj/v_proj differ in format" in caplog.text
+    assert "layers/1" not in caplog.text  # one rule for all three: nothing to say

@@ -191,7 +191,29 @@ def decide(plan: QuantPlan, config: ModelConfig, *, dequantize_unsupported=False
         raise NotExportable("; ".join(problems))
     for choice in choices:
         log.warning("%s", choice)
+    for note in unfused_schemes(schemes, config):
+        log.warning("%s", note)
     return schemes, refused, kv, choices
+
+
+# vLLM loads these projections as one fused layer each and needs one scheme per fused layer.
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def unfused_schemes(schemes: Mapping[str, WeightScheme], config: ModelConfig) -> list[str]:
+    """One warning per layer whose fused projections (q/k/v, gate/up) differ in scheme:
+    transformers and tenantq read such an export, vLLM may refuse it."""
+    notes = []
+    for layer in range(config.num_layers):
+        for names in FUSED:
+            kind = "attn" if names[0] == "q_proj" else "mlp"
+            paths = [f"layers/{layer}/{kind}/{n}" for n in names]
+            if len({schemes.get(p) for p in paths}) > 1:
+                notes.append(
+                    f"layers/{layer}: {'/'.join(names)} differ in format; vLLM fuses them "
+                    "into one layer and may refuse the export (give them one rule)"
+                )
+    return notes
 
 
 def export_checkpoint(
