@@ -165,8 +165,11 @@ def test_cli_reads_a_trial_plan_from_mlflow(source, tmp_path, capsys):
     out = tmp_path / "out"
     plan_uri = f"runs:/{run.info.run_id}/plan.json"
     args = ["export", "--model", str(source), "--plan", plan_uri, "--tracking-uri", uri]
-    assert main([*args, "--out", str(out), "--json"]) == 0
+    assert main([*args, "--out", str(out), "--json", "--log-mlflow"]) == 0
     assert len(json.loads(capsys.readouterr().out)["quantized"]) == 6
+    logged = {a.path for a in client.list_artifacts(run.info.run_id, "export")}
+    assert logged == {"export/config.json", "export/tenantq_export.json"}
+    assert client.get_run(run.info.run_id).data.tags["tenantq.export"] == str(out.resolve())
     missing = ["export", "--model", str(source), "--plan", "runs:/0123abcd/plan.json"]
     assert main([*missing, "--tracking-uri", uri, "--out", str(tmp_path / "o2")]) == 2
     err = capsys.readouterr().err.strip()

@@ -53,6 +53,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument(
+        "--log-mlflow",
+        action="store_true",
+        help="with a runs:/ plan: log the export (config.json, tenantq_export.json, where it "
+        "went) to that trial's run",
+    )
+    p.add_argument(
         "--cache-dir",
         default=".tenantq-cache",
         help="calibration cache for plans that need statistics (shared with tenantq eval)",
@@ -93,6 +99,17 @@ def plan_file(plan: str, tracking_uri: str) -> Path:
         raise ValueError(f"--plan {plan}: cannot read it from {tracking_uri} ({err})") from None
 
 
+def log_to_run(run_id: str, tracking_uri: str, result) -> None:
+    """The export's config.json and tenantq_export.json as artifacts of the trial's run
+    (under export/), and where it was written as a tag."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri)
+    for name in ("config.json", "tenantq_export.json"):
+        client.log_artifact(run_id, str(result.out / name), artifact_path="export")
+    client.set_tag(run_id, "tenantq.export", str(Path(result.out).resolve()))
+
+
 def needs_calibration(plan, config) -> bool:
     resolved = plan.resolve(config).values()
     static = any(t.activation_scale == "static" or t.algorithm != "rtn" for t in resolved)
@@ -114,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     config = ModelConfig.from_file(model)
     logging.basicConfig(level=logging.WARNING, format="tenantq export: %(message)s")
     check_out(Path(args.out), args.overwrite)  # before any work: a refusal costs nothing
+    if args.log_mlflow and not args.plan.startswith("runs:/"):
+        raise ValueError("--log-mlflow logs to the trial run of a --plan runs:/RUN_ID/plan.json")
     opt_ins = {"dequantize_unsupported": args.dequantize_unsupported, "kv_bf16": args.kv_bf16}
     logging.disable(logging.WARNING)  # the choices are logged once, by the export itself
     try:
@@ -129,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         model, plan, args.out, params=params, kv_scales=kv_scales,
         overwrite=args.overwrite, **opt_ins,
     )  # fmt: skip
+    if args.log_mlflow:
+        log_to_run(args.plan.split("/")[1], args.tracking_uri, result)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
         return 0
