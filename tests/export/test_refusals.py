@@ -6,6 +6,7 @@ No torch here: these run on the base install.
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -70,6 +71,10 @@ def test_opt_ins_write_the_rest_and_record_each_choice(source, tmp_path, caplog)
     assert len(result.quantized) == 6  # 2 layers x 3 MLP projections
     provenance = json.loads((out / "tenantq_export.json").read_text())
     assert provenance["choices"] == result.choices and len(result.choices) == 2
+    umask = os.umask(0)
+    os.umask(umask)  # the folder is as readable as a plain mkdir would make it
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~umask
+    assert ((out / "model.safetensors").stat().st_mode & 0o777) == 0o666 & ~umask
     assert all(c in caplog.text for c in result.choices)
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["kv_cache_scheme"] is None

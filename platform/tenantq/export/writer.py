@@ -329,6 +329,16 @@ def _quantization_config(groups: Mapping[WeightScheme, list[str]], kv: dict | No
     }
 
 
+def _readable(folder: Path) -> None:
+    """mkdtemp and safetensors create 0700/0600; the export gets the modes a plain mkdir and
+    open would (the umask's), so a server running as another user can read it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
 def _write_folder(
     model: Path,
     out: Path,
@@ -361,6 +371,7 @@ def _write_folder(
         }
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
         result.nbytes = sum(p.stat().st_size for p in tmp.iterdir())
+        _readable(tmp)
         if out.exists():  # --overwrite: the old folder goes only once the new one is whole
             old = out.with_name(f".{out.name}.old")
             os.rename(out, old)
