@@ -4,7 +4,9 @@ The mapping is decided here once, from the plan alone (no weights needed), so th
 search and the report can ask whether a front plan is exportable before anything is
 written. compressed-tensors describes a weight by `num_bits`, `type` (int/float),
 `strategy` (tensor/channel/group) and `group_size`; its compressors `pack-quantized`
-(int, packed into int32) and `float-quantized` (fp8 E4M3) store codes and float32 scales
+(int weight-only, packed into int32), `int-quantized` (int W8A8, plain int8) and
+`float-quantized`/`naive-quantized` (fp8 E4M3 with/without input activations, as the
+library's `infer_module_format` names them) store codes and float32 scales
 whose dequantization, `(q - zero_point) * scale`, is the same float32 product tenantq's
 codec computes, so the export is exact.
 """
@@ -19,14 +21,20 @@ from tenantq.quant.plan import QuantPlan, TensorQuant
 # The compressed-tensors release the format was written against and tested with (the
 # `parity` extra pins it).
 COMPRESSED_TENSORS_VERSION = "0.20.1"
-PACK_QUANTIZED = "pack-quantized"
-FLOAT_QUANTIZED = "float-quantized"
-# tenantq weight format -> (compressed-tensors type, num_bits, compressor).
-WEIGHT_FORMATS = {
-    "int8": ("int", 8, PACK_QUANTIZED),
-    "int4": ("int", 4, PACK_QUANTIZED),
-    "fp8_e4m3": ("float", 8, FLOAT_QUANTIZED),
+PACK_QUANTIZED = "pack-quantized"  # int weight-only: codes packed into int32
+INT_QUANTIZED = "int-quantized"  # int W8A8: plain int8 `weight`
+FLOAT_QUANTIZED = "float-quantized"  # fp8 W8A8: plain F8_E4M3 `weight`
+NAIVE_QUANTIZED = "naive-quantized"  # fp8 weight-only: plain F8_E4M3 `weight`
+# The compressor of each (weight type, with input activations?) pair, as compressed-tensors
+# 0.20.1's own `infer_module_format` picks it (vLLM reads wNa16 only without input quant).
+COMPRESSORS = {
+    ("int", False): PACK_QUANTIZED,
+    ("int", True): INT_QUANTIZED,
+    ("float", False): NAIVE_QUANTIZED,
+    ("float", True): FLOAT_QUANTIZED,
 }
+# tenantq weight format -> (compressed-tensors type, num_bits).
+WEIGHT_FORMATS = {"int8": ("int", 8), "int4": ("int", 4), "fp8_e4m3": ("float", 8)}
 # Weight formats refused, and why (one line each; `docs/guide/export.md` has the table).
 REFUSED_WEIGHT_FORMATS = {
     "fp16": "a plain fp16 cast has no compressed-tensors scheme (keep it bf16)",
@@ -43,6 +51,17 @@ REFUSED_WEIGHT_FORMATS = {
 QUANTIZED_EMBEDDING = (
     "a quantized embedding does not run from compressed-tensors (transformers cannot run "
     "one it loads; vLLM serves embeddings unquantized): keep embed bf16"
+)
+
+
+FP8_GROUPS = (
+    "fp8 weights with group_size: vLLM's fp8 schemes read tensor, channel or block scales, "
+    "not group (drop group_size for per-channel fp8)"
+)
+LM_HEAD = "lm_head"
+QUANTIZED_LM_HEAD = (
+    "a quantized lm_head does not load in vLLM (its ParallelLMHead gets no "
+    "compressed-tensors method): keep lm_head bf16 or pass --quantize-lm-head"
 )
 
 
@@ -96,15 +115,23 @@ class WeightScheme:
         }
 
 
-def weight_scheme(how: TensorQuant, info: TensorInfo) -> WeightScheme:
-    """The scheme of one resolved tensor, or NotExportable naming the tensor and why."""
+def weight_scheme(
+    how: TensorQuant, info: TensorInfo, *, quantize_lm_head: bool = False
+) -> WeightScheme:
+    """The scheme of one resolved tensor, or NotExportable naming the tensor and why.
+    `quantize_lm_head` lets a quantized lm_head through (transformers reads it, vLLM not)."""
     if info.kind == "embedding":
         raise NotExportable(f"{how.path}: {how.format}: {QUANTIZED_EMBEDDING}")
     if how.format in REFUSED_WEIGHT_FORMATS:
         raise NotExportable(f"{how.path}: {how.format}: {REFUSED_WEIGHT_FORMATS[how.format]}")
-    kind, bits, compressor = WEIGHT_FORMATS[how.format]
+    if how.path == LM_HEAD and not quantize_lm_head:
+        raise NotExportable(f"{how.path}: {how.format}: {QUANTIZED_LM_HEAD}")
+    kind, bits = WEIGHT_FORMATS[how.format]
+    compressor = COMPRESSORS[(kind, how.activations is not None)]
     length = info.shape[how.axis]
     groups = 1 if how.group_size is None else -(-length // how.group_size)
+    if kind == "float" and groups > 1:
+        raise NotExportable(f"{how.path}: group_size {how.group_size}: {FP8_GROUPS}")
     if groups > 1 and length % how.group_size:
         raise NotExportable(
             f"{how.path}: group_size {how.group_size} does not divide its input dimension "
@@ -164,14 +191,16 @@ def kv_scheme(plan: QuantPlan, config: ModelConfig) -> dict | None:
     }
 
 
-def export_problems(plan: QuantPlan, config: ModelConfig) -> list[str]:
+def export_problems(
+    plan: QuantPlan, config: ModelConfig, *, quantize_lm_head: bool = False
+) -> list[str]:
     """Every part of `plan` a compressed-tensors export of `config` would refuse, one line
     each (empty: exportable as it stands). For the search's front and the report."""
     problems = []
     tensors = config.tensors()
     for path, how in plan.resolve(config).items():
         try:
-            weight_scheme(how, tensors[path])
+            weight_scheme(how, tensors[path], quantize_lm_head=quantize_lm_head)
         except NotExportable as err:
             problems.append(str(err))
     try:
