@@ -16,6 +16,7 @@ from tenantq.cli import main
 from tenantq.export import NotExportable, export_checkpoint, export_command, export_problems
 from tenantq.export.writer import pack_int32
 from tenantq.model.compressed import unpack_int32
+from tenantq.model.loader import hf_names
 from tenantq.quant.plan import QuantPlan
 from tenantq.testing import tiny_config, tiny_params
 
@@ -38,8 +39,13 @@ def source(tmp_path_factory):
         # hidden 32: a group of 24 leaves a partial group
         ({"rules": [{"pattern": "layers/0/attn/q_proj", "format": "int4", "group_size": 24}]},
          "group_size 24 does not divide"),
-        ({"rules": [{"pattern": "lm_head", "format": "int4", "group_size": 8, "symmetric": False}]},
-         "asymmetric int4"),
+        ({"rules": [{"pattern": "layers/0/mlp/up_proj", "format": "int4", "group_size": 8,
+                     "symmetric": False}]}, "asymmetric int4"),
+        # vLLM's ParallelLMHead has no compressed-tensors method
+        ({"rules": [{"pattern": "lm_head", "format": "int8"}]}, "quantized lm_head does not load"),
+        # vLLM's fp8 schemes: tensor, channel or block scales
+        ({"rules": [{"pattern": "layers/0/attn/q_proj", "format": "fp8_e4m3", "group_size": 8}]},
+         "fp8 weights with group_size"),
         ({"kv": {"key_format": "int2", "value_format": "int2"}}, "kv layer 0: keys int2"),
         ({"kv": {"key_format": "fp8_e4m3", "key_axis": "tensor", "value_format": "fp8_e4m3",
                  "value_axis": "tensor", "sink_tokens": 4}}, "kv.sink_tokens = 4"),
@@ -92,15 +98,48 @@ def test_failure_while_writing_leaves_nothing(source, tmp_path, monkeypatch):
 
 def test_existing_out_is_kept_unless_overwrite(source, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep").write_text("x")
     plan = QuantPlan.from_dict(INT8_MLP)
+    export_checkpoint(source, plan, out)
+    (out / "keep").write_text("x")
     with pytest.raises(ValueError, match="already exists"):
         export_checkpoint(source, plan, out)
     assert (out / "keep").is_file()
+    (tmp_path / ".out.old").mkdir()  # left by a crash of an earlier overwrite
+    (tmp_path / ".out.old" / "x").write_text("x")
     export_checkpoint(source, plan, out, overwrite=True)
     assert not (out / "keep").exists() and (out / "model.safetensors").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.old", "out"]
+
+
+def test_overwrite_replaces_only_a_tenantq_export(source, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    with pytest.raises(ValueError, match="has no tenantq_export.json") as err:
+        export_checkpoint(source, QuantPlan.from_dict(INT8_MLP), out, overwrite=True)
+    assert "\n" not in str(err.value) and (out / "keep").is_file()
+
+
+@pytest.mark.parametrize(
+    ("where", "relation"),
+    [(lambda m: m, "is the source"), (lambda m: m.parent, "contains the source"),
+     (lambda m: m / "sub", "is inside the source")],
+)  # fmt: skip
+def test_out_on_the_source_model_is_refused_even_with_overwrite(tmp_path, where, relation):
+    """--out equal to, above or inside --model would delete the model on --overwrite."""
+    config = tiny_config()
+    model = write_folder(tmp_path / "a" / "model", config, tiny_params(config))
+    (model / "tenantq_export.json").write_text("{}")  # even a model that is an export
+    (model.parent / "tenantq_export.json").write_text("{}")
+    before = sorted(p.name for p in model.iterdir())
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=relation) as err:
+            export_checkpoint(
+                model, QuantPlan.from_dict(INT8_MLP), where(model), overwrite=overwrite
+            )
+        assert "\n" not in str(err.value)
+    assert sorted(p.name for p in model.iterdir()) == before
+    assert sorted(p.name for p in model.parent.iterdir()) == ["model", "tenantq_export.json"]
 
 
 def test_static_kv_without_scales_is_refused_by_name(source, tmp_path):
@@ -150,9 +189,9 @@ def test_export_command_quotes_its_paths():
 
 
 def test_stream_refuses_calibrated_algorithms_by_name(source, tmp_path):
-    plan = QuantPlan.from_dict({"rules": [{"pattern": "lm_head", "format": "int8",
+    plan = QuantPlan.from_dict({"rules": [{"pattern": "layers/0/mlp/up_proj", "format": "int8",
                                            "algorithm": "gptq"}]})  # fmt: skip
-    with pytest.raises(ValueError, match="lm_head: gptq needs calibration"):
+    with pytest.raises(ValueError, match="layers/0/mlp/up_proj: gptq needs calibration"):
         export_checkpoint(source, plan, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 
@@ -216,3 +255,65 @@ def test_fused_projections_in_different_formats_are_warned(source, tmp_path, cap
         export_checkpoint(source, plan, tmp_path / "out")
     assert "layers/0: q_proj/k_proj/v_proj differ in format" in caplog.text
     assert "layers/1" not in caplog.text  # one rule for all three: nothing to say
+
+
+def test_lm_head_quantized_only_by_opt_in_which_names_vllm(source, tmp_path, caplog):
+    plan = QuantPlan.from_dict({"rules": [{"pattern": "lm_head", "format": "int8"}]})
+    with caplog.at_level("WARNING", logger="tenantq.export.writer"):
+        result = export_checkpoint(source, plan, tmp_path / "out", quantize_lm_head=True)
+    assert result.quantized == {"lm_head": "int8"}
+    assert len(result.choices) == 1 and "vLLM" in result.choices[0] and "vLLM" in caplog.text
+    provenance = json.loads((tmp_path / "out" / "tenantq_export.json").read_text())
+    assert provenance["choices"] == result.choices
+
+
+def test_ignore_lists_every_unquantized_linear(source, tmp_path):
+    """llm-compressor names each Linear it leaves unquantized (lm_head included) in
+    `ignore`; a reader matching targets by class must not take them as quantized."""
+    export_checkpoint(source, QuantPlan.from_dict(INT8_MLP), tmp_path / "out")
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    attn = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"]
+    assert sorted(qc["ignore"]) == sorted([*attn, "lm_head"])
+    quantized = {m for g in qc["config_groups"].values() for m in g["targets"]}
+    assert len(quantized) == 6 and not quantized & set(qc["ignore"])
+
+
+def test_plan_without_quantized_weights_is_dense(source, tmp_path):
+    """compressed-tensors' own summary of a model without quantized weights is "dense"."""
+    export_checkpoint(source, QuantPlan.from_dict({"rules": [], "kv": {}}), tmp_path / "out")
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "dense" and qc["config_groups"] == {}
+
+
+def test_every_side_file_is_copied_and_a_missing_tokenizer_warned(tmp_path, caplog):
+    config = tiny_config()
+    model = write_folder(tmp_path / "model", config, tiny_params(config))
+    side = ["tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+            "chat_template.json", "special_tokens_map.json", "tokenizer_config.json"]  # fmt: skip
+    for name in side:
+        (model / name).write_text("{}")
+    index = {"weight_map": {hf: "model.safetensors" for hf, _ in hf_names(config).values()}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))  # not copied
+    export_checkpoint(model, QuantPlan.from_dict(INT8_MLP), tmp_path / "out")
+    got = sorted(p.name for p in (tmp_path / "out").iterdir())
+    want = [*side, "config.json", "generation_config.json", "model.safetensors"]
+    assert got == sorted([*want, "tenantq_export.json"])
+
+    bare = write_folder(tmp_path / "bare", config, tiny_params(config))
+    with caplog.at_level("WARNING", logger="tenantq.export.writer"):
+        export_checkpoint(bare, QuantPlan.from_dict(INT8_MLP), tmp_path / "out2")
+    assert "has no tokenizer file" in caplog.text
+
+
+def test_cli_os_error_is_one_line_naming_the_path(source, tmp_path, capsys, monkeypatch):
+    def full(tensors, filename, metadata=None):
+        raise OSError(28, "No space left on device", filename)
+
+    monkeypatch.setattr("safetensors.numpy.save_file", full)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(INT8_MLP))
+    args = ["export", "--model", str(source), "--plan", str(plan_file)]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "No space left on device" in err and "model.safetensors" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]

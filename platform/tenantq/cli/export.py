@@ -51,7 +51,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="export the weights alone when the plan's KV part cannot be expressed (logged)",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="write a quantized lm_head as the plan says (transformers reads it; vLLM cannot "
+        "load a quantized lm_head, so it is refused without this flag)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --out if it is an earlier tenantq export (holds tenantq_export.json)",
+    )
     p.add_argument(
         "--log-mlflow",
         action="store_true",
@@ -117,6 +127,14 @@ def needs_calibration(plan, config) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except OSError as err:  # a full disk, a read-only or vanished folder: one line, the path
+        where = " -> ".join(str(f) for f in (err.filename, err.filename2) if f) or args.out
+        raise ValueError(f"{where}: {err.strerror or err} (nothing was written to --out)") from None
+
+
+def _run(args: argparse.Namespace) -> int:
     from tenantq.export import check_out, decide, export_checkpoint
     from tenantq.export.writer import PROVENANCE_FILE as PROVENANCE
     from tenantq.model.config import ModelConfig
@@ -130,10 +148,14 @@ def run(args: argparse.Namespace) -> int:
     plan = QuantPlan.load(plan_file(args.plan, args.tracking_uri))
     config = ModelConfig.from_file(model)
     logging.basicConfig(level=logging.WARNING, format="tenantq export: %(message)s")
-    check_out(Path(args.out), args.overwrite)  # before any work: a refusal costs nothing
+    check_out(Path(args.out), args.overwrite, model)  # before any work: refusals cost nothing
     if args.log_mlflow and not args.plan.startswith("runs:/"):
         raise ValueError("--log-mlflow logs to the trial run of a --plan runs:/RUN_ID/plan.json")
-    opt_ins = {"dequantize_unsupported": args.dequantize_unsupported, "kv_bf16": args.kv_bf16}
+    opt_ins = {
+        "dequantize_unsupported": args.dequantize_unsupported,
+        "kv_bf16": args.kv_bf16,
+        "quantize_lm_head": args.quantize_lm_head,
+    }
     logging.disable(logging.WARNING)  # the choices are logged once, by the export itself
     try:
         decide(plan, config, **opt_ins)

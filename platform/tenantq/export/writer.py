@@ -25,7 +25,8 @@ import numpy as np
 
 from tenantq.export.schemes import (
     COMPRESSED_TENSORS_VERSION,
-    FLOAT_QUANTIZED,
+    LM_HEAD,
+    PACK_QUANTIZED,
     NotExportable,
     WeightScheme,
     kv_scheme,
@@ -39,15 +40,47 @@ from tenantq.quant.plan import QuantPlan
 log = logging.getLogger(__name__)
 
 PROVENANCE_FILE = "tenantq_export.json"
-# Files copied from the source folder as they are, when present.
-COPIED_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-)
 WEIGHTS_FILE = "model.safetensors"
+# Tokenizer files (any one makes the export servable as it stands); when none is copied
+# the export warns. Every other top-level file of the source is copied too, except these.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "tiktoken.model",
+)
+
+
+def _not_copied(name: str) -> bool:
+    """Source files the export replaces: its weights and their index, config.json, our
+    own provenance file."""
+    return (
+        name.endswith(".safetensors")
+        or name.endswith(".safetensors.index.json")
+        or name.endswith((".bin", ".pt", ".pth", ".gguf"))  # other weight files
+        or name.endswith(".bin.index.json")
+        or name in ("config.json", PROVENANCE_FILE)
+    )
+
+
+def copy_side_files(model: Path, dest: Path) -> list[str]:
+    """Copy every top-level file of `model` the export does not replace (tokenizer files,
+    chat templates, generation config, added tokens, ...) into `dest`; the names copied.
+    Warns when none of them is a tokenizer."""
+    copied = []
+    for path in sorted(model.iterdir()):
+        if path.is_file() and not path.name.startswith(".") and not _not_copied(path.name):
+            shutil.copy2(path, dest / path.name)
+            copied.append(path.name)
+    if not any(name in TOKENIZER_FILES for name in copied):
+        log.warning(
+            "%s has no tokenizer file (%s): the export has none; add one before serving it",
+            model, ", ".join(TOKENIZER_FILES),
+        )  # fmt: skip
+    return copied
 
 
 @dataclass
@@ -112,8 +145,9 @@ def module_tensors(q: QArray, scheme: WeightScheme, transpose: bool) -> dict[str
         codes, scale = codes.T, scale.T
         zero_point = None if zero_point is None else zero_point.T
     out: dict[str, np.ndarray] = {"weight_scale": np.ascontiguousarray(scale)}
-    if scheme.compressor == FLOAT_QUANTIZED:
-        out["weight"] = np.ascontiguousarray(codes).astype(ml_dtypes.float8_e4m3fn)
+    if scheme.compressor != PACK_QUANTIZED:  # int-/float-/naive-quantized: plain codes
+        dtype = ml_dtypes.float8_e4m3fn if scheme.type == "float" else np.int8
+        out["weight"] = np.ascontiguousarray(codes).astype(dtype)
     else:
         out["weight_packed"] = pack_int32(np.ascontiguousarray(codes), scheme.num_bits)
         out["weight_shape"] = np.asarray(codes.shape, np.int64)
@@ -131,11 +165,28 @@ def _dense(value: Any, transpose: bool) -> np.ndarray:
     return np.ascontiguousarray(array.T if transpose else array)
 
 
-def check_out(out: Path, overwrite: bool) -> None:
+def check_out(out: Path, overwrite: bool, model: Path | None = None) -> None:
+    """One line when `out` cannot be written: it exists (without `overwrite`), is a file,
+    has no parent, is the source model, a folder above it or inside it, or (with
+    `overwrite`) is a folder that is not a tenantq export."""
+    out = Path(out)
+    if model is not None:
+        src, dst = Path(model).resolve(), out.resolve()
+        if dst == src or dst in src.parents or src in dst.parents:
+            relation = "is" if dst == src else "contains" if dst in src.parents else "is inside"
+            raise ValueError(
+                f"--out {out} {relation} the source --model {model}; write the export to a "
+                "folder outside it"
+            )
     if out.exists() and not overwrite:
         raise ValueError(f"--out {out} already exists; choose a new folder (or --overwrite)")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; --out must name a folder")
+    if out.exists() and not (out / PROVENANCE_FILE).is_file():
+        raise ValueError(
+            f"--out {out} has no {PROVENANCE_FILE}: --overwrite replaces only a folder "
+            "tenantq export wrote; choose a new folder"
+        )
     if not out.parent.is_dir():
         raise ValueError(f"--out {out}: its parent folder {out.parent} does not exist")
 
@@ -159,7 +210,14 @@ def _stream_params(model: Path, config: ModelConfig, plan: QuantPlan) -> Iterabl
         yield path, (array if how is None else quantize_tensor(np.asarray(array, np.float32), how))
 
 
-def decide(plan: QuantPlan, config: ModelConfig, *, dequantize_unsupported=False, kv_bf16=False):
+def decide(
+    plan: QuantPlan,
+    config: ModelConfig,
+    *,
+    dequantize_unsupported=False,
+    kv_bf16=False,
+    quantize_lm_head=False,
+):
     """(scheme per exported tensor, refused tensor -> why, kv_cache_scheme, choices made).
 
     Without the opt-ins, every part the format cannot express is named in one ValueError
@@ -170,10 +228,15 @@ def decide(plan: QuantPlan, config: ModelConfig, *, dequantize_unsupported=False
     refused: dict[str, str] = {}
     for path, how in plan.resolve(config).items():
         try:
-            schemes[path] = weight_scheme(how, tensors[path])
+            schemes[path] = weight_scheme(how, tensors[path], quantize_lm_head=quantize_lm_head)
         except NotExportable as err:
             refused[path] = str(err)
     problems, choices = [], []
+    if quantize_lm_head and LM_HEAD in schemes:
+        choices.append(
+            f"lm_head quantized ({schemes[LM_HEAD].compressor}) by --quantize-lm-head: "
+            "transformers reads it, vLLM cannot load a quantized lm_head"
+        )
     if refused and not dequantize_unsupported:
         more = f" (and {len(refused) - 1} more tensors)" if len(refused) > 1 else ""
         problems.append(f"{next(iter(refused.values()))}{more} [--dequantize-unsupported]")
@@ -225,6 +288,7 @@ def export_checkpoint(
     kv_scales: Any = None,
     dequantize_unsupported: bool = False,
     kv_bf16: bool = False,
+    quantize_lm_head: bool = False,
     overwrite: bool = False,
     model_identity: str | None = None,
 ) -> ExportResult:
@@ -235,18 +299,20 @@ def export_checkpoint(
     `kv_scales`: the calibrated static KV scales (`KVScales`) a static fp8 KV part needs.
     A plan part the format cannot express raises one ValueError line naming it, unless
     the caller opts in: `dequantize_unsupported` writes such weights as their dequantized
-    float32 values, `kv_bf16` drops a KV part the format cannot hold; each choice is
-    logged and recorded in `tenantq_export.json`.
+    float32 values, `kv_bf16` drops a KV part the format cannot hold, `quantize_lm_head`
+    writes a quantized lm_head (which vLLM cannot load); each choice is logged and
+    recorded in `tenantq_export.json`.
     """
     from tenantq.model.loader import hf_names
 
     model, out = Path(model), Path(out)
     config = ModelConfig.from_file(model)
-    check_out(Path(out), overwrite)
+    check_out(Path(out), overwrite, model)
     result = ExportResult(out)
     schemes, refused, result.kv_cache_scheme, result.choices = decide(
-        plan, config, dequantize_unsupported=dequantize_unsupported, kv_bf16=kv_bf16
-    )
+        plan, config, dequantize_unsupported=dequantize_unsupported, kv_bf16=kv_bf16,
+        quantize_lm_head=quantize_lm_head,
+    )  # fmt: skip
     result.dequantized = sorted(refused)
     resolved = plan.resolve(config)
     tensors = config.tensors()
@@ -286,7 +352,13 @@ def export_checkpoint(
     if result.kv_cache_scheme is not None:
         state.update(_kv_scale_tensors(plan, config, kv_scales))
 
-    quantization_config = _quantization_config(groups, result.kv_cache_scheme)
+    # Every Linear left unquantized is named in `ignore`, as llm-compressor writes it.
+    ignore = [
+        names[p][0].removesuffix(".weight")
+        for p, info in tensors.items()
+        if info.kind == "linear" and p not in schemes
+    ]
+    quantization_config = _quantization_config(groups, result.kv_cache_scheme, ignore)
     _write_folder(model, out, state, quantization_config, plan, result, model_identity)
     return result
 
@@ -303,7 +375,9 @@ def _kv_scale_tensors(plan: QuantPlan, config: ModelConfig, kv_scales) -> dict[s
     return out
 
 
-def _quantization_config(groups: Mapping[WeightScheme, list[str]], kv: dict | None) -> dict:
+def _quantization_config(
+    groups: Mapping[WeightScheme, list[str]], kv: dict | None, ignore: list[str]
+) -> dict:
     config_groups = {
         f"group_{i}": {
             "targets": modules,
@@ -315,13 +389,15 @@ def _quantization_config(groups: Mapping[WeightScheme, list[str]], kv: dict | No
         for i, (scheme, modules) in enumerate(groups.items())
     }
     formats = {scheme.compressor for scheme in groups}
+    # The library's summary: dense without quantized weights, the one format, or mixed.
+    summary = "dense" if not formats else formats.pop() if len(formats) == 1 else "mixed-precision"
     return {
         "quant_method": "compressed-tensors",
-        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "format": summary,
         "quantization_status": "compressed",
         "config_groups": config_groups,
         "kv_cache_scheme": kv,
-        "ignore": [],
+        "ignore": ignore,
         "global_compression_ratio": None,
         "sparsity_config": {},
         "transform_config": {},
@@ -355,9 +431,7 @@ def _write_folder(
         raw_config = json.loads((model / "config.json").read_text())
         raw_config["quantization_config"] = quantization_config
         (tmp / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
-        for name in COPIED_FILES:
-            if (model / name).is_file():
-                shutil.copy2(model / name, tmp / name)
+        copy_side_files(model, tmp)
         metadata = {"format": "pt", "tenantq_plan_fingerprint": plan.fingerprint()}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata=metadata)
         provenance = {
@@ -373,8 +447,8 @@ def _write_folder(
         result.nbytes = sum(p.stat().st_size for p in tmp.iterdir())
         _readable(tmp)
         if out.exists():  # --overwrite: the old folder goes only once the new one is whole
-            old = out.with_name(f".{out.name}.old")
-            os.rename(out, old)
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.rename(out, old)  # onto the fresh empty folder (POSIX renames over one)
             os.rename(tmp, out)
             shutil.rmtree(old)
         else:
