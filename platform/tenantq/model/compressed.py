@@ -65,6 +65,54 @@ class _Scheme:
     group_size: int | None
     activations: str | None
     activation_scale: str
+    packed: bool  # pack-quantized (weight_packed int32); else a plain `weight` of codes
+
+
+# Group formats read: packed int32 codes, or plain int8 / F8_E4M3 codes in `weight`.
+PACKED_FORMATS = ("pack-quantized",)
+PLAIN_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
+
+
+def check_supported(qc: dict, where: str) -> None:
+    """One line for a quantization_config whose parts tenantq does not reproduce as a whole
+    (transforms, sparsity); per-group parts are checked by `_scheme`."""
+    for key in ("transform_config", "sparsity_config"):
+        if qc.get(key):
+            raise ValueError(
+                f"{where}: quantization_config.{key} is set; tenantq does not apply "
+                f"{key.split('_')[0]}s, so it cannot read this checkpoint (only plain "
+                "quantized weights)"
+            )
+
+
+def _activations(acts: dict, fmt: str, here: str) -> tuple[str, str]:
+    """(activation format, scale kind) of a group's input_activations, or one line naming
+    what tenantq does not reproduce: 8-bit symmetric per-token dynamic or per-tensor
+    static, int8 with int8 weights or fp8 with fp8 weights."""
+    kind = {"int": "int8", "float": "fp8_e4m3"}.get(acts.get("type"))
+    dynamic, strategy = acts.get("dynamic"), acts.get("strategy")
+    scale = {(True, "token"): "dynamic", (False, "tensor"): "static"}.get((dynamic, strategy))
+    ok = (
+        kind is not None
+        and acts.get("num_bits") == 8
+        and acts.get("symmetric", True)
+        and acts.get("group_size") is None
+        and scale is not None
+    )
+    if not ok:
+        raise ValueError(
+            f"{here}: input_activations {acts.get('type')} {acts.get('num_bits')}-bit, "
+            f"symmetric {acts.get('symmetric')}, strategy {strategy!r}, dynamic {dynamic!r}: "
+            "tenantq reproduces 8-bit symmetric activations per token (dynamic) or per tensor "
+            "(static) only"
+        )
+    if fmt != ("int8" if kind == "int8" else "fp8_e4m3"):
+        raise ValueError(
+            f"{here}: {fmt} weights with {kind} input activations (W{fmt[-1]}A8) have no "
+            f"tenantq format; W8A8 needs {'int8' if kind == 'int8' else 'fp8_e4m3'} weights "
+            "per channel"
+        )
+    return kind, scale
 
 
 def _scheme(qc: dict, module: str, kind: str, where: str) -> _Scheme | None:
@@ -77,6 +125,23 @@ def _scheme(qc: dict, module: str, kind: str, where: str) -> _Scheme | None:
             continue
         w = group.get("weights") or {}
         here = f"{where}: quantization_config.config_groups.{name} ({module})"
+        form = group.get("format") or qc.get("format")
+        if form not in PACKED_FORMATS + PLAIN_FORMATS:
+            raise ValueError(
+                f"{here}: format {form!r} is not read; readable: "
+                f"{', '.join(PACKED_FORMATS + PLAIN_FORMATS)}"
+            )
+        if group.get("output_activations"):
+            raise ValueError(
+                f"{here}: output_activations are set; tenantq does not quantize "
+                "outputs (input_activations only)"
+            )
+        if w.get("actorder") or w.get("dynamic") or w.get("block_structure"):
+            raise ValueError(
+                f"{here}: weights with actorder {w.get('actorder')!r}, dynamic "
+                f"{w.get('dynamic')!r}, block_structure {w.get('block_structure')!r}: tenantq "
+                "reads static weight scales without reordering or blocks only"
+            )
         kind_bits = (w.get("type"), w.get("num_bits"))
         fmt = {("int", 8): "int8", ("int", 4): "int4", ("float", 8): "fp8_e4m3"}.get(kind_bits)
         if fmt is None or w.get("strategy") not in ("tensor", "channel", "group"):
@@ -92,10 +157,15 @@ def _scheme(qc: dict, module: str, kind: str, where: str) -> _Scheme | None:
         acts = group.get("input_activations")
         activations, activation_scale = None, "dynamic"
         if acts:
-            activations = "int8" if acts.get("type") == "int" else "fp8_e4m3"
-            activation_scale = "dynamic" if acts.get("dynamic") else "static"
+            if w.get("strategy") == "group":
+                raise ValueError(
+                    f"{here}: grouped weights with input_activations have no tenantq format "
+                    "(W8A8 needs per-channel weight scales)"
+                )
+            activations, activation_scale = _activations(acts, fmt, here)
         gs = w.get("group_size") if w.get("strategy") == "group" else None
-        return _Scheme(fmt, w["strategy"], gs, activations, activation_scale)
+        packed = form in PACKED_FORMATS
+        return _Scheme(fmt, w["strategy"], gs, activations, activation_scale, packed)
     return None
 
 
@@ -151,9 +221,22 @@ def _qarray(reader: _Reader, module: str, scheme: _Scheme, transpose: bool, wher
 
     if f"{module}.weight_zero_point" in reader:
         raise ValueError(f"{where}: {module} has zero points; asymmetric weights are not read")
+    if f"{module}.weight_g_idx" in reader:
+        raise ValueError(
+            f"{where}: {module} has weight_g_idx (activation reordering); tenantq does not "
+            "reorder inputs"
+        )
     scale = np.asarray(reader.read(f"{module}.weight_scale"), np.float32)
-    if scheme.fmt == "fp8_e4m3":
+    if not scheme.packed:  # plain codes: F8_E4M3 for fp8, int8 for int
         codes = reader.read(f"{module}.weight")
+        want = np.int8 if scheme.fmt != "fp8_e4m3" else ml_dtypes.float8_e4m3fn
+        if codes.dtype != want:
+            raise ValueError(
+                f"{where}: {module}.weight is {codes.dtype}; {scheme.fmt} codes are "
+                f"{np.dtype(want).name}"
+            )
+        if scheme.fmt == "int4" and (codes.min(initial=0) < -8 or codes.max(initial=0) > 7):
+            raise ValueError(f"{where}: {module}.weight holds codes outside int4's -8..7")
     else:
         shape = tuple(int(d) for d in reader.read(f"{module}.weight_shape"))
         bits = 8 if scheme.fmt == "int8" else 4
@@ -189,6 +272,7 @@ def iter_compressed(folder: str | Path, config: ModelConfig) -> Iterator[tuple[s
     if qc is None:
         raise ValueError(f"{folder}/config.json has no compressed-tensors quantization_config")
     where = f"{folder}/config.json"
+    check_supported(qc, where)
     reader = _Reader(folder)
     for path, (hf, transpose) in hf_names(config).items():
         module = hf.removesuffix(".weight")
@@ -235,6 +319,13 @@ def checkpoint_plan(folder: str | Path, config: ModelConfig) -> tuple[dict, Stor
     if qc is None:
         raise ValueError(f"{folder}/config.json has no compressed-tensors quantization_config")
     where = f"{folder}/config.json"
+    check_supported(qc, where)
+    g_idx = [name for name in _Reader(folder).where if name.endswith("_g_idx")]
+    if g_idx:
+        raise ValueError(
+            f"{where}: the checkpoint has {g_idx[0]} (activation reordering, actorder); "
+            "tenantq does not reorder inputs"
+        )
     rules = []
     tensors = config.tensors()
     for path, (hf, _) in hf_names(config).items():
