@@ -317,3 +317,21 @@ def test_cli_os_error_is_one_line_naming_the_path(source, tmp_path, capsys, monk
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "No space left on device" in err and "model.safetensors" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_overwrite_failing_at_the_swap_keeps_the_earlier_export(source, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    export_checkpoint(source, QuantPlan.from_dict(INT8_MLP), out)
+    (out / "mark").write_text("earlier")
+    rename = os.rename
+
+    def failing(src, dst):
+        if str(src).endswith(".tmp"):  # the new folder's move into place
+            raise OSError(5, "Input/output error", str(src))
+        rename(src, dst)
+
+    monkeypatch.setattr("tenantq.export.writer.os.rename", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        export_checkpoint(source, QuantPlan.from_dict(INT8_MLP), out, overwrite=True)
+    assert (out / "mark").read_text() == "earlier"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no .old, no .tmp left

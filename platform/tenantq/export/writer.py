@@ -448,8 +448,16 @@ def _write_folder(
         _readable(tmp)
         if out.exists():  # --overwrite: the old folder goes only once the new one is whole
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.rename(out, old)  # onto the fresh empty folder (POSIX renames over one)
-            os.rename(tmp, out)
+            try:
+                os.rename(out, old)  # onto the fresh empty folder (POSIX renames over one)
+            except BaseException:
+                old.rmdir()
+                raise
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)  # the earlier export goes back where it was
+                raise
             shutil.rmtree(old)
         else:
             os.rename(tmp, out)
