@@ -55,6 +55,7 @@ def source(tmp_path_factory):
     return write_folder(tmp_path_factory.mktemp("lib") / "m", CONFIG, tiny_params(CONFIG))
 
 
+@pytest.mark.slow  # 6 s at load 12 on 2 cores
 def test_each_group_format_is_the_librarys_inference(source, tmp_path):
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationConfig
@@ -118,3 +119,17 @@ def test_library_folder_tenantq_cannot_express_is_one_line_naming_config(
             read()
         message = str(err.value)
         assert named in message and f"{out}/config.json" in message and "\n" not in message
+
+
+def test_output_activations_are_refused_naming_config(source, tmp_path):
+    out = library_folder(source, tmp_path / "lib", INT4_G16, fmt="pack-quantized")
+    raw = json.loads((out / "config.json").read_text())
+    raw["quantization_config"]["config_groups"]["group_0"]["output_activations"] = {
+        "num_bits": 8, "type": "float", "strategy": "token", "dynamic": True
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError) as err:
+        checkpoint_plan(out, CONFIG)
+    message = str(err.value)
+    assert "output_activations" in message and f"{out}/config.json" in message
+    assert "\n" not in message
