@@ -24,6 +24,7 @@ ORDER = (
     "model",
     "testing",
     "quant",
+    "export",
     "engine",
     "capacity",
     "reference",

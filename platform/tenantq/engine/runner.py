@@ -151,12 +151,21 @@ class Engine:
         scale_scope: str = "global",
         **pool_options,
     ) -> Engine:
-        """Load a Hugging Face folder (safetensors; tokenizer.json optional) under `plan`."""
+        """Load a Hugging Face folder (safetensors; tokenizer.json optional) under `plan`.
+
+        A compressed-tensors folder (`tenantq export`) loads under its own plan and static
+        KV scales when `plan` is None."""
+        from tenantq.model.compressed import checkpoint_plan, is_compressed_tensors
         from tenantq.model.tokenizer import load_tokenizer
         from tenantq.quant.apply import load_quantized
 
         config = ModelConfig.from_file(path)
         check_supported(config)
+        if plan is None and is_compressed_tensors(path):  # its plan and KV scales are stored
+            stored, kv_scales = checkpoint_plan(path, config)
+            plan = QuantPlan.from_dict(stored)
+            if kv_scales is not None:
+                pool_options.setdefault("kv_scales", kv_scales)
         per_shard = tp is not None and scale_scope == "shard"  # quantized per shard later
         params = load_quantized(
             path, config, None if per_shard else plan,
