@@ -220,6 +220,7 @@ class Ledger:
     ) -> None:
         """Tell COMPLETE; a value that is not finite fails the trial (reason 'nan') instead,
         since Optuna would fail it on tell while the ledger counted it measured."""
+        self._check_untold(entry)
         bad = [v for v in values if not (isinstance(v, int | float) and math.isfinite(v))]
         if bad:
             self.fail(entry, "nan", f"objective values {values} are not all finite numbers")
@@ -242,6 +243,7 @@ class Ledger:
         failures left is re-queued (a WAITING copy of the trial's parameters)."""
         if reason not in REASONS:
             raise LedgerError(f"unknown failure reason {reason!r}")
+        self._check_untold(entry)
         entry.reason, entry.error = reason, error
         entry.trial.set_user_attr(REASON_ATTR, reason)
         entry.trial.set_user_attr("error", error[:2000])
@@ -332,6 +334,10 @@ class Ledger:
             self.counts["failed"] += 1
         if self.on_told is not None:
             self.on_told(entry)
+
+    def _check_untold(self, entry: Entry) -> None:
+        if entry.outcome is not None or State.TOLD not in _NEXT[entry.state]:
+            raise LedgerError(f"trial {entry.number} was told already ({entry.outcome})")
 
     def _move(self, entry: Entry, new: State) -> None:
         if new not in _NEXT[entry.state]:
