@@ -419,11 +419,12 @@ class SearchDriver:
         if getattr(self, "ledger", None) is None:
             return {}
         c = self.counts()
-        return {
-            "study.complete": c["complete"],
-            "study.failed": c["failed"],
-            "study.plans": c["done"],
-        }
+        out = {"study.complete": c["complete"], "study.failed": c["failed"], "study.plans": c["done"]}
+        try:
+            out["study.front_size"] = len(self.study.best_trials)
+        except Exception:  # the study could not be read: nothing to add
+            pass
+        return out
 
 
 def _verdict_tags(summary: dict[str, Any], constraints: dict[str, float]) -> dict[str, str]:
