@@ -9,6 +9,7 @@ logs every told trial; a background thread keeps the heartbeats of trials in fli
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -419,11 +420,10 @@ class SearchDriver:
         if getattr(self, "ledger", None) is None:
             return {}
         c = self.counts()
-        out = {"study.complete": c["complete"], "study.failed": c["failed"], "study.plans": c["done"]}
-        try:
+        out = {"study.complete": c["complete"], "study.failed": c["failed"]}
+        out["study.plans"] = c["done"]
+        with contextlib.suppress(Exception):  # the study could not be read: nothing to add
             out["study.front_size"] = len(self.study.best_trials)
-        except Exception:  # the study could not be read: nothing to add
-            pass
         return out
 
 
