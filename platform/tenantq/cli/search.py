@@ -29,6 +29,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="resume the study if its storage has it, else start it (make demo)",
     )
+    p.add_argument(
+        "--continue-as",
+        metavar="NEW_NAME",
+        help="copy the study (its model, suites or spec changed) to NEW_NAME and go on there",
+    )
     p.add_argument("--workers", type=int, help="override workers.count")
     p.add_argument("--address", help="Ray cluster address (default: start Ray in-process)")
     p.add_argument("--trials", type=int, help="override study.trials")
@@ -45,8 +50,10 @@ def run(args: argparse.Namespace) -> int:
     os.environ["JAX_PLATFORMS"] = "cpu"
     from pathlib import Path
 
-    from tenantq.search.driver import SearchDriver, prepare, study_exists
+    from tenantq.search.context import prepare
+    from tenantq.search.driver import SearchDriver
     from tenantq.search.spec import load_spec
+    from tenantq.search.store import study_exists
 
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be a positive integer, got {args.workers}")
@@ -65,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.spec}: valid ({spec.space.kind} space, {spec.study.trials} trials)")
         return 0
     resume = args.resume
+    continue_from = None
+    if args.continue_as:
+        continue_from = spec.study.name
+        study = spec.study.model_copy(update={"name": args.continue_as})
+        spec = spec.model_copy(update={"study": study})
+        resume = True
     if args.resume_or_start:
         prepare(spec, text)  # a bad spec stops here, before a storage is opened
         resume = study_exists(spec.study.storage, spec.study.name)
@@ -76,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         address=args.address,
         progress=not args.no_progress,
         out_dir=args.out,
+        continue_from=continue_from,
     )
     from tenantq.workers.pool import WorkerStartError
 
@@ -111,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     c = outcome.counts
     print(
-        f"\nstudy {outcome.study_name}: {c['complete']} complete, {c['failed']} failed "
-        f"({c['retries']} retried) in {outcome.storage}\n"
+        f"\nstudy {outcome.study_name}: {c['done']} distinct plans; {c['complete']} trials "
+        f"complete ({c['duplicates']} duplicates), {c['failed']} failed ({c['retries']} "
+        f"retried) in {outcome.storage}\n"
     )
     print(outcome.table)
     if outcome.exported:

@@ -115,6 +115,7 @@ class CapacityAwareSampler(BaseSampler):
         quality_index: int,
         quality_sign: float = 1.0,
         seed: int | None = None,
+        distributions: dict[str, Any] | None = None,
     ):
         if not candidates:
             raise ValueError("capacity_aware sampler: the space has no candidate plans")
@@ -122,7 +123,9 @@ class CapacityAwareSampler(BaseSampler):
         self.quality_index = quality_index
         self.quality_sign = quality_sign
         self._by_params = {_params_key(c.params): c for c in self.candidates}
-        self._space = {
+        # The distributions `space.suggest` asks with (an int range is an IntDistribution):
+        # declaring another kind makes Optuna refuse the suggestion and fail every trial.
+        self._space = distributions or {
             name: CategoricalDistribution(
                 list(dict.fromkeys(c.params[name] for c in self.candidates))
             )
@@ -140,7 +143,7 @@ class CapacityAwareSampler(BaseSampler):
         if not search_space:
             return {}
         measured: dict[str, float] = {}
-        pending: set[str] = set()
+        pending: set[str] = set()  # in flight, or failed: not to be proposed again
         for t in study.get_trials(deepcopy=False):
             c = self._by_params.get(_params_key(t.params))
             if c is None:
@@ -148,6 +151,8 @@ class CapacityAwareSampler(BaseSampler):
             if t.state == TrialState.COMPLETE and t.values is not None:
                 loss = self.quality_sign * t.values[self.quality_index]
                 measured[c.key] = min(loss, measured.get(c.key, math.inf))
+            elif t.state == TrialState.FAIL:
+                pending.add(c.key)  # a failed plan: its retries are the driver's to enqueue
             elif t.state in (TrialState.RUNNING, TrialState.WAITING) and t.number != trial.number:
                 pending.add(c.key)
         pick = choose(self.candidates, measured, pending)
@@ -166,14 +171,16 @@ def _params_key(params: dict[str, Any]) -> tuple:
 MAX_CANDIDATES = 5000  # plans enumerated at ~1 ms each (plan + budget): a few seconds at most
 
 
-def sampler_for_spec(spec) -> CapacityAwareSampler:
-    """The sampler for a study spec: every plan of its space with its exact tenants on the
-    spec's deployment, built by the driver's own `prepare`, `plan_from_params` and `budget`."""
-    import itertools
+def sampler_for_spec(spec, seed: int | None = None) -> CapacityAwareSampler:
+    """The sampler for a study spec (its context built here; the driver passes its own to
+    `sampler_for_context` instead)."""
+    _check_quality(spec)
+    from tenantq.search.context import prepare
 
-    from tenantq.capacity import budget
-    from tenantq.search.driver import prepare
-    from tenantq.search.space import parameter_choices, plan_from_params
+    return sampler_for_context(prepare(spec, ""), seed=seed)
+
+
+def _check_quality(spec) -> list[int]:
     from tenantq.search.spec import CAPACITY_METRIC
 
     quality = [i for i, o in enumerate(spec.objectives) if o.metric != CAPACITY_METRIC]
@@ -181,8 +188,19 @@ def sampler_for_spec(spec) -> CapacityAwareSampler:
         raise ValueError(
             "sampler.kind = 'capacity_aware' needs a quality objective besides 'tenants'"
         )
-    prep = prepare(spec, "")
-    choices = parameter_choices(spec.space, prep.config, prep.profile)
+    return quality
+
+
+def sampler_for_context(context, seed: int | None = None) -> CapacityAwareSampler:
+    """Every plan of the study's space with its exact tenants on the spec's deployment, from
+    the context's own `plan_and_budget` (checked once, by the context)."""
+    import itertools
+
+    from tenantq.search.space import distributions, parameter_choices
+
+    spec = context.spec
+    quality = _check_quality(spec)
+    choices = parameter_choices(spec.space, context.config, context.profile)
     size = math.prod(len(v) for v in choices.values())
     if size > MAX_CANDIDATES:
         raise ValueError(
@@ -192,14 +210,14 @@ def sampler_for_spec(spec) -> CapacityAwareSampler:
     candidates = []
     for values in itertools.product(*(list(v) for v in choices.values())):
         params = dict(zip(choices, values, strict=True))
-        plan = plan_from_params(
-            spec.space, params, prep.config,
-            algorithm=spec.calibration.algorithm, profile=prep.profile,
-        )  # fmt: skip
-        b = budget(prep.capacity_config, plan, prep.deployment, spec.deployment.context_tokens)
+        plan, b = context.plan_and_budget(params)
         candidates.append(Candidate(params, b.tenants, plan.fingerprint()))
     first = quality[0]
     sign = 1.0 if spec.objectives[first].direction == "minimize" else -1.0
     return CapacityAwareSampler(
-        candidates, quality_index=first, quality_sign=sign, seed=spec.sampler.seed
+        candidates,
+        quality_index=first,
+        quality_sign=sign,
+        seed=spec.sampler.seed if seed is None else seed,
+        distributions=distributions(choices),
     )

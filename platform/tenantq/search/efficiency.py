@@ -99,7 +99,7 @@ def space_params(choice: tuple[str, str, str], config) -> dict[str, Any]:
 def build_points(spec_path: str | Path = DEFAULT_SPEC) -> tuple[list[SpacePoint], Any]:
     """Every plan of the space on `spec_path`'s deployment; returns (points, prepared spec)."""
     from tenantq.capacity import budget
-    from tenantq.search.driver import prepare
+    from tenantq.search.context import prepare
     from tenantq.search.space import plan_from_params
     from tenantq.search.spec import load_spec
 
@@ -294,7 +294,7 @@ def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: Sp
     """The sampler the driver would build for `kind` (its own `make_sampler`), or the
     capacity-aware one over the landscape's candidates."""
     from tenantq.search.capacity_aware import Candidate, CapacityAwareSampler
-    from tenantq.search.driver import make_sampler
+    from tenantq.search.samplers import make_sampler
 
     if kind == "capacity_aware":
         candidates = [

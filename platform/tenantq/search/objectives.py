@@ -8,6 +8,7 @@ no accelerator); quality comes from the worker's summary. Constraints go to Optu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +44,8 @@ def objective_values(
                 f"objective {obj.metric!r} is not a number in the suite's results; "
                 f"metrics available: {', '.join(numeric[:40])}"
             )
+        if not math.isfinite(value):  # Optuna would FAIL the trial on tell: refuse it first
+            raise ValueError(f"objective {obj.metric!r} is {value} (not a finite number)")
         out.append(float(value))
     return out
 

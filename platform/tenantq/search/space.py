@@ -53,6 +53,19 @@ def suggest(trial: Any, space: SpaceSpec, config: ModelConfig, profile=None) -> 
     return params
 
 
+def distributions(choices: dict[str, list | range]) -> dict[str, Any]:
+    """The Optuna distribution `suggest` asks each parameter with (samplers that declare a
+    search space must declare these: Optuna refuses a suggestion of another kind)."""
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    return {
+        name: IntDistribution(c.start, c.stop - 1)
+        if isinstance(c, range)
+        else CategoricalDistribution(list(c))
+        for name, c in choices.items()
+    }
+
+
 def parameter_choices(
     space: SpaceSpec, config: ModelConfig, profile: SensitivityProfile | None = None
 ) -> dict[str, list | range]:

@@ -239,7 +239,18 @@ class StudySpec(_Strict):
         description="enqueue bf16, fp8+fp8 KV, int4 g128 first; absent: yes, except with the "
         "capacity_aware sampler, which measures the space's most precise plan first itself",
     )
-    max_trial_retries: int = Field(1, ge=0, description="retries of a trial left stale")
+    max_trial_retries: int = Field(
+        1,
+        ge=0,
+        description="retries of a plan whose worker died, ran past its deadline or "
+        "whose driver died (a plan fails at most 1 + this many times)",
+    )
+    trial_timeout: float | None = Field(
+        None,
+        gt=0,
+        description="seconds a trial may run on a worker before its worker is "
+        "killed and replaced and the trial failed with reason 'timeout' (absent: no deadline)",
+    )
 
 
 def wants_baselines(spec: Spec) -> bool:

@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 PARENT_TAG = "mlflow.parentRunId"
+# MLflow 3 opens an experiment without this tag on its GenAI traces overview, not the runs table.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
 RUN_NAME_TAG = "mlflow.runName"
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 
@@ -65,9 +68,16 @@ class StudyTracker:
         mlflow.set_tracking_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri)
         found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = (
-            found.experiment_id if found else self.client.create_experiment(experiment)
-        )
+        if found is None:
+            self.experiment_id = self.client.create_experiment(
+                experiment, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+            )
+        else:
+            self.experiment_id = found.experiment_id
+            if EXPERIMENT_KIND_TAG not in found.tags:  # an experiment made before the tag
+                self.client.set_experiment_tag(
+                    self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND
+                )
         self.parent_run_id: str | None = None
 
     # ---------------------------------------------------------------- parent run
@@ -130,15 +140,27 @@ class StudyTracker:
         self.client.set_terminated(run_id, "FAILED" if error is not None else "FINISHED")
         return run_id
 
-    def trial_runs(self) -> dict[int, str]:
-        """Trial number -> run id of this study's nested runs (for tagging and resume)."""
+    def trial_runs(self, *, with_status: bool = False) -> dict[int, Any]:
+        """Trial number -> run id of this study's nested runs (for tagging and resume); with
+        `with_status`, trial number -> (run id, status) of every run, newest first wins."""
         assert self.parent_run_id
         runs = self.client.search_runs(
             [self.experiment_id],
             filter_string=f"tags.`{PARENT_TAG}` = '{self.parent_run_id}'",
             max_results=50000,
+            order_by=["attributes.start_time ASC"],
         )
+        if with_status:
+            out: dict[int, Any] = {}
+            for r in runs:
+                out.setdefault(int(r.data.tags["tenantq.trial"]), []).append(
+                    (r.info.run_id, r.info.status)
+                )
+            return out
         return {int(r.data.tags["tenantq.trial"]): r.info.run_id for r in runs}
+
+    def delete_run(self, run_id: str) -> None:
+        self.client.delete_run(run_id)
 
     def tag(self, run_id: str, key: str, value: str) -> None:
         self.client.set_tag(run_id, key, value)

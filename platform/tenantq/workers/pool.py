@@ -5,8 +5,11 @@ raises, and keeps a dead actor in rotation; a search needs both (a failed trial 
 Optuna by number; a lost host is replaced). So this pool keeps `ref -> (key, worker)` itself
 and leaves the rest to Ray: actor restarts and task retries (`max_restarts`,
 `max_task_retries`) re-run a trial whose worker died; only when Ray gives up (a `RayError`
-other than the trial's own `RayTaskError`) is the worker replaced here, a bounded number of
-times.
+other than the trial's own `RayTaskError`) is the worker replaced here. A trial past its
+deadline (`trial_timeout_s`) has its actor killed and replaced. Replacements are bounded by
+losses in a row without a result (`max_replacements`): a plan that kills its worker is
+stopped by the driver's per-plan failure budget, not by the pool's. Workers join as they
+finish loading: the pool starts work with those ready (`wait_ready` waits for the first).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Finished:
     result: TrialResult | None = None
     error: BaseException | None = None
     worker_lost: bool = False
+    reason: str | None = None  # None, "error", "worker_died" or "timeout"
 
 
 class WorkerPool:
@@ -53,6 +57,7 @@ class WorkerPool:
         name_prefix: str = "tenantq-worker",
         calibration: dict[str, Any] | None = None,
         worker_class: type | None = None,
+        trial_timeout_s: float | None = None,
     ) -> None:
         import ray
 
@@ -67,8 +72,11 @@ class WorkerPool:
         self._names: dict[int, str] = {}
         self._generation = 0
         self._idle: list[int] = []
+        self._loading: dict[Any, int] = {}  # ping ref -> slot still loading
         self._inflight: dict[Any, tuple[Any, int, float]] = {}
+        self.trial_timeout_s = trial_timeout_s
         self.replacements = 0
+        self.losses_in_a_row = 0
         self.max_replacements = (
             max_replacements if max_replacements is not None else 2 * self._count
         )
@@ -93,26 +101,40 @@ class WorkerPool:
             calibration=self._calibration,
         )
         self._names[slot] = name
-        self._idle.append(slot)
+        self._loading[self._actors[slot].ping.remote()] = slot
 
-    def wait_ready(self, timeout_s: float = WORKER_START_TIMEOUT_S) -> list[dict]:
-        """Block until every worker has loaded; a worker that cannot is a WorkerStartError."""
-        import ray
-
-        refs = {slot: actor.ping.remote() for slot, actor in self._actors.items()}
-        out = []
-        for slot, ref in refs.items():
-            try:
-                out.append(ray.get(ref, timeout=timeout_s))
-            except ray.exceptions.GetTimeoutError:
+    def wait_ready(self, timeout_s: float = WORKER_START_TIMEOUT_S, *, all_: bool = False):
+        """Block until the first worker has loaded (every one with `all_`); the others join
+        as they finish (`wait` and `idle` take them in). A worker that cannot load is a
+        WorkerStartError: every trial would fail the same way."""
+        deadline = time.monotonic() + timeout_s
+        while self._loading and (all_ or not self._idle):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                slot = next(iter(self._loading.values()))
                 raise WorkerStartError(
                     f"worker {self._names[slot]} did not load within {timeout_s:.0f} s"
-                ) from None
+                )
+            self._take_loaded(min(left, 1.0))
+        return len(self._idle)
+
+    def _take_loaded(self, timeout_s: float = 0.0) -> None:
+        import ray
+
+        if not self._loading:
+            return
+        ready, _ = ray.wait(list(self._loading), num_returns=1, timeout=timeout_s)
+        if ready:
+            ready, _ = ray.wait(list(self._loading), num_returns=len(self._loading), timeout=0)
+        for ref in ready:
+            slot = self._loading.pop(ref)
+            try:
+                ray.get(ref)
             except ray.exceptions.RayError as err:
                 raise WorkerStartError(
                     f"worker {self._names[slot]} failed to start: {_cause(err)}"
                 ) from None
-        return out
+            self._idle.append(slot)
 
     def actor(self, slot: int):
         return self._actors[slot]
@@ -134,6 +156,8 @@ class WorkerPool:
 
     @property
     def idle(self) -> int:
+        if self._loading:
+            self._take_loaded()
         return len(self._idle)
 
     @property
@@ -158,10 +182,14 @@ class WorkerPool:
         """Outcomes that arrived within `timeout_s` (possibly none)."""
         import ray
 
+        self._take_loaded()
         if not self._inflight:
             time.sleep(min(timeout_s, 0.05))
             return []
         refs = list(self._inflight)
+        if self.trial_timeout_s is not None:  # wake up in time for the next deadline
+            first = min(start for _, _, start in self._inflight.values())
+            timeout_s = max(0.0, min(timeout_s, first + self.trial_timeout_s - time.perf_counter()))
         ready, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
         if ready:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
@@ -172,30 +200,56 @@ class WorkerPool:
             try:
                 done.result = ray.get(ref)
             except ray.exceptions.RayTaskError as err:
-                done.error = _cause(err)
+                done.error, done.reason = _cause(err), "error"
             except ray.exceptions.RayError as err:
                 # The infrastructure failed, not the plan: the actor or its node died
                 # (RayActorError, NodeDiedError), Ray's memory monitor killed it
-                # (OutOfMemoryError), or its object was lost. The worker is replaced and the
-                # trial re-queued, bounded.
-                done.error, done.worker_lost = err, True
+                # (OutOfMemoryError), or its object was lost. The worker is replaced; the
+                # driver retries the trial within its plan's failure budget.
+                done.error, done.worker_lost, done.reason = err, True, "worker_died"
             done.elapsed_s = time.perf_counter() - start
             if done.worker_lost:
                 self._replace(slot, err=done.error)
             else:
+                self.losses_in_a_row = 0
                 self._idle.append(slot)
             out.append(done)
+        out += self._expire()
+        return out
+
+    def _expire(self) -> list[Finished]:
+        """Trials past their deadline: the actor is killed (a hung XLA call cannot be
+        interrupted from inside) and a new one started in its slot."""
+        import ray
+
+        if self.trial_timeout_s is None:
+            return []
+        now = time.perf_counter()
+        out = []
+        for ref, (key, slot, start) in list(self._inflight.items()):
+            if now - start < self.trial_timeout_s:
+                continue
+            del self._inflight[ref]
+            name = self._names[slot]
+            with contextlib.suppress(ValueError, ray.exceptions.RayError):
+                ray.kill(self._actors[slot], no_restart=True)
+            self._start(slot)  # not counted against max_replacements: the plan's fault
+            error = TimeoutError(
+                f"trial ran past its deadline of {self.trial_timeout_s:g} s on {name}"
+            )
+            out.append(Finished(key, name, now - start, error=error, reason="timeout"))
         return out
 
     def _replace(self, slot: int, err: BaseException | None) -> None:
         import ray
 
-        if self.replacements >= self.max_replacements:
+        if self.losses_in_a_row >= self.max_replacements:
             raise WorkerStartError(
-                f"workers lost {self.replacements + 1} times (limit {self.max_replacements}); "
-                f"last: {err}"
+                f"workers lost {self.losses_in_a_row + 1} times in a row without a result "
+                f"(limit {self.max_replacements}); last: {err}"
             )
         self.replacements += 1
+        self.losses_in_a_row += 1
         with contextlib.suppress(ValueError, ray.exceptions.RayError):  # already gone
             ray.kill(self._actors[slot], no_restart=True)
         self._start(slot)

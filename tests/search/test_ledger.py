@@ -1,0 +1,305 @@
+"""The trial ledger against real Optuna (in-memory storage): each transition's rule, and a
+hypothesis state machine that drives random sequences of asks, results, failures, deaths,
+deadlines and driver restarts against a small model of what must hold.
+
+Bounds are exact counts: how many times Optuna was told about each trial (exactly once), how
+many distinct plans were settled (the budget), how many attempts a failing plan had (at most
+its failure budget)."""
+
+from __future__ import annotations
+
+import math
+
+import optuna
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from tenantq.search.ledger import Ledger, LedgerError, State
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+PLANS = ["p0", "p1", "p2", "p3", "p4", "p5", "a", "b", "c", "killer"]
+
+
+class CountingStudy:
+    """An Optuna study that counts tells per trial number (the invariant under test)."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        self._study = study
+        self.tells: dict[int, int] = {}
+
+    def ask(self):
+        return self._study.ask()
+
+    def tell(self, trial, values=None, state=None):
+        self.tells[trial.number] = self.tells.get(trial.number, 0) + 1
+        if state is None:
+            return self._study.tell(trial, values)
+        return self._study.tell(trial, state=state)
+
+    def add_trial(self, trial) -> None:
+        self._study.add_trial(trial)
+
+    def get_trials(self, **kw):
+        return self._study.get_trials(**kw)
+
+
+def _study(seed: int = 0) -> CountingStudy:
+    return CountingStudy(
+        optuna.create_study(directions=["minimize"], sampler=optuna.samplers.RandomSampler(seed))
+    )
+
+
+def _ask(ledger: Ledger, plan: str):
+    entry = ledger.ask()
+    entry.trial.suggest_categorical("plan", PLANS)  # the sampler's draw; `plan` is the route's
+    return entry, ledger.route(entry, plan)
+
+
+def test_a_trial_is_never_told_twice() -> None:
+    # Fault 5: an exception after study.tell reached the failure path, which told again.
+    study = _study()
+    ledger = Ledger(study, trials=3, failure_budget=2)
+    entry, where = _ask(ledger, "a")
+    assert where == "run"
+    ledger.dispatched(entry, "w0")
+    ledger.complete(entry, [1.0])
+    with pytest.raises(LedgerError, match="told already|not allowed"):
+        ledger.fail(entry, "error", "logging raised after the tell")
+    assert study.tells == {entry.number: 1}
+    assert study.get_trials()[0].state == optuna.trial.TrialState.COMPLETE
+
+
+def test_a_nan_objective_fails_the_trial_and_is_not_measured() -> None:
+    # Fault 3: NaN went to study.tell (Optuna FAILs it) while the driver counted the plan
+    # measured; the next duplicate then read values of a failed trial (None).
+    study = _study()
+    ledger = Ledger(study, trials=3, failure_budget=2)
+    entry, _ = _ask(ledger, "a")
+    ledger.dispatched(entry, "w0")
+    ledger.complete(entry, [math.nan])
+    assert entry.outcome == "failed" and entry.reason == "nan"
+    assert "a" not in ledger.measured and "a" in ledger.settled  # an error of the plan itself
+    again, where = _ask(ledger, "a")
+    assert where == "refused" and again.reason == "failed_before"
+    assert ledger.done == 1  # the refusal cost an ask, not the budget
+
+
+def test_duplicates_do_not_count_toward_the_budget() -> None:
+    # Fault 9: `done = complete + failed - retries` counted duplicates as plans measured.
+    study = _study()
+    ledger = Ledger(study, trials=2, failure_budget=2)
+    for plan, expected in (("a", "run"), ("a", "duplicate"), ("a", "duplicate")):
+        entry, where = _ask(ledger, plan)
+        assert where == expected
+        if where == "run":
+            ledger.dispatched(entry, "w0")
+            ledger.complete(entry, [0.5])
+    assert ledger.done == 1 and ledger.wants_more()
+    entry, _ = _ask(ledger, "b")
+    ledger.dispatched(entry, "w0")
+    ledger.complete(entry, [0.7])
+    assert ledger.done == 2 and not ledger.wants_more()
+    dup = [t for t in study.get_trials() if "duplicate_of" in t.user_attrs]
+    assert len(dup) == 2 and all(t.values == [0.5] for t in dup)
+
+
+def test_a_plan_that_kills_its_worker_fails_at_most_its_budget() -> None:
+    # Fault 8: each worker death re-queued the plan with no per-plan bound.
+    study = _study()
+    ledger = Ledger(study, trials=2, failure_budget=2)
+    attempts = 0
+    while ledger.wants_more() and attempts < 10:
+        entry = ledger.ask()
+        plan = entry.trial.suggest_categorical("plan", PLANS) and "killer"
+        if ledger.route(entry, plan) != "run":
+            break
+        ledger.dispatched(entry, "w0")
+        attempts += 1
+        ledger.fail(entry, "worker_died", "ActorDiedError")
+    assert attempts == 2  # the failure budget, then the plan is settled as failed
+    assert "killer" in ledger.settled and ledger.counts["retries"] == 1
+
+
+def test_a_parked_duplicate_waits_for_its_plan() -> None:
+    study = _study()
+    ledger = Ledger(study, trials=3, failure_budget=2)
+    first, _ = _ask(ledger, "a")
+    ledger.dispatched(first, "w0")
+    second, where = _ask(ledger, "a")
+    assert where == "parked" and second.state == State.PARKED
+    ledger.complete(first, [0.25])
+    assert second.outcome == "complete" and second.duplicate_of == first.number
+    assert study.tells == {first.number: 1, second.number: 1}
+
+
+def test_restore_counts_distinct_plans_and_failures_from_the_study() -> None:
+    study = _study()
+    ledger = Ledger(study, trials=5, failure_budget=2)
+    for plan in ("a", "a", "b"):
+        entry, where = _ask(ledger, plan)
+        if where == "run":
+            ledger.dispatched(entry, "w0")
+            ledger.complete(entry, [0.1])
+    entry, _ = _ask(ledger, "c")
+    ledger.dispatched(entry, "w0")
+    ledger.fail(entry, "timeout", "past the deadline")
+    again = Ledger(study, trials=5, failure_budget=2)
+    again.restore(study.get_trials(deepcopy=False))
+    assert again.done == ledger.done == 2
+    assert again.failures == {"c": 1} and again.measured.keys() == {"a", "b"}
+    entry, where = _ask(again, "a")  # a resumed duplicate is answered, not re-run
+    assert where == "duplicate" and entry.values == [0.1]
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Random sequences of asks (the sampler's proposal is drawn by hypothesis), results,
+    non-finite values, trial errors, worker deaths, deadlines and driver restarts (a new
+    ledger restored from the study, the live trials failed as the dead driver's)."""
+
+    @initialize(trials=st.integers(1, 4), budget=st.integers(1, 3))
+    def start(self, trials: int, budget: int) -> None:
+        self.study = _study()
+        self.trials, self.budget = trials, budget
+        self.ledger = Ledger(self.study, trials=trials, failure_budget=budget)
+        self.attempts: dict[str, int] = {}  # plan -> dispatched attempts that failed
+        self.dispatched: list = []
+        self.measured_before_restart: set[str] = set()
+        self.rerun_after_restart: list[str] = []
+        self.model_settled: set[str] = set()  # the model: measured, or failed for good
+        self.rerun_settled: list[str] = []
+        self.model_measured: dict[str, float] = {}  # plan -> its first finite value
+        self.wrong_answers: list[tuple] = []
+
+    @precondition(lambda self: self.ledger.wants_more())
+    @rule(plan=st.sampled_from(PLANS[:3]))  # few plans: duplicates and exhaustion are common
+    def ask(self, plan: str) -> None:
+        entry = self.ledger.ask()
+        entry.trial.suggest_categorical("plan", PLANS)  # a WAITING retry keeps its plan
+        fixed = entry.trial.params["plan"]
+        plan = fixed if "retry_of" in entry.trial.user_attrs else plan
+        where = self.ledger.route(entry, plan)
+        if plan in self.model_measured and entry.values != [self.model_measured[plan]]:
+            self.wrong_answers.append((plan, where, entry.values))
+        if where == "run":
+            if plan in self.model_settled:
+                self.rerun_settled.append(plan)
+            if plan in self.measured_before_restart:
+                self.rerun_after_restart.append(plan)
+            self.ledger.dispatched(entry, "w")
+            self.dispatched.append(entry)
+
+    def _take(self, index: int):
+        self.dispatched = [e for e in self.dispatched if e.state == State.DISPATCHED]
+        return self.dispatched[index % len(self.dispatched)] if self.dispatched else None
+
+    @rule(index=st.integers(0, 5), value=st.sampled_from([0.1, 0.5, math.nan, math.inf]))
+    def result(self, index: int, value: float) -> None:
+        entry = self._take(index)
+        if entry is not None:
+            self.ledger.complete(entry, [value])
+            self.model_settled.add(entry.fingerprint)  # a number, or an error of the plan
+            if math.isfinite(value):
+                self.model_measured[entry.fingerprint] = value
+
+    @rule(index=st.integers(0, 5), reason=st.sampled_from(["error", "worker_died", "timeout"]))
+    def failure(self, index: int, reason: str) -> None:
+        entry = self._take(index)
+        if entry is not None:
+            fp = entry.fingerprint
+            if reason != "error":
+                self.attempts[fp] = self.attempts.get(fp, 0) + 1
+            if reason == "error" or self.attempts[fp] >= self.budget:
+                self.model_settled.add(fp)
+            self.ledger.fail(entry, reason, reason)
+
+    @rule()
+    def log_everything(self) -> None:
+        for entry in self.ledger.untold_logs():
+            self.ledger.logged(entry)
+
+    @rule()
+    def driver_killed_and_resumed(self) -> None:
+        # The dead driver's trials are failed as Optuna's stale-trial check does (no reason
+        # recorded: "driver_died", retryable); a new ledger reads the study once.
+        for entry in self.ledger.unfinished():
+            if entry.state == State.DISPATCHED:
+                fp = entry.fingerprint
+                self.attempts[fp] = self.attempts.get(fp, 0) + 1
+                if self.attempts[fp] >= self.budget:
+                    self.model_settled.add(fp)
+            self.study.tell(entry.trial, state=optuna.trial.TrialState.FAIL)
+        self.measured_before_restart |= set(self.ledger.measured)
+        self.ledger = Ledger(self.study, trials=self.trials, failure_budget=self.budget)
+        self.ledger.restore(self.study.get_trials(deepcopy=False))
+        self.dispatched = []
+
+    @invariant()
+    def told_at_most_once(self) -> None:
+        assert all(n == 1 for n in self.study.tells.values()), self.study.tells
+
+    @invariant()
+    def a_failing_plan_is_tried_at_most_its_budget(self) -> None:
+        assert all(n <= self.budget for n in self.attempts.values()), self.attempts
+
+    @invariant()
+    def the_budget_is_never_exceeded(self) -> None:
+        assert self.ledger.done <= self.trials
+        assert self.ledger.done + len(self.ledger.in_flight) <= self.trials
+
+    @invariant()
+    def a_resume_reruns_no_measured_plan(self) -> None:
+        assert not self.rerun_after_restart
+
+    @invariant()
+    def a_measured_plan_is_answered_with_its_measurement(self) -> None:
+        assert not self.wrong_answers, self.wrong_answers
+
+    @invariant()
+    def a_settled_plan_is_never_run_again(self) -> None:
+        assert not self.rerun_settled, self.rerun_settled
+
+    @invariant()
+    def every_told_trial_is_finished_in_optuna(self) -> None:
+        states = {t.number: t.state for t in self.study.get_trials(deepcopy=False)}
+        for number in self.study.tells:
+            assert states[number].is_finished()
+
+    def teardown(self) -> None:
+        # Drain: finish every trial in flight, then ask until the ledger stops. Every asked
+        # trial is then told exactly once and the budget is met (the space has 6 plans, at
+        # most 4 trials: never exhausted unless failures settled every plan).
+        if not hasattr(self, "ledger"):
+            return
+        for _ in range(200):
+            for entry in list(self.ledger.unfinished()):
+                if entry.state == State.DISPATCHED:
+                    self.ledger.complete(entry, [0.3])
+            if not self.ledger.wants_more():
+                break
+            self.ask(PLANS[len(self.study.tells) % 3])
+        asked = {t.number for t in self.study.get_trials(deepcopy=False)} - {
+            t.number
+            for t in self.study.get_trials(
+                deepcopy=False, states=(optuna.trial.TrialState.WAITING,)
+            )
+        }
+        assert set(self.study.tells) == asked
+        assert all(n == 1 for n in self.study.tells.values())
+        assert self.ledger.done == self.trials or self.ledger.exhausted()
+
+
+TestLedgerMachine = LedgerMachine.TestCase
+TestLedgerMachine.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
