@@ -137,3 +137,50 @@ def render_compare(rows: Sequence[tuple[str, str, Budget]], base: Budget) -> str
 def _per_token(b: Budget) -> str:
     x = b.kv_bytes_per_token_per_chip
     return f"{int(x):,}" if float(x).is_integer() else f"{x:,.1f}"
+
+
+def render_service_level(b: Budget, s) -> str:
+    """The service-level section under a budget: the decode step at the tenants served,
+    line by line (bytes / bandwidth, FLOPs / peak, overhead), prefill's share, and the
+    tenants by memory, by SLO and the limit that binds. `s` is a `roofline.ServiceLevel`."""
+    st = s.step
+    ms = 1e3
+    out = [
+        "",
+        f"service level: {s.slo_tokens_per_s:g} tok/s per tenant; each request "
+        f"{s.prompt_tokens:,} prompt + {s.output_tokens:,} output tokens "
+        f"(context {s.context_tokens:,})",
+        f"decode step at {st.batch:,} tenant" + ("s" if st.batch > 1 else "") + " (per chip)",
+        _row("    weights read", st.weight_bytes, None, 1) + "   embedding: the batch's rows",
+        _row(f"    KV read ({st.batch:,} x {b.context_tokens:,} tokens)", st.kv_bytes, None, 1),
+        _row("    = bytes per step", st.bytes, None, 1),
+        f"{'    / bandwidth':<{_LABEL}}{st.bandwidth_bytes_per_s / 1e9:>18,.0f} GB/s"
+        f"   = {st.memory_s * ms:.3f} ms",
+    ]
+    for fmt, n in st.flops.items():
+        if n:
+            out.append(
+                f"{f'    {fmt} FLOPs / peak':<{_LABEL}}{n:>20,} / {st.peaks[fmt] / 1e12:,.1f} T"
+                f"   = {n / st.peaks[fmt] * ms:.3f} ms"
+            )
+    out.append(f"{'    compute time':<{_LABEL}}{st.compute_s * ms:>17.3f} ms")
+    out.append(f"{'    + step overhead':<{_LABEL}}{st.overhead_s * ms:>17.3f} ms")
+    out.append(f"{f'    = step time ({st.bound}-bound)':<{_LABEL}}{st.step_s * ms:>17.3f} ms")
+    out.append(
+        f"{'prefill of one prompt (compute-bound)':<{_LABEL}}{s.prefill_s * ms:>17.3f} ms"
+        f"   {s.prefill_share:.1%} of the chip's time"
+    )
+    out.append(f"{'tokens/s per tenant':<{_LABEL}}{s.tokens_per_s_per_tenant:>20.1f}")
+    out.append("")
+    out.append(f"{'tenants by memory':<{_LABEL}}{s.tenants_by_memory:>20,}")
+    out.append(
+        f"{f'tenants by SLO ({s.slo_tokens_per_s:g} tok/s)':<{_LABEL}}{s.tenants_by_slo:>20,}"
+    )
+    binding = {"memory": "memory", "slo": "the SLO", "both": "memory and the SLO alike"}
+    out.append(
+        f"{f'tenants at {s.slo_tokens_per_s:g} tok/s':<{_LABEL}}{s.tenants:>20,}"
+        f"   bound by {binding[s.binding]}"
+    )
+    for note in s.notes:
+        out.append(f"note: {note}")
+    return "\n".join(out)

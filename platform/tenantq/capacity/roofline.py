@@ -1,0 +1,325 @@
+"""Decode step time by roofline, and how many tenants a deployment serves at a service level.
+
+One decode step of B tenants at context c takes max(bytes / bandwidth, FLOPs / peak) plus a
+fixed overhead. Bytes are the weights in their stored formats plus every tenant's KV pages,
+scales included, counted by the budget's own byte functions (`tensor_bytes`, the KV storage
+rows), never a second count; FLOPs are split by the format each matmul runs in (bf16 for
+weight-only formats, int8/fp8 for W8A8 and W4A8). Prefill is compute-bound and costed apart;
+its share of the chip's time lowers each tenant's decode rate. Imports no JAX, Ray or MLflow.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from tenantq.capacity.hardware import COMPUTE_FORMATS, Deployment, HardwareProfile
+from tenantq.capacity.kv import kv_layers, pool_bytes_from_layers, tenant_pages
+from tenantq.capacity.weights import tensor_bytes
+from tenantq.model.config import ModelConfig
+from tenantq.quant.plan import QuantPlan
+
+# A serving engine's fixed cost per decode step on an accelerator (kernel launches, the
+# scheduler, sampling), independent of bytes and FLOPs: an assumption, stated, overridable.
+DEFAULT_STEP_OVERHEAD_S = 0.5e-3
+# Each request: a prompt, then this many generated tokens (its context holds both).
+DEFAULT_OUTPUT_TOKENS = 256
+# Beyond this many tenants the SLO search stops (no deployment holds 2^24 sequences).
+_MAX_TENANTS = 2**24
+_ACTIVATION_COMPUTE = {"int8": "int8", "fp8_e4m3": "fp8"}
+_SLO = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(tok|tokens)\s*/\s*s\s*$")
+
+
+def parse_slo(text: str | float | int) -> float:
+    """Tokens per second per tenant from `"20tok/s"` (or `"20 tokens/s"`, or a number)."""
+    if isinstance(text, bool):
+        raise ValueError(f"slo: {text!r} is not a rate; write e.g. 20tok/s")
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        match = _SLO.match(str(text))
+        if match is None:
+            raise ValueError(f"slo: cannot read {text!r} as a rate; write e.g. 20tok/s")
+        value = float(match.group(1))
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"slo: {text!r} must be a positive, finite rate, e.g. 20tok/s")
+    return value
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One decode step of `batch` tenants at `context_tokens` each, on one chip."""
+
+    batch: int
+    context_tokens: int
+    weight_bytes: int  # weights read this step (embedding: only the rows gathered)
+    kv_bytes: int  # every tenant's KV pages and slot buffers, plus static scales once
+    flops: dict[str, int]  # per compute format (bf16, int8, fp8), per chip
+    bandwidth_bytes_per_s: float
+    peaks: dict[str, float]  # the rate each format ran at (bf16's where the chip has none)
+    overhead_s: float
+    memory_s: float
+    compute_s: float
+    step_s: float
+    bound: str  # "memory" | "compute"
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "batch": self.batch,
+            "context_tokens": self.context_tokens,
+            "weight_bytes": self.weight_bytes,
+            "kv_bytes": self.kv_bytes,
+            "bytes": self.bytes,
+            "flops": dict(self.flops),
+            "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "peaks": dict(self.peaks),
+            "memory_s": self.memory_s,
+            "compute_s": self.compute_s,
+            "overhead_s": self.overhead_s,
+            "step_s": self.step_s,
+            "bound": self.bound,
+        }
+
+
+def _rates(hw: HardwareProfile) -> tuple[float, dict[str, float]]:
+    if hw.hbm_bandwidth_bytes_per_s is None or hw.peak_bf16_flops_per_s is None:
+        raise ValueError(
+            f"hardware {hw.name} has no bandwidth and bf16 peak figures; a step time needs "
+            "both (measure a CPU with `python -m tenantq.bench roofline`)"
+        )
+    bf16 = float(hw.peak_bf16_flops_per_s)
+    return float(hw.hbm_bandwidth_bytes_per_s), {
+        f: float(hw.peak_for(f) or bf16) for f in COMPUTE_FORMATS
+    }
+
+
+def compute_format(activations: str | None) -> str:
+    """The format a matmul runs in: its activations' (W8A8/W4A8), else bf16."""
+    return _ACTIVATION_COMPUTE.get(activations or "", "bf16")
+
+
+def weight_step_bytes(config: ModelConfig, plan: QuantPlan, tp: int, batch: int) -> int:
+    """Bytes of weights one decode step of `batch` tokens reads on one chip: every tensor's
+    stored bytes (`tensor_bytes`, the budget's count), except an untied embedding, of which
+    a gather reads only the rows of the batch's tokens (a row's share of its bytes)."""
+    total = 0
+    for t in tensor_bytes(config, plan, tp):
+        if t.path == "embed" and not config.tie_word_embeddings:
+            rows = min(batch, t.shape[0])
+            total += -(-t.bytes_per_chip * rows // t.shape[0])
+        else:
+            total += t.bytes_per_chip
+    return total
+
+
+def kv_step_bytes(
+    config: ModelConfig, plan: QuantPlan, deployment: Deployment, batch: int, context_tokens: int
+) -> int:
+    """KV bytes one decode step reads on one chip: each of `batch` tenants' pages and slot
+    buffers at `context_tokens` (the budget's per-tenant rows), plus static scales once."""
+    layers = kv_layers(config, plan, deployment.page_tokens, deployment.chips)
+    pages = tenant_pages(config, context_tokens, deployment.page_tokens)
+    one = pool_bytes_from_layers(layers, pages, 1)
+    return batch * (one["total_bytes"] - one["static_bytes"]) + one["static_bytes"]
+
+
+def step_flops(
+    config: ModelConfig, plan: QuantPlan, tp: int, tokens: int, kv_tokens: int, *, causal=False
+) -> dict[str, int]:
+    """FLOPs on one chip for `tokens` new tokens, by compute format: 2 x in x out per linear
+    weight (lm_head; a tied embedding as the head) and 4 x heads x head_dim per (query, key)
+    pair of attention (QK^T and PV, in bf16). Each new token attends `kv_tokens` keys per
+    layer (capped at a sliding window); `causal` (prefill) counts the triangle instead."""
+    resolved = plan.resolve(config)
+    flops = dict.fromkeys(COMPUTE_FORMATS, 0)
+    for path, info in config.tensors().items():
+        head = path == "embed" and config.tie_word_embeddings
+        if info.kind != "linear" and not head:
+            continue
+        tq = resolved.get(path)
+        fmt = compute_format(tq.activations if tq else None)
+        flops[fmt] += 2 * info.shape[0] * info.shape[1] * tokens
+    pairs = 0
+    for layer in range(config.num_layers):
+        if causal:  # token i attends min(i + 1, window) keys
+            window = config.layer_kv_tokens(layer, tokens)
+            pairs += window * (window + 1) // 2 + (tokens - window) * window
+        else:
+            pairs += tokens * config.layer_kv_tokens(layer, kv_tokens)
+    flops["bf16"] += 4 * config.num_heads * config.head_dim * pairs
+    return {f: -(-n // tp) for f, n in flops.items()}
+
+
+def decode_step(
+    config: ModelConfig,
+    plan: QuantPlan,
+    deployment: Deployment,
+    batch: int,
+    context_tokens: int,
+    *,
+    overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
+) -> StepTime:
+    """The roofline time of one decode step: `batch` tenants, each holding `context_tokens`."""
+    for name, value in (("batch", batch), ("context", context_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not overhead_s >= 0:
+        raise ValueError(f"step overhead must not be negative, got {overhead_s!r}")
+    bandwidth, peaks = _rates(deployment.hardware)
+    weights = weight_step_bytes(config, plan, deployment.chips, batch)
+    kv = kv_step_bytes(config, plan, deployment, batch, context_tokens)
+    flops = step_flops(config, plan, deployment.chips, batch, context_tokens)
+    memory_s = (weights + kv) / bandwidth
+    compute_s = sum(n / peaks[f] for f, n in flops.items())
+    return StepTime(
+        batch=batch,
+        context_tokens=context_tokens,
+        weight_bytes=weights,
+        kv_bytes=kv,
+        flops=flops,
+        bandwidth_bytes_per_s=bandwidth,
+        peaks=peaks,
+        overhead_s=overhead_s,
+        memory_s=memory_s,
+        compute_s=compute_s,
+        step_s=max(memory_s, compute_s) + overhead_s,
+        bound="memory" if memory_s >= compute_s else "compute",
+    )
+
+
+def prefill_s(
+    config: ModelConfig, plan: QuantPlan, deployment: Deployment, prompt_tokens: int
+) -> float:
+    """Time to prefill one prompt: compute-bound, its causal FLOPs at each format's peak
+    (bytes read are the weights once, which a prompt of more than a few hundred tokens hides)."""
+    bandwidth, peaks = _rates(deployment.hardware)
+    flops = step_flops(config, plan, deployment.chips, prompt_tokens, prompt_tokens, causal=True)
+    compute = sum(n / peaks[f] for f, n in flops.items())
+    weights = weight_step_bytes(config, plan, deployment.chips, prompt_tokens) / bandwidth
+    return max(compute, weights)
+
+
+@dataclass(frozen=True)
+class ServiceLevel:
+    """Tenants a deployment holds by memory and serves at `slo_tokens_per_s` each."""
+
+    slo_tokens_per_s: float
+    context_tokens: int
+    prompt_tokens: int
+    output_tokens: int
+    tenants_by_memory: int
+    tenants_by_slo: int
+    tenants: int  # min of the two: tenants at the service level
+    binding: str  # "memory" | "slo" | "both"
+    step: StepTime  # at `tenants` (at 1 when none)
+    prefill_s: float  # one tenant's prompt
+    prefill_share: float  # of the chip's time, at `tenants`
+    tokens_per_s_per_tenant: float  # at `tenants`
+    overhead_s: float
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        return {
+            "slo_tokens_per_s": self.slo_tokens_per_s,
+            "context_tokens": self.context_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "tenants_by_memory": self.tenants_by_memory,
+            "tenants_by_slo": self.tenants_by_slo,
+            "tenants_at_slo": self.tenants,
+            "binding": self.binding,
+            "step": self.step.to_dict(),
+            "prefill_s": self.prefill_s,
+            "prefill_share": self.prefill_share,
+            "tokens_per_s_per_tenant": self.tokens_per_s_per_tenant,
+            "overhead_s": self.overhead_s,
+            "notes": list(self.notes),
+        }
+
+
+def request_shape(context_tokens: int, output_tokens: int) -> tuple[int, int]:
+    """(prompt, output) tokens of a request whose context holds `context_tokens` in all."""
+    out = max(1, min(output_tokens, context_tokens - 1))
+    return max(1, context_tokens - out), out
+
+
+def tokens_per_s(step_s: float, prefill_one_s: float, batch: int, output_tokens: int) -> float:
+    """Each tenant's decode rate when the chip, per `output_tokens` steps of `batch`, also
+    prefills each tenant's next prompt: O / (B x prefill + O x step)."""
+    return output_tokens / (batch * prefill_one_s + output_tokens * step_s)
+
+
+def tenants_at_slo(
+    config: ModelConfig,
+    plan: QuantPlan,
+    deployment: Deployment,
+    context_tokens: int,
+    slo: str | float,
+    *,
+    tenants_by_memory: int | None = None,
+    output_tokens: int = DEFAULT_OUTPUT_TOKENS,
+    overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
+) -> ServiceLevel:
+    """How many tenants of `context_tokens` each get at least `slo` tokens/s, and the limit
+    that binds: memory (the budget's tenants) or the step time (the largest batch whose
+    rate, prefill included, meets the SLO; decode reads each tenant's full context)."""
+    rate = parse_slo(slo)
+    if tenants_by_memory is None:
+        from tenantq.capacity.budget import budget
+
+        tenants_by_memory = budget(config, plan, deployment, context_tokens).tenants
+    prompt, out = request_shape(context_tokens, output_tokens)
+    pf = prefill_s(config, plan, deployment, prompt)
+
+    def rate_at(b: int) -> tuple[float, StepTime]:
+        st = decode_step(config, plan, deployment, b, context_tokens, overhead_s=overhead_s)
+        return tokens_per_s(st.step_s, pf, b, out), st
+
+    by_slo = 0
+    if rate_at(1)[0] >= rate:
+        lo, hi = 1, 2  # rate_at(lo) meets the SLO; find hi that does not (rate falls with B)
+        while hi < _MAX_TENANTS and rate_at(hi)[0] >= rate:
+            lo, hi = hi, hi * 2
+        if hi >= _MAX_TENANTS and rate_at(hi)[0] >= rate:
+            lo = hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if rate_at(mid)[0] >= rate else (lo, mid)
+        by_slo = lo
+    tenants = min(tenants_by_memory, by_slo)
+    binding = (
+        "both"
+        if tenants_by_memory == by_slo
+        else ("memory" if tenants_by_memory < by_slo else "slo")
+    )
+    per_tenant, st = rate_at(max(tenants, 1))
+    share = max(tenants, 1) * pf / (max(tenants, 1) * pf + out * st.step_s)
+    notes = []
+    missing = [f for f in ("int8", "fp8") if deployment.hardware.peak_for(f) is None]
+    if missing:
+        notes.append(
+            f"{deployment.hardware.name} has no vendor peak for {', '.join(missing)}: "
+            "matmuls in it are costed at the bf16 rate"
+        )
+    if deployment.chips > 1:
+        notes.append("tensor-parallel communication (all-reduces) is not modelled")
+    return ServiceLevel(
+        slo_tokens_per_s=rate,
+        context_tokens=context_tokens,
+        prompt_tokens=prompt,
+        output_tokens=out,
+        tenants_by_memory=tenants_by_memory,
+        tenants_by_slo=by_slo,
+        tenants=tenants,
+        binding=binding,
+        step=st,
+        prefill_s=pf,
+        prefill_share=share,
+        tokens_per_s_per_tenant=per_tenant,
+        overhead_s=overhead_s,
+        notes=tuple(notes),
+    )
