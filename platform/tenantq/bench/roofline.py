@@ -13,6 +13,7 @@ enough to leave the caches, the engine's measured decode step beside
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -25,7 +26,8 @@ SMOKE_ENV = "TENANTQ_BENCH_SMOKE"
 MODEL = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_layers=8,
              num_heads=8, num_kv_heads=2, head_dim=128, max_position_embeddings=256)  # fmt: skip
 SMOKE_MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
+                   num_heads=4, num_kv_heads=2, head_dim=16,
+                   max_position_embeddings=64)  # fmt: skip
 PLANS = ("bf16", "int8-weights", "int4-weights+int8-kv")
 TARGET_ERROR = 0.30  # the target, where the measured step is >= 1 ms
 
@@ -64,8 +66,10 @@ def measure_matmul(batch: int, size: int, repeats: int) -> dict[str, float]:
     ):
         x = jnp.ones((batch, size), dtype)
         w = jnp.ones((size, size), dtype)
-        f = jax.jit(lambda a, b, acc=acc: jax.lax.dot_general(a, b, dims, preferred_element_type=acc))
-        out[fmt] = 2 * batch * size * size / _best_s(lambda: f(x, w).block_until_ready(), repeats)
+        f = jax.jit(functools.partial(jax.lax.dot_general, dimension_numbers=dims,
+                                      preferred_element_type=acc))  # fmt: skip
+        run = functools.partial(lambda f, x, w: f(x, w).block_until_ready(), f, x, w)
+        out[fmt] = 2 * batch * size * size / _best_s(run, repeats)
     return out
 
 
@@ -125,6 +129,11 @@ def cpu_profile(args) -> tuple[object, dict]:
     return profile, figures
 
 
+def _loadavg() -> list[str]:
+    with open("/proc/loadavg") as f:
+        return f.read().split()[:3]
+
+
 def run(args) -> dict:
     from tenantq.capacity.hardware import Deployment
     from tenantq.capacity.roofline import decode_step
@@ -133,7 +142,7 @@ def run(args) -> dict:
     from tenantq.model.config import ModelConfig
     from tenantq.model.decoder import init_params
 
-    load_before = open("/proc/loadavg").read().split()[:3]
+    load_before = _loadavg()
     profile, figures = cpu_profile(args)
     shape = SMOKE_MODEL if args.smoke else MODEL
     config = ModelConfig(model_type="llama", **shape)
@@ -159,7 +168,7 @@ def run(args) -> dict:
                 "weights_stored_bytes": stored, "weights_counted_bytes": counted,
             })  # fmt: skip
         del engine
-    load_after = open("/proc/loadavg").read().split()[:3]
+    load_after = _loadavg()
     judged = [r for r in rows if r["measured_ms"] >= 1.0]
     return {
         "profile": figures,
