@@ -1,9 +1,11 @@
 """`python -m tenantq.bench roofline`: the step-time model against the engine's measured steps.
 
-First a CPU profile by micro-benchmark: read bandwidth (a jitted sum over a large array),
-matmul rate per compute format at the widest batch (bf16 x bf16, int8 x int8 -> int32,
-fp8 x fp8 -> float32, as the engine's matmul runs them) and the fixed cost of one decode
-step (the engine on a tiny model, where bytes and FLOPs are negligible). Then, for three
+First a CPU profile by micro-benchmark: stream bandwidth (a copy of a large array, read plus
+write bytes), matmul rate per compute format at the widest batch (bf16 x bf16, int8 x int8
+-> int32, fp8 x fp8 -> float32, as the engine's matmul runs them), the rate at which the
+engine's matmul converts a weight of each stored format before multiplying (XLA:CPU emulates
+bf16 and dequantizes in a pass of its own; a batch-1 product of a large weight, less its
+bytes' time) and the fixed cost of one decode step (the engine on a tiny model). Then, for three
 plans (bf16; int8 weights; int4 weights + int8 KV) and batches 1-64 on a random model large
 enough to leave the caches, the engine's measured decode step beside
 `capacity.roofline.decode_step` on that profile, and the relative error.
@@ -43,13 +45,35 @@ def _best_s(fn, repeats: int) -> float:
 
 
 def measure_bandwidth(nbytes: int, repeats: int) -> float:
-    """Bytes/s of a jitted reduction reading `nbytes` of int8 (XLA:CPU, all cores)."""
+    """STREAM copy: (read + write) bytes/s of copying `nbytes` of float32."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    return 2 * src.nbytes / _best_s(lambda: np.copyto(dst, src), repeats)
+
+
+def measure_convert(rows: int, cols: int, bandwidth: float, repeats: int) -> dict[str, float]:
+    """Weight elements/s the engine's matmul converts per stored format: a batch-1 product
+    with a [rows, cols] weight (the engine's bf16 compute dtype), its bytes' time taken off."""
     import jax
     import jax.numpy as jnp
 
-    x = jnp.ones((nbytes,), jnp.int8)
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.int32))
-    return nbytes / _best_s(lambda: f(x).block_until_ready(), repeats)
+    from tenantq.model.layers import matmul
+    from tenantq.numerics import quantize
+
+    w = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)
+    x = jnp.ones((1, rows), jnp.bfloat16)
+    weights = {
+        "bf16": w.astype(jnp.bfloat16),
+        "int8": quantize(w, "int8", axis=0),
+        "int4": quantize(w, "int4", axis=0),
+    }
+    f = jax.jit(lambda x, w: matmul(x, w, dtype=jnp.bfloat16))
+    out = {}
+    for fmt, q in weights.items():
+        nbytes = q.nbytes if fmt != "bf16" else q.size * 2
+        t = _best_s(functools.partial(lambda q: f(x, q).block_until_ready(), q), repeats)
+        out[fmt] = rows * cols / max(t - nbytes / bandwidth, 0.1 * t)
+    return out
 
 
 def measure_matmul(batch: int, size: int, repeats: int) -> dict[str, float]:
@@ -118,14 +142,16 @@ def cpu_profile(args) -> tuple[object, dict]:
 
     bw = measure_bandwidth(args.stream_bytes, args.repeats + 2)
     peaks = measure_matmul(max(args.batches), args.matmul_size, args.repeats)
+    convert = measure_convert(args.matmul_size * 2, args.matmul_size * 2, bw, args.repeats)
     overhead = step_overhead_s(args.steps, args.repeats)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     profile = HardwareProfile(
         "cpu-measured", memory, int(bw), "this CPU, measured by python -m tenantq.bench roofline",
         peak_bf16_flops_per_s=int(peaks["bf16"]), peak_int8_ops_per_s=int(peaks["int8"]),
-        peak_fp8_flops_per_s=int(peaks["fp8"]),
+        peak_fp8_flops_per_s=int(peaks["fp8"]), convert_elements_per_s=tuple(convert.items()),
     )  # fmt: skip
-    figures = {"bandwidth_bytes_per_s": bw, "peak_per_s": peaks, "step_overhead_s": overhead}
+    figures = {"bandwidth_bytes_per_s": bw, "peak_per_s": peaks, "step_overhead_s": overhead,
+               "convert_elements_per_s": convert}  # fmt: skip
     return profile, figures
 
 
@@ -164,6 +190,7 @@ def run(args) -> dict:
                 "plan": name, "batch": b, "context_tokens": context,
                 "measured_ms": measured * 1e3, "predicted_ms": st.step_s * 1e3,
                 "memory_ms": st.memory_s * 1e3, "compute_ms": st.compute_s * 1e3,
+                "convert_ms": st.convert_s * 1e3,
                 "bound": st.bound, "error": st.step_s / measured - 1,
                 "weights_stored_bytes": stored, "weights_counted_bytes": counted,
             })  # fmt: skip
@@ -185,18 +212,21 @@ def run(args) -> dict:
 def render(result: dict) -> str:
     p = result["profile"]
     peaks = ", ".join(f"{k} {v / 1e9:.1f} G/s" for k, v in p["peak_per_s"].items())
+    conv = ", ".join(f"{k} {v / 1e9:.2f} G/s" for k, v in p["convert_elements_per_s"].items())
     out = [
-        f"CPU profile: read bandwidth {p['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; matmul "
-        f"{peaks}; step overhead {p['step_overhead_s'] * 1e3:.2f} ms",
+        f"CPU profile: stream bandwidth {p['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; matmul "
+        f"{peaks}; weight conversion {conv} elements; step overhead "
+        f"{p['step_overhead_s'] * 1e3:.2f} ms",
         f"model: {result['model']}",
         "",
         f"{'plan':<22}{'batch':>6}{'measured ms':>13}{'predicted ms':>14}{'memory ms':>11}"
-        f"{'compute ms':>12}  {'bound':<8}{'error':>8}",
+        f"{'compute ms':>12}{'convert ms':>12}  {'bound':<8}{'error':>8}",
     ]
     for r in result["rows"]:
         out.append(
             f"{r['plan']:<22}{r['batch']:>6}{r['measured_ms']:>13.2f}{r['predicted_ms']:>14.2f}"
-            f"{r['memory_ms']:>11.2f}{r['compute_ms']:>12.2f}  {r['bound']:<8}"
+            f"{r['memory_ms']:>11.2f}{r['compute_ms']:>12.2f}{r['convert_ms']:>12.2f}"
+            f"  {r['bound']:<8}"
             f"{r['error']:>+8.0%}"
         )
     worst = result["max_abs_error_at_1ms"]

@@ -37,6 +37,10 @@ class HardwareProfile:
     peak_bf16_flops_per_s: int | None = None
     peak_int8_ops_per_s: int | None = None
     peak_fp8_flops_per_s: int | None = None
+    # Weight elements per second a matmul converts from each stored format before it
+    # multiplies, where that is a pass of its own (XLA:CPU: bf16 emulation, dequantization).
+    # Empty on accelerators: their kernels dequantize in registers, hidden under the bytes.
+    convert_elements_per_s: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.hbm_bytes, int) or self.hbm_bytes <= 0:

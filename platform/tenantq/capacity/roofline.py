@@ -1,11 +1,12 @@
 """Decode step time by roofline, and how many tenants a deployment serves at a service level.
 
 One decode step of B tenants at context c takes max(bytes / bandwidth, FLOPs / peak) plus a
-fixed overhead. Bytes are the weights in their stored formats plus every tenant's KV pages,
-scales included, counted by the budget's own byte functions (`tensor_bytes`, the KV storage
-rows), never a second count; FLOPs are split by the format each matmul runs in (bf16 for
-weight-only formats, int8/fp8 for W8A8 and W4A8). Prefill is compute-bound and costed apart;
-its share of the chip's time lowers each tenant's decode rate. Imports no JAX, Ray or MLflow.
+fixed overhead (on a CPU also a measured weight-conversion pass, `convert_s`). Bytes are the
+weights in their stored formats plus every tenant's KV pages, scales included, counted by the
+budget's own byte functions (`tensor_bytes`, the KV storage rows), never a second count;
+FLOPs are split by the format each matmul runs in (bf16 for weight-only formats, int8/fp8
+for W8A8 and W4A8). Prefill is compute-bound and costed apart; its share of the chip's time
+lowers each tenant's decode rate. Imports no JAX, Ray or MLflow.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class StepTime:
     compute_s: float
     step_s: float
     bound: str  # "memory" | "compute"
+    convert_s: float = 0.0  # weight conversion as a pass of its own (CPU profiles only)
 
     @property
     def bytes(self) -> int:
@@ -80,6 +82,7 @@ class StepTime:
             "memory_s": self.memory_s,
             "compute_s": self.compute_s,
             "overhead_s": self.overhead_s,
+            "convert_s": self.convert_s,
             "step_s": self.step_s,
             "bound": self.bound,
         }
@@ -154,6 +157,28 @@ def step_flops(
     return {f: -(-n // tp) for f, n in flops.items()}
 
 
+def convert_s(config: ModelConfig, plan: QuantPlan, hw: HardwareProfile, tp: int, batch: int):
+    """Seconds a step spends converting weights before multiplying, where the hardware does
+    that as a pass of its own (`convert_elements_per_s`; none on accelerators): every matmul
+    weight's elements on one chip at its stored format's rate (an untied embedding: the
+    batch's rows)."""
+    rates = dict(hw.convert_elements_per_s)
+    if not rates:
+        return 0.0
+    total = 0.0
+    for t in tensor_bytes(config, plan, tp):
+        fmt = t.format
+        if t.line == "norms" or fmt not in rates:
+            continue
+        n = 1
+        for d in t.shard_shape:
+            n *= d
+        if t.path == "embed" and not config.tie_word_embeddings:
+            n = n * min(batch, t.shape[0]) // t.shape[0]
+        total += n / rates[fmt]
+    return total
+
+
 def decode_step(
     config: ModelConfig,
     plan: QuantPlan,
@@ -175,6 +200,7 @@ def decode_step(
     flops = step_flops(config, plan, deployment.chips, batch, context_tokens)
     memory_s = (weights + kv) / bandwidth
     compute_s = sum(n / peaks[f] for f, n in flops.items())
+    conv = convert_s(config, plan, deployment.hardware, deployment.chips, batch)
     return StepTime(
         batch=batch,
         context_tokens=context_tokens,
@@ -186,8 +212,9 @@ def decode_step(
         overhead_s=overhead_s,
         memory_s=memory_s,
         compute_s=compute_s,
-        step_s=max(memory_s, compute_s) + overhead_s,
+        step_s=max(memory_s, compute_s) + conv + overhead_s,
         bound="memory" if memory_s >= compute_s else "compute",
+        convert_s=conv,
     )
 
 
