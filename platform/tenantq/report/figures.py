@@ -144,42 +144,25 @@ def waterfall_figure(chosen: TrialRecord, bf16: TrialRecord | None) -> go.Figure
             -used,
             0,
         ]
-        measure = ["absolute", "relative", "relative", "total", "relative", "total"]
-        hover = [
-            f"{b['hbm_bytes_per_chip']:,} B per chip ({b['hardware']}, {b['chips']} chip)",
-            f"{b['weights_bytes_per_chip']:,} B: {b['weights_summary']}",
-            f"{b['reserve_bytes_per_chip']:,} B ({b['reserve']})",
-            f"{b['pool_bytes_per_chip']:,} B = {b['pool_tokens']:,} tokens",
-            f"{b['tenants']} x {b['tenant_bytes_per_chip']:,} B at "
-            f"{b['context_tokens']} tokens; KV {b['kv_summary']}",
-            "",
-        ]
-        level = b.get("service_level")
-        if level is not None:  # the memory's tenants split: served at the SLO, and beyond it
-            served = level["tenants_at_slo"]
-            slo = f"{level['slo_tokens_per_s']:g} tok/s"
-            labels[4:5] = [f"{served} tenants at {slo}", f"{b['tenants'] - served} beyond the SLO"]
-            values[4:5] = [
-                -served * b["tenant_bytes_per_chip"],
-                -(used - served * b["tenant_bytes_per_chip"]),
-            ]
-            measure[4:5] = ["relative", "relative"]
-            hover[4:5] = [
-                f"{served} tenants get >= {slo} (decode step {level['step']['step_s'] * 1e3:.2f} "
-                f"ms, {level['step']['bound']}-bound; {level['binding']} binds)",
-                f"memory holds {b['tenants'] - served} more, each slower than {slo}",
-            ]
         fig.add_trace(
             go.Waterfall(
                 x=labels,
                 y=[v / MIB for v in values],
-                measure=measure,
+                measure=["absolute", "relative", "relative", "total", "relative", "total"],
                 text=[
                     f"{abs(v) / MIB:.2f} MiB" if m != "total" else ""
-                    for v, m in zip(values, measure, strict=True)
+                    for v, m in zip(values, ["a", "r", "r", "total", "r", "total"], strict=True)
                 ],
                 textposition="auto",
-                hovertext=hover,
+                hovertext=[
+                    f"{b['hbm_bytes_per_chip']:,} B per chip ({b['hardware']}, {b['chips']} chip)",
+                    f"{b['weights_bytes_per_chip']:,} B: {b['weights_summary']}",
+                    f"{b['reserve_bytes_per_chip']:,} B ({b['reserve']})",
+                    f"{b['pool_bytes_per_chip']:,} B = {b['pool_tokens']:,} tokens",
+                    f"{b['tenants']} x {b['tenant_bytes_per_chip']:,} B at "
+                    f"{b['context_tokens']} tokens; KV {b['kv_summary']}",
+                    "",
+                ],
                 showlegend=False,
             ),
             row=1,

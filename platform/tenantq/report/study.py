@@ -168,7 +168,7 @@ class StudyRecord:
     @property
     def quality_metrics(self) -> list[str]:
         """The quality objectives, or every metric with CI bounds when the parent lacks them."""
-        named = [m for _, m in self.objectives if m not in (CAPACITY_METRIC, "tenants_at_slo")]
+        named = [m for _, m in self.objectives if m != CAPACITY_METRIC]
         if named:
             return named
         seen = {

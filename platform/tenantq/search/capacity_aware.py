@@ -174,9 +174,9 @@ def sampler_for_spec(spec) -> CapacityAwareSampler:
     from tenantq.capacity import budget
     from tenantq.search.driver import prepare
     from tenantq.search.space import parameter_choices, plan_from_params
-    from tenantq.search.spec import CAPACITY_METRICS
+    from tenantq.search.spec import CAPACITY_METRIC
 
-    quality = [i for i, o in enumerate(spec.objectives) if o.metric not in CAPACITY_METRICS]
+    quality = [i for i, o in enumerate(spec.objectives) if o.metric != CAPACITY_METRIC]
     if not quality:
         raise ValueError(
             "sampler.kind = 'capacity_aware' needs a quality objective besides 'tenants'"

@@ -31,7 +31,7 @@ from tenantq.search.space import (
     plan_from_params,
     suggest,
 )
-from tenantq.search.spec import CAPACITY_METRIC, CAPACITY_METRICS, Spec, wants_baselines
+from tenantq.search.spec import CAPACITY_METRIC, Spec, wants_baselines
 
 HEARTBEAT_INTERVAL_S = 5  # Optuna RDB heartbeat of every trial this driver has in flight
 GRACE_PERIOD_S = 15  # a trial whose heartbeat is older than this belongs to a dead driver
@@ -121,7 +121,7 @@ def check_metrics(spec: Spec) -> None:
         named = [
             (f"objectives.{i}.metric", o.metric)
             for i, o in enumerate(spec.objectives)
-            if o.metric not in CAPACITY_METRICS
+            if o.metric != CAPACITY_METRIC
         ]
         if key_name == "eval.suite":  # constraints are checked on the search suite's results
             named += [
@@ -592,18 +592,6 @@ class SearchDriver:
                 prep.deployment,
                 self.spec.deployment.context_tokens,
             )
-            level = None
-            if self.spec.deployment.slo is not None:
-                from tenantq.capacity.roofline import tenants_at_slo
-
-                level = tenants_at_slo(
-                    prep.capacity_config,
-                    plan,
-                    prep.deployment,
-                    self.spec.deployment.context_tokens,
-                    self.spec.deployment.slo,
-                    tenants_by_memory=b.tenants,
-                )
         except ValueError as err:
             self._fail(trial.number, f"plan: {err}", retry=False)
             return
@@ -611,8 +599,7 @@ class SearchDriver:
             plan=plan,
             fingerprint=fp,
             budget=b,
-            service_level=level,
-            capacity=capacity_metrics(b, level),
+            capacity=capacity_metrics(b),
             params=flatten_plan(plan, prep.config) | {f"space.{k}": v for k, v in params.items()},
         )
         trial.set_user_attr("plan_fingerprint", fp)
@@ -683,9 +670,7 @@ class SearchDriver:
     ) -> None:
         ctx = self._inflight[number]
         trial = ctx["trial"]
-        values = objective_values(
-            self.spec.objectives, ctx["budget"].tenants, summary, ctx["capacity"]
-        )
+        values = objective_values(self.spec.objectives, ctx["budget"].tenants, summary)
         constraints = constraint_values(self.spec.constraints, summary, gates)
         for key, value in constraints.items():
             trial.set_constraint(key, value)
@@ -751,8 +736,6 @@ class SearchDriver:
 
             arts["budget.txt"] = render_budget(ctx["budget"])
             arts["budget.json"] = ctx["budget"].to_dict()
-            if ctx.get("service_level") is not None:
-                arts["budget.json"]["service_level"] = ctx["service_level"].to_dict()
         # Who ran it and whether it is one of the enqueued baselines, for every outcome (the
         # report's timeline and Pareto markers read these tags).
         attrs = getattr(ctx.get("trial"), "user_attrs", None) or {}
@@ -890,10 +873,7 @@ def _confirmed_front(rows: list[FrontRow], objectives) -> list[FrontRow]:
         out = []
         for o in objectives:
             figures = r.confirmed or r.quality
-            if o.metric in CAPACITY_METRICS:
-                v = float(r.tenants if o.metric == CAPACITY_METRIC else r.tenants_at_slo)
-            else:
-                v = figures[o.metric][0]
+            v = float(r.tenants) if o.metric == CAPACITY_METRIC else figures[o.metric][0]
             out.append(-v if o.direction == "maximize" else v)
         return out
 

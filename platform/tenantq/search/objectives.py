@@ -11,21 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tenantq.search.spec import CAPACITY_METRIC, SLO_METRIC, ConstraintSpec, ObjectiveSpec
+from tenantq.search.spec import CAPACITY_METRIC, ConstraintSpec, ObjectiveSpec
 
 
-def capacity_metrics(budget, level=None) -> dict[str, float]:
-    """The capacity lines logged for every trial (`capacity.*`), from a `capacity.Budget`
-    and, with a service level, its `capacity.roofline.ServiceLevel`."""
-    slo = {}
-    if level is not None:
-        slo = {
-            "capacity.tenants_at_slo": level.tenants,
-            "capacity.tenants_by_slo": level.tenants_by_slo,
-            "capacity.step_ms": level.step.step_s * 1e3,
-            "capacity.tokens_per_s_per_tenant": level.tokens_per_s_per_tenant,
-        }
-    return slo | {
+def capacity_metrics(budget) -> dict[str, float]:
+    """The capacity lines logged for every trial (`capacity.*`), from a `capacity.Budget`."""
+    return {
         "capacity.tenants": budget.tenants,
         "capacity.pool_tokens": budget.pool_tokens,
         "capacity.pool_bytes_per_chip": budget.pool_bytes_per_chip,
@@ -37,19 +28,13 @@ def capacity_metrics(budget, level=None) -> dict[str, float]:
 
 
 def objective_values(
-    objectives: list[ObjectiveSpec],
-    tenants: int,
-    summary: Mapping[str, Any],
-    capacity: Mapping[str, float] | None = None,
+    objectives: list[ObjectiveSpec], tenants: int, summary: Mapping[str, Any]
 ) -> list[float]:
     """Values in the spec's objective order; a metric the suite did not produce is an error."""
     out = []
     for obj in objectives:
         if obj.metric == CAPACITY_METRIC:
             out.append(float(tenants))
-            continue
-        if obj.metric == SLO_METRIC:
-            out.append(float((capacity or {})["capacity.tenants_at_slo"]))
             continue
         value = summary.get(obj.metric)
         if not isinstance(value, int | float) or isinstance(value, bool):

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tenantq.search.spec import CAPACITY_METRICS, ObjectiveSpec
+from tenantq.search.spec import CAPACITY_METRIC, ObjectiveSpec
 
 
 @dataclass
@@ -29,7 +29,6 @@ class FrontRow:
     confirmed_feasible: bool | None = None
     confirmed_verdicts: str = ""
     confirmed_error: str = ""
-    tenants_at_slo: int = 0  # with `[deployment] slo`
 
 
 def quality_with_ci(
@@ -67,11 +66,10 @@ def front_rows(trials: Sequence[Any], objectives: list[ObjectiveSpec]) -> list[F
             trial=t.number,
             fingerprint=fp,
             tenants=int(attrs.get("capacity", {}).get("capacity.tenants", 0)),
-            tenants_at_slo=int(attrs.get("capacity", {}).get("capacity.tenants_at_slo", 0)),
             quality={
                 o.metric: quality_with_ci(summary, o.metric)
                 for o in objectives
-                if o.metric not in CAPACITY_METRICS
+                if o.metric != CAPACITY_METRIC
             },
             feasible=all(v <= 0 for v in t.constraints.values()),
             verdicts=verdict_text(summary),
@@ -95,7 +93,7 @@ def render_front(rows: list[FrontRow], objectives: list[ObjectiveSpec]) -> str:
     """The front as a fixed-width table; confirmed columns appear when any row has them."""
     if not rows:
         return "Pareto front: empty (no completed trial met every constraint)"
-    metrics = [o.metric for o in objectives if o.metric not in CAPACITY_METRICS]
+    metrics = [o.metric for o in objectives if o.metric != CAPACITY_METRIC]
     confirmed = any(r.confirmed or r.confirmed_error for r in rows)
     head = ["trial", "tenants"]
     for m in metrics:

@@ -29,9 +29,6 @@ SPACE_KINDS = ("structured", "per_tensor", "sensitivity")
 KV_BF16_LAYER_CHOICES = ("none", "first", "last", "first_last")
 # The capacity objective the driver computes itself (exact, no accelerator).
 CAPACITY_METRIC = "tenants"
-# The capacity at a service level (tenantq.capacity.roofline): needs `[deployment] slo`.
-SLO_METRIC = "tenants_at_slo"
-CAPACITY_METRICS = (CAPACITY_METRIC, SLO_METRIC)
 
 
 class _Strict(BaseModel):
@@ -52,18 +49,6 @@ class DeploymentSpec(_Strict):
     reserve: str | float | None = Field(None, description="runtime reserve: 0.1, '10%', '4GiB'")
     page_tokens: int = Field(16, ge=1, description="tokens per KV page")
     model: str | None = Field(None, description="capacity model if not the study's model")
-    slo: str | None = Field(
-        None, description="service level per tenant, e.g. '20tok/s' (metric tenants_at_slo)"
-    )
-
-    @field_validator("slo")
-    @classmethod
-    def _slo(cls, value: str | None) -> str | None:
-        if value is not None:
-            from tenantq.capacity.roofline import parse_slo
-
-            parse_slo(value)  # ValueError: one line, "slo: ..."
-        return value
 
     def build(self):
         """The `tenantq.capacity.Deployment` (raises ValueError naming a bad hardware/size)."""
@@ -316,19 +301,6 @@ class Spec(_Strict):
             )
         return self
 
-    @model_validator(mode="after")
-    def _slo_objective_needs_an_slo(self) -> Spec:
-        if any(o.metric == SLO_METRIC for o in self.objectives) and self.deployment.slo is None:
-            raise ValueError(
-                f"objectives: {SLO_METRIC!r} needs a service level: [deployment] slo = '20tok/s'"
-            )
-        if self.deployment.slo is not None and self.deployment.hardware.lower().startswith("cpu"):
-            raise ValueError(
-                "deployment.slo: hardware cpu has no bandwidth and peak figures; give an "
-                "accelerator (tpu-v6e, h100-sxm, ...) or drop slo"
-            )
-        return self
-
     @property
     def experiment_name(self) -> str:
         return self.tracking.experiment or self.study.name
@@ -341,7 +313,7 @@ class Spec(_Strict):
         return Path(self.model).expanduser()
 
     def quality_objectives(self) -> list[ObjectiveSpec]:
-        return [o for o in self.objectives if o.metric not in CAPACITY_METRICS]
+        return [o for o in self.objectives if o.metric != CAPACITY_METRIC]
 
 
 def _one_line(err: ValidationError, source: str) -> str:
