@@ -8,12 +8,14 @@ model reads its bytes from the budget's own counts and that the SLO search finds
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from tenantq.capacity import Deployment, budget, get_model_config
 from tenantq.capacity.hardware import HARDWARE
 from tenantq.capacity.roofline import (
+    MAX_TENANTS,
     decode_step,
     kv_step_bytes,
     parse_slo,
@@ -93,14 +95,40 @@ def test_w8a8_and_w4a8_flops_run_in_their_activation_format():
     s = tenants_at_slo(LLAMA8, w4a8, Deployment.of("tpu-v7"), 4096, "20tok/s")
     assert s.step.peaks["int8"] == HARDWARE["tpu-v7"].peak_bf16_flops_per_s
     assert any("no vendor peak for int8" in n for n in s.notes)
+    assert not any("fp8" in n for n in s.notes)  # no fp8 matmul in this plan
+
+
+@pytest.mark.parametrize(
+    ("plan", "hardware", "named"),
+    [
+        (QuantPlan.uniform("int4", "fp8_e4m3"), "tpu-v5e", None),  # weight-only: bf16 matmuls
+        (QuantPlan((Rule(".*_proj", "fp8_e4m3", activations="fp8_e4m3"),)), "tpu-v5e", "fp8"),
+        (QuantPlan((Rule(".*_proj", "int8", activations="int8"),)), "tpu-v7", "int8"),
+        (QuantPlan.uniform("bf16", "bf16"), "tpu-v7", None),
+    ],
+)
+def test_missing_peak_note_names_only_formats_the_plan_computes_in(plan, hardware, named):
+    # tpu-v5e has no fp8 figure, tpu-v7 no int8 one; a plan that never runs a matmul in that
+    # format must not be told it was costed at the bf16 rate.
+    s = tenants_at_slo(LLAMA8, plan, Deployment.of(hardware), 1024, "20tok/s")
+    peak_notes = [n for n in s.notes if "no vendor peak" in n]
+    if named is None:
+        assert peak_notes == []
+    else:
+        assert peak_notes == [
+            f"{hardware} has no vendor peak for {named}: matmuls in it are costed at the bf16 rate"
+        ]
 
 
 def test_vendor_peaks_are_dense_figures():
     # NVIDIA prints "with sparsity" (2x dense); Google's TPU pages print dense.
     expect = {
         "tpu-v5e": (197e12, 393e12, None, 819e9),
+        # v5p int8: Google Cloud's v5p launch post (Dec 2023), 918 TOPS.
+        "tpu-v5p": (459e12, 918e12, 459e12, 2765e9),
         "tpu-v6e": (918e12, 1836e12, 918e12, 1638e9),
-        "tpu-v7": (2307e12, None, 4614e12, 7370e9),
+        # TPU7x page table (docs.cloud.google.com/tpu/docs/tpu7x): 7380 GBps per chip.
+        "tpu-v7": (2307e12, None, 4614e12, 7380e9),
         "h100-sxm": (989.4e12, 1978.9e12, 1978.9e12, 3350e9),
         "h200": (989.4e12, 1978.9e12, 1978.9e12, 4800e9),
         "b200": (2250e12, 4500e12, 4500e12, 7700e9),
@@ -112,24 +140,96 @@ def test_vendor_peaks_are_dense_figures():
         assert hw.hbm_bandwidth_bytes_per_s == bw, name
 
 
-def test_tenants_by_slo_is_the_last_batch_that_meets_it():
+def test_tenants_by_slo_is_the_last_batch_whose_decode_rate_meets_it():
+    # The default SLO is a decode rate (TPOT): tenants by SLO is the largest B with
+    # 1 / step(B) >= SLO, prefill not charged.
     plan, d = QuantPlan.uniform("int4", "fp8_e4m3"), Deployment.of("h100-sxm")
-    s = tenants_at_slo(LLAMA8, plan, d, 8192, "20tok/s")
-    prompt, out = request_shape(8192, 256)
-    assert (prompt, out) == (7936, 256)
-    pf = prefill_s(LLAMA8, plan, d, prompt)
 
     def rate(b):
-        return tokens_per_s(decode_step(LLAMA8, plan, d, b, 8192).step_s, pf, b, out)
+        return 1 / decode_step(LLAMA8, plan, d, b, 8192).step_s
 
-    assert rate(s.tenants_by_slo) >= 20 > rate(s.tenants_by_slo + 1)
+    s = tenants_at_slo(LLAMA8, plan, d, 8192, "50tok/s")
+    assert rate(s.tenants_by_slo) >= 50 > rate(s.tenants_by_slo + 1)
+    assert s.tokens_per_s_per_tenant == s.decode_tokens_per_s_per_tenant
+    assert (s.prompt_tokens, s.prefill_s, s.prefill_share) == (0, 0.0, 0.0)
     assert s.tenants_by_memory == budget(LLAMA8, plan, d, 8192).tenants
     assert s.tenants == min(s.tenants_by_memory, s.tenants_by_slo)
     assert s.binding == "slo" and s.tenants_by_slo < s.tenants_by_memory
-    # A loose SLO leaves memory binding; an impossible one serves nobody.
-    loose = tenants_at_slo(LLAMA8, plan, d, 8192, 0.01)
+    # 20 tok/s of decode: memory (135 tenants at 8K) binds first.
+    loose = tenants_at_slo(LLAMA8, plan, d, 8192, 20)
     assert loose.binding == "memory" and loose.tenants == s.tenants_by_memory
+    assert rate(loose.tenants_by_slo) >= 20 > rate(loose.tenants_by_slo + 1)
     assert tenants_at_slo(LLAMA8, plan, d, 8192, "100000tok/s").tenants == 0
+
+
+def test_prompt_tokens_amortise_a_batched_prefill_over_the_output():
+    plan, d = QuantPlan.uniform("int4", "fp8_e4m3"), Deployment.of("h100-sxm")
+    s = tenants_at_slo(LLAMA8, plan, d, 8192, 30, prompt_tokens=1024, output_tokens=256)
+
+    def rate(b):
+        step = decode_step(LLAMA8, plan, d, b, 8192).step_s
+        return tokens_per_s(step, prefill_s(LLAMA8, plan, d, 1024, b), 256)
+
+    assert rate(s.tenants_by_slo) >= 30 > rate(s.tenants_by_slo + 1)
+    decode_only = tenants_at_slo(LLAMA8, plan, d, 8192, 30)
+    assert s.tenants_by_slo < decode_only.tenants_by_slo  # prefill costs chip time
+    assert s.tokens_per_s_per_tenant < s.decode_tokens_per_s_per_tenant
+    assert 0 < s.prefill_share < 1
+
+
+def test_batched_prefill_reads_the_weights_once():
+    # Llama-3.1-8B bf16 on H100: 16-token prompts are bytes-bound; the weights (15 GB) are
+    # read once per batched pass, so 8 prompts cost far less than 8 single passes; KV written
+    # per prompt is 16 x 131,072 B = 2 MiB, a rounding error beside them.
+    plan, d = QuantPlan(), Deployment.of("h100-sxm")
+    one, eight = prefill_s(LLAMA8, plan, d, 16, 1), prefill_s(LLAMA8, plan, d, 16, 8)
+    assert one == pytest.approx(15_009_857_536 / 3.35e12, rel=2e-3)
+    assert one < eight < 1.01 * one
+    # 4,096-token prompts are compute-bound: the batch's time is 4 x one prompt's FLOPs.
+    long1, long4 = prefill_s(LLAMA8, plan, d, 4096, 1), prefill_s(LLAMA8, plan, d, 4096, 4)
+    assert long4 == pytest.approx(4 * long1, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("context", "prompt", "output", "message"),
+    [
+        (1, 1, 1, "prompt tokens 1 + output tokens 1 exceed the context of 1"),
+        (256, 1, 512, "prompt tokens 1 + output tokens 512 exceed the context of 256"),
+        (256, -1, 1, "prompt tokens must be an integer >= 0"),
+        (256, 0, 0, "output tokens must be an integer >= 1"),
+    ],
+)
+def test_request_that_does_not_fit_its_context_is_one_line(context, prompt, output, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        request_shape(context, prompt, output)
+
+
+def test_decode_only_slo_takes_a_one_token_context():
+    assert request_shape(1, 0, 256) == (0, 256)  # no prompt: nothing to fit, nothing cut
+    s = tenants_at_slo(LLAMA8, QuantPlan(), Deployment.of("h100-sxm"), 1, 20)
+    assert s.step.context_tokens == 1 and s.tenants > 0
+
+
+def test_slo_search_that_reaches_its_cap_says_so(cli):
+    plan, d = QuantPlan.uniform("int4", "fp8_e4m3"), Deployment.of("h100-sxm")
+    s = tenants_at_slo(LLAMA8, plan, d, 8192, 1e-9)
+    assert s.slo_capped and s.tenants_by_slo == MAX_TENANTS
+    assert not tenants_at_slo(LLAMA8, plan, d, 8192, 20).slo_capped
+    rc, out, _ = cli(["--model", "llama-3.1-8b", "--hardware", "h100", "--context", "8192",
+                      "--weights", "int4", "--kv", "fp8_e4m3", "--slo", "1e-9"])  # fmt: skip
+    assert rc == 0
+    line = next(x for x in out.splitlines() if x.startswith("tenants by SLO"))
+    assert line.endswith(f">= {MAX_TENANTS:,}   the search's cap (2^24)")
+
+
+def test_cli_slo_when_memory_holds_no_tenant_says_memory_binds(cli):
+    # bf16 Llama-3.1-8B (16.06 GB of weights) does not fit a 16 GiB v5e less its reserve.
+    rc, out, _ = cli(["--model", "llama-3.1-8b", "--hardware", "tpu-v5e", "--context", "8192",
+                      "--slo", "20tok/s"])  # fmt: skip
+    assert rc == 0
+    section = out[out.index("service level:") :]
+    assert "bound by memory: no tenant of 8,192 tokens fits" in section
+    assert "decode step at" not in section and "tenants by SLO" not in section
 
 
 @pytest.mark.parametrize("text", ["0tok/s", "-1tok/s", "fast", "20tok/min", "inf tok/s", ""])
@@ -139,26 +239,48 @@ def test_bad_slo_is_one_line(text):
 
 
 def test_slo_spellings():
+    # One rule for bare numbers, here and in the CLI: `20` and "20" are tokens/s.
     assert parse_slo("20tok/s") == parse_slo("20 tokens/s") == parse_slo(20) == 20.0
+    assert parse_slo("20") == parse_slo(" 20 ") == 20.0
     assert parse_slo("12.5 tok / s") == 12.5
+
+
+def test_cli_takes_a_bare_slo_number_as_tok_per_s(cli):
+    argv = ["--model", "llama-3.1-8b", "--hardware", "h100", "--context", "8192", "--slo"]
+    rc, bare, _ = cli([*argv, "20"])
+    rc2, unit, _ = cli([*argv, "20tok/s"])
+    assert rc == rc2 == 0 and bare == unit and "tenants at 20 tok/s" in bare
 
 
 def test_cli_slo_prints_the_three_lines_and_json(cli):
     args = ["--model", "llama-3.1-8b", "--hardware", "h100", "--context", "8192",
-            "--weights", "int4", "--kv", "fp8_e4m3", "--slo", "20tok/s"]  # fmt: skip
+            "--weights", "int4", "--kv", "fp8_e4m3", "--slo", "50tok/s"]  # fmt: skip
     rc, out, _ = cli(args)
     assert rc == 0
     s = tenants_at_slo(LLAMA8, QuantPlan.uniform("int4", "fp8_e4m3"), Deployment.of("h100"),
-                       8192, 20)  # fmt: skip
+                       8192, 50)  # fmt: skip
     lines = {line.split("  ")[0]: line for line in out.splitlines()}
     assert lines["tenants by memory"].split()[-1] == f"{s.tenants_by_memory:,}"
-    assert lines["tenants by SLO (20 tok/s)"].split()[-1] == f"{s.tenants_by_slo:,}"
-    assert lines["tenants at 20 tok/s"].endswith("bound by the SLO")
-    assert "= step time (memory-bound)" in out
+    assert lines["tenants by SLO (50 tok/s)"].split()[-1] == f"{s.tenants_by_slo:,}"
+    assert lines["tenants at 50 tok/s"].endswith("bound by the SLO")
+    assert lines["decode tokens/s per tenant (1 / step)"].split()[-1] == (
+        f"{s.decode_tokens_per_s_per_tenant:.1f}"
+    )
+    assert "= step time (memory-bound)" in out and "prefill of" not in out
     rc, out, _ = cli([*args, "--json"])
     d = json.loads(out)["service_level"]
     assert (d["tenants_at_slo"], d["binding"]) == (s.tenants, "slo")
     assert d["step"]["kv_bytes"] == s.step.kv_bytes
+    # With prompt tokens both rates print, the SLO judged on the amortised one.
+    rc, out, _ = cli([*args, "--prompt-tokens", "1024", "--output-tokens", "128"])
+    p = tenants_at_slo(LLAMA8, QuantPlan.uniform("int4", "fp8_e4m3"), Deployment.of("h100"),
+                       8192, 50, prompt_tokens=1024, output_tokens=128)  # fmt: skip
+    lines = {line.split("  ")[0]: line for line in out.splitlines()}
+    assert "1,024 new prompt + 128 output tokens" in out
+    assert lines["tokens/s per tenant, prefill amortised"].split()[-1] == (
+        f"{p.tokens_per_s_per_tenant:.1f}"
+    )
+    assert lines["tenants by SLO (50 tok/s)"].split()[-1] == f"{p.tenants_by_slo:,}"
 
 
 @pytest.mark.parametrize(
@@ -167,6 +289,11 @@ def test_cli_slo_prints_the_three_lines_and_json(cli):
         (["--slo", "fast"], "argument --slo: cannot read 'fast' as a rate"),
         (["--slo", "0tok/s"], "argument --slo: '0tok/s' must be a positive"),
         (["--output-tokens", "64"], "--output-tokens applies only with --slo"),
+        (["--slo", "20", "--output-tokens", "64"], "--output-tokens applies only with --prompt"),
+        (
+            ["--slo", "20", "--prompt-tokens", "8000"],
+            "--prompt-tokens 8,000 + --output-tokens 256 exceed --context 8,192",
+        ),
         (["--slo", "20tok/s", "--compare"], "--slo applies to one plan"),
         (["--slo", "20tok/s", "--step-overhead-ms", "-1"], "--step-overhead-ms: '-1'"),
     ],

@@ -5,8 +5,9 @@ fixed overhead (on a CPU also a measured weight-conversion pass, `convert_s`). B
 weights in their stored formats plus every tenant's KV pages, scales included, counted by the
 budget's own byte functions (`tensor_bytes`, the KV storage rows), never a second count;
 FLOPs are split by the format each matmul runs in (bf16 for weight-only formats, int8/fp8
-for W8A8 and W4A8). Prefill is compute-bound and costed apart; its share of the chip's time
-lowers each tenant's decode rate. Imports no JAX, Ray or MLflow.
+for W8A8 and W4A8). The SLO is a decode (TPOT) rate, 1 / step; new prompt tokens per request
+(`prompt_tokens`, 0 by default) add a batched prefill amortised over the request's output.
+Imports no JAX, Ray or MLflow.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ from tenantq.quant.plan import QuantPlan
 # A serving engine's fixed cost per decode step on an accelerator (kernel launches, the
 # scheduler, sampling), independent of bytes and FLOPs: an assumption, stated, overridable.
 DEFAULT_STEP_OVERHEAD_S = 0.5e-3
-# Each request: a prompt, then this many generated tokens (its context holds both).
+# With new prompt tokens per request: this many generated tokens over which their prefill is
+# amortised (the request's context holds both).
 DEFAULT_OUTPUT_TOKENS = 256
-# Beyond this many tenants the SLO search stops (no deployment holds 2^24 sequences).
-_MAX_TENANTS = 2**24
+# Beyond this many tenants the SLO search stops (no deployment holds 2^24 sequences); a
+# ServiceLevel that reaches it says so (`slo_capped`) and prints ">= 2^24".
+MAX_TENANTS = 2**24
 _ACTIVATION_COMPUTE = {"int8": "int8", "fp8_e4m3": "fp8"}
-_SLO = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(tok|tokens)\s*/\s*s\s*$")
+_SLO = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(?:(?:tok|tokens)\s*/\s*s\s*)?$")
 
 
 def parse_slo(text: str | float | int) -> float:
-    """Tokens per second per tenant from `"20tok/s"` (or `"20 tokens/s"`, or a number)."""
+    """Tokens per second per tenant from `"20tok/s"`, `"20 tokens/s"`, or a bare number
+    (`20`, `"20"`: tokens/s too); the CLI's `--slo` and a spec read it the same way."""
     if isinstance(text, bool):
         raise ValueError(f"slo: {text!r} is not a rate; write e.g. 20tok/s")
     if isinstance(text, int | float):
@@ -219,33 +223,52 @@ def decode_step(
 
 
 def prefill_s(
-    config: ModelConfig, plan: QuantPlan, deployment: Deployment, prompt_tokens: int
+    config: ModelConfig,
+    plan: QuantPlan,
+    deployment: Deployment,
+    prompt_tokens: int,
+    batch: int = 1,
 ) -> float:
-    """Time to prefill one prompt: compute-bound, its causal FLOPs at each format's peak
-    (bytes read are the weights once, which a prompt of more than a few hundred tokens hides)."""
+    """Time to prefill `batch` prompts of `prompt_tokens` new tokens each in one pass:
+    max(batch x compute(one prompt), (weights once + batch x KV written) / bandwidth).
+
+    FLOPs grow with every prompt (each prompt's causal FLOPs at each format's peak), but a
+    batched forward pass streams each weight matrix once for all batch x prompt tokens, so
+    weights are read once, not once per prompt; what grows with the batch on the bytes side
+    is each prompt's KV pages written (the budget's per-tenant rows at `prompt_tokens`)."""
+    for name, value in (("prompt tokens", prompt_tokens), ("batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     bandwidth, peaks = _rates(deployment.hardware)
     flops = step_flops(config, plan, deployment.chips, prompt_tokens, prompt_tokens, causal=True)
-    compute = sum(n / peaks[f] for f, n in flops.items())
-    weights = weight_step_bytes(config, plan, deployment.chips, prompt_tokens) / bandwidth
-    return max(compute, weights)
+    compute = batch * sum(n / peaks[f] for f, n in flops.items())
+    weights = weight_step_bytes(config, plan, deployment.chips, batch * prompt_tokens)
+    kv = kv_step_bytes(config, plan, deployment, batch, prompt_tokens)
+    return max(compute, (weights + kv) / bandwidth)
 
 
 @dataclass(frozen=True)
 class ServiceLevel:
-    """Tenants a deployment holds by memory and serves at `slo_tokens_per_s` each."""
+    """Tenants a deployment holds by memory and serves at `slo_tokens_per_s` each.
+
+    The SLO is judged on `tokens_per_s_per_tenant`: the decode rate 1 / step (TPOT) when
+    `prompt_tokens` is 0, else the rate with each request's prefill amortised over its
+    `output_tokens`."""
 
     slo_tokens_per_s: float
     context_tokens: int
-    prompt_tokens: int
-    output_tokens: int
+    prompt_tokens: int  # new (uncached) prompt tokens per request; 0: decode only
+    output_tokens: int  # tokens a request generates (used only with prompt_tokens)
     tenants_by_memory: int
-    tenants_by_slo: int
+    tenants_by_slo: int  # MAX_TENANTS where `slo_capped`: at least that many
+    slo_capped: bool  # the search reached MAX_TENANTS and the SLO still held
     tenants: int  # min of the two: tenants at the service level
     binding: str  # "memory" | "slo" | "both"
     step: StepTime  # at `tenants` (at 1 when none)
-    prefill_s: float  # one tenant's prompt
+    decode_tokens_per_s_per_tenant: float  # 1 / step, at `tenants`
+    prefill_s: float  # the batch's prompts in one pass, at `tenants` (0 without prompt tokens)
     prefill_share: float  # of the chip's time, at `tenants`
-    tokens_per_s_per_tenant: float  # at `tenants`
+    tokens_per_s_per_tenant: float  # the rate the SLO is judged on, at `tenants`
     overhead_s: float
     notes: tuple[str, ...] = field(default=())
 
@@ -257,9 +280,11 @@ class ServiceLevel:
             "output_tokens": self.output_tokens,
             "tenants_by_memory": self.tenants_by_memory,
             "tenants_by_slo": self.tenants_by_slo,
+            "slo_capped": self.slo_capped,
             "tenants_at_slo": self.tenants,
             "binding": self.binding,
             "step": self.step.to_dict(),
+            "decode_tokens_per_s_per_tenant": self.decode_tokens_per_s_per_tenant,
             "prefill_s": self.prefill_s,
             "prefill_share": self.prefill_share,
             "tokens_per_s_per_tenant": self.tokens_per_s_per_tenant,
@@ -268,16 +293,30 @@ class ServiceLevel:
         }
 
 
-def request_shape(context_tokens: int, output_tokens: int) -> tuple[int, int]:
-    """(prompt, output) tokens of a request whose context holds `context_tokens` in all."""
-    out = max(1, min(output_tokens, context_tokens - 1))
-    return max(1, context_tokens - out), out
+def request_shape(context_tokens: int, prompt_tokens: int, output_tokens: int) -> tuple[int, int]:
+    """(prompt, output) tokens of a request, checked against its context: prompt >= 0,
+    output >= 1 and, with a prompt, prompt + output <= context (the context holds both, plus
+    any cached prefix). Never cut to fit: a request that does not fit is a one-line error."""
+    for name, value, low in (
+        ("context tokens", context_tokens, 1),
+        ("prompt tokens", prompt_tokens, 0),
+        ("output tokens", output_tokens, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if prompt_tokens and prompt_tokens + output_tokens > context_tokens:
+        raise ValueError(
+            f"prompt tokens {prompt_tokens:,} + output tokens {output_tokens:,} exceed the "
+            f"context of {context_tokens:,}: a request's context holds both; give fewer "
+            "prompt or output tokens, or a longer context"
+        )
+    return prompt_tokens, output_tokens
 
 
-def tokens_per_s(step_s: float, prefill_one_s: float, batch: int, output_tokens: int) -> float:
-    """Each tenant's decode rate when the chip, per `output_tokens` steps of `batch`, also
-    prefills each tenant's next prompt: O / (B x prefill + O x step)."""
-    return output_tokens / (batch * prefill_one_s + output_tokens * step_s)
+def tokens_per_s(step_s: float, prefill_batch_s: float = 0.0, output_tokens: int = 1) -> float:
+    """Each tenant's rate: per `output_tokens` decode steps the chip also prefills the batch's
+    next prompts in one pass (`prefill_batch_s`): O / (prefill + O x step); 1 / step without."""
+    return output_tokens / (prefill_batch_s + output_tokens * step_s)
 
 
 def tenants_at_slo(
@@ -288,31 +327,34 @@ def tenants_at_slo(
     slo: str | float,
     *,
     tenants_by_memory: int | None = None,
+    prompt_tokens: int = 0,
     output_tokens: int = DEFAULT_OUTPUT_TOKENS,
     overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
 ) -> ServiceLevel:
     """How many tenants of `context_tokens` each get at least `slo` tokens/s, and the limit
-    that binds: memory (the budget's tenants) or the step time (the largest batch whose
-    rate, prefill included, meets the SLO; decode reads each tenant's full context)."""
+    that binds: memory (the budget's tenants) or the step time. By default the SLO is a
+    decode rate (TPOT): the largest batch B with 1 / step(B) >= SLO, decode reading each
+    tenant's full context. With `prompt_tokens` > 0 each request also prefills that many new
+    tokens, batched, amortised over its `output_tokens`."""
     rate = parse_slo(slo)
+    prompt, out = request_shape(context_tokens, prompt_tokens, output_tokens)
     if tenants_by_memory is None:
         from tenantq.capacity.budget import budget
 
         tenants_by_memory = budget(config, plan, deployment, context_tokens).tenants
-    prompt, out = request_shape(context_tokens, output_tokens)
-    pf = prefill_s(config, plan, deployment, prompt)
 
-    def rate_at(b: int) -> tuple[float, StepTime]:
+    def rate_at(b: int) -> tuple[float, StepTime, float]:
         st = decode_step(config, plan, deployment, b, context_tokens, overhead_s=overhead_s)
-        return tokens_per_s(st.step_s, pf, b, out), st
+        pf = prefill_s(config, plan, deployment, prompt, b) if prompt else 0.0
+        return tokens_per_s(st.step_s, pf, out), st, pf
 
-    by_slo = 0
+    by_slo, capped = 0, False
     if rate_at(1)[0] >= rate:
         lo, hi = 1, 2  # rate_at(lo) meets the SLO; find hi that does not (rate falls with B)
-        while hi < _MAX_TENANTS and rate_at(hi)[0] >= rate:
+        while hi < MAX_TENANTS and rate_at(hi)[0] >= rate:
             lo, hi = hi, hi * 2
-        if hi >= _MAX_TENANTS and rate_at(hi)[0] >= rate:
-            lo = hi
+        if hi >= MAX_TENANTS and rate_at(hi)[0] >= rate:
+            lo, capped = hi, True
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if rate_at(mid)[0] >= rate else (lo, mid)
@@ -323,10 +365,12 @@ def tenants_at_slo(
         if tenants_by_memory == by_slo
         else ("memory" if tenants_by_memory < by_slo else "slo")
     )
-    per_tenant, st = rate_at(max(tenants, 1))
-    share = max(tenants, 1) * pf / (max(tenants, 1) * pf + out * st.step_s)
+    per_tenant, st, pf = rate_at(max(tenants, 1))
+    share = pf / (pf + out * st.step_s) if prompt else 0.0
     notes = []
-    missing = [f for f in ("int8", "fp8") if deployment.hardware.peak_for(f) is None]
+    # Only formats the plan's matmuls run in (prefill runs the same matmuls as the step).
+    used = {f for f, n in st.flops.items() if n > 0}
+    missing = [f for f in ("int8", "fp8") if f in used and deployment.hardware.peak_for(f) is None]
     if missing:
         notes.append(
             f"{deployment.hardware.name} has no vendor peak for {', '.join(missing)}: "
@@ -341,9 +385,11 @@ def tenants_at_slo(
         output_tokens=out,
         tenants_by_memory=tenants_by_memory,
         tenants_by_slo=by_slo,
+        slo_capped=capped,
         tenants=tenants,
         binding=binding,
         step=st,
+        decode_tokens_per_s_per_tenant=1.0 / st.step_s,
         prefill_s=pf,
         prefill_share=share,
         tokens_per_s_per_tenant=per_tenant,

@@ -89,13 +89,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--slo",
         type=_slo,
-        help="a service level per tenant, e.g. 20tok/s: adds the decode step time and the "
-        "tenants by memory, by SLO and the binding limit",
+        help="a decode rate per tenant (TPOT), e.g. 20tok/s (a bare 20 is tok/s too): adds "
+        "the decode step time and the tenants by memory, by SLO and the binding limit",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=positive_int("a token count", example=512),
+        help="with --slo: new (uncached) prompt tokens per request; their batched prefill is "
+        "amortised over --output-tokens and the SLO judged on that rate (default: none, "
+        "decode only)",
     )
     p.add_argument(
         "--output-tokens",
         type=positive_int("a token count", example=256),
-        help="with --slo: tokens generated per request (256); the rest of --context is prompt",
+        help="with --prompt-tokens: tokens generated per request (256); prompt + output must "
+        "fit in --context",
     )
     p.add_argument(
         "--step-overhead-ms",
@@ -177,9 +185,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--model: {err}") from None
     if args.pairs and not args.compare:
         raise ValueError("--pairs applies only with --compare")
-    if args.slo is None and (args.output_tokens or args.step_overhead_ms is not None):
-        given = "--output-tokens" if args.output_tokens else "--step-overhead-ms"
+    if args.slo is None and (
+        args.prompt_tokens or args.output_tokens or args.step_overhead_ms is not None
+    ):
+        given = (
+            "--prompt-tokens"
+            if args.prompt_tokens
+            else ("--output-tokens" if args.output_tokens else "--step-overhead-ms")
+        )
         raise ValueError(f"{given} applies only with --slo (e.g. --slo 20tok/s)")
+    if args.output_tokens and not args.prompt_tokens:
+        raise ValueError(
+            "--output-tokens applies only with --prompt-tokens (the decode-only SLO has no "
+            "prefill to amortise)"
+        )
     if args.slo is not None and args.compare:
         raise ValueError("--slo applies to one plan; it does not apply with --compare")
     if args.per_tensor and args.compare:
@@ -288,6 +307,12 @@ def _service_level(config, plan, deployment, b, args):
             "(tpu-v5e, h100-sxm, ...)"
         )
     overhead = args.step_overhead_ms
+    prompt, out = args.prompt_tokens or 0, args.output_tokens or DEFAULT_OUTPUT_TOKENS
+    if prompt and prompt + out > args.context:
+        raise ValueError(
+            f"--prompt-tokens {prompt:,} + --output-tokens {out:,} exceed --context "
+            f"{args.context:,}: a request's context holds both; give fewer or a longer --context"
+        )
     return tenants_at_slo(
         config,
         plan,
@@ -295,7 +320,8 @@ def _service_level(config, plan, deployment, b, args):
         args.context,
         args.slo,
         tenants_by_memory=b.tenants,
-        output_tokens=args.output_tokens or DEFAULT_OUTPUT_TOKENS,
+        prompt_tokens=prompt,
+        output_tokens=out,
         overhead_s=DEFAULT_STEP_OVERHEAD_S if overhead is None else overhead / 1e3,
     )
 
