@@ -60,6 +60,24 @@ def test_llama_8b_bf16_step_on_h100_by_hand():
     assert st.step_s == pytest.approx(5.301074e-3, rel=1e-6)  # + 0.5 ms overhead
 
 
+def test_cpu_weight_conversion_is_a_third_roof_not_an_added_term():
+    from tenantq.capacity.hardware import HardwareProfile
+
+    # Run 1's CPU profile (docs/results/roofline.md): 19.32 GB/s, bf16 116 G/s, conversion
+    # of bf16 weights 0.20 G elements/s: Llama-3.1-8B's 7.5e9 matmul weights take ~37 s.
+    def cpu(convert_rate):
+        hw = HardwareProfile("cpu-run1", 64 * 2**30, 19_320_000_000, "CPU", 116 * 10**9,
+                             236 * 10**9, 28 * 10**9, (("bf16", convert_rate),))  # fmt: skip
+        return decode_step(LLAMA8, QuantPlan(), Deployment.of(hw), 4, 512, overhead_s=1e-3)
+
+    slow = cpu(0.2e9)
+    assert slow.convert_s > max(slow.memory_s, slow.compute_s) and slow.bound == "convert"
+    assert slow.step_s == pytest.approx(slow.convert_s + 1e-3, rel=1e-12)  # not + memory_s
+    fast = cpu(1e15)  # a conversion under the bytes costs nothing more
+    assert 0 < fast.convert_s < fast.memory_s and fast.bound == "memory"
+    assert fast.step_s == pytest.approx(fast.memory_s + 1e-3, rel=1e-12)
+
+
 @pytest.mark.parametrize(
     "plan",
     [
