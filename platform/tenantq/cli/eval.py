@@ -70,10 +70,14 @@ def run(args: argparse.Namespace) -> int:
     for name, gate in result.gates.items():
         print(
             f"  {name:<34} {gate.value:+.4f} [{gate.ci_low:+.4f}, {gate.ci_high:+.4f}] "
-            f"tolerance {gate.tolerance:g}: {gate.verdict}"
+            f"tolerance {gate.tolerance:g}: {gate.verdict}; "
+            f"changed: {result.summary[f'changed.{name}']}"
         )
     for key, value in result.summary.items():
-        if key.endswith((".ci_low", ".ci_high")) or key.startswith("verdict."):
+        if key.startswith("warning."):
+            print(f"  {key}: {value}")
+    for key, value in result.summary.items():
+        if key.endswith((".ci_low", ".ci_high")) or key.startswith(_WORDS):
             continue
         low = result.summary.get(f"{key}.ci_low")
         ci = f"  [{low:.4g}, {result.summary[f'{key}.ci_high']:.4g}]" if low is not None else ""
@@ -81,3 +85,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {key:<44} {shown}{ci}")
     print("  timings_s " + ", ".join(f"{k} {v:.2f}" for k, v in result.timings_s.items()))
     return 0
+
+
+# summary entries that are words, printed above with their gate or as warnings
+_WORDS = ("verdict.", "changed.", "warning.")
