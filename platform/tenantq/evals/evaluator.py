@@ -27,7 +27,13 @@ from tenantq.evals import data, fidelity, retrieval, stats, structured
 from tenantq.evals.calibrated import CalibrationData, Calibrator
 from tenantq.evals.generation import Generated
 from tenantq.evals.identity import cache_key, model_identity
-from tenantq.evals.suite import Suite, baseline_pass_warnings, load_suite, pass_fail_key
+from tenantq.evals.suite import (
+    Suite,
+    baseline_pass_warnings,
+    load_suite,
+    pass_fail_key,
+    unreachable_gate_warnings,
+)
 
 # Part of every cached baseline's key: bump it whenever the suite's numerics change (version 2:
 # needles teacher-forced in fidelity-width steps, all at one KV window), so baselines cached
@@ -204,6 +210,17 @@ class Evaluator:
         for item in self.structured_items:
             names += ["structured.acc_delta", f"structured.acc_delta.{item.task_name}"]
         return sorted(set(names))
+
+    def _gate_examples(self) -> dict[str, int]:
+        """Examples behind each pass/fail delta (`needle.acc_delta.len1019` -> 48)."""
+        out: dict[str, int] = {}
+        for item in self.needle_items:
+            key = f"{item.task}.acc_delta.len{item.length}"
+            out[key] = out.get(key, 0) + 1
+        for item in self.structured_items:
+            for key in ("structured.acc_delta", f"structured.acc_delta.{item.task_name}"):
+                out[key] = out.get(key, 0) + 1
+        return out
 
     # ------------------------------------------------------------------ engine + baseline
     def engine_settings(self) -> dict[str, Any]:
@@ -386,6 +403,7 @@ class Evaluator:
         summary.update({f"verdict.{k}": g.verdict for k, g in gates.items()})
         summary.update({f"changed.{k}": stats.CHANGED_WORDS[g.changed] for k, g in gates.items()})
         summary.update(baseline_pass_warnings(self.suite, self._baseline_passes))
+        summary.update(unreachable_gate_warnings(self.suite, self._gate_examples()))
         summary.update({
             "suite.name": self.suite.name, "suite.split": self.suite.split,
             "identity.model": self.identity[:16], "identity.dataset": self.dataset_hash[:16],

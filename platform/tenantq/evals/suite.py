@@ -9,6 +9,7 @@ from "search", a confirmation run (`suite.with_split("confirm")`) from examples 
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -137,6 +138,27 @@ def baseline_pass_warnings(suite: Suite, passes: dict[str, tuple[int, int]]) -> 
             out[f"warning.{group}"] = (
                 f"bf16 pass rate {passed / n:.0%} ({passed} of {n}) is below the suite's "
                 f"{suite.min_baseline_pass_rate:.0%}"
+            )
+    return out
+
+
+def unreachable_gate_warnings(suite: Suite, examples: dict[str, int]) -> dict[str, str]:
+    """`warning.gate.<metric>` for each pass/fail gate (`examples`: its metric -> n) whose
+    tolerance is tighter than the lower bound Tango's interval gives when nothing flips at
+    all (+-z^2 / (n + z^2): 0.107 at n = 32): such a gate can never say `non-inferior`."""
+    from tenantq.evals.stats import tango_interval
+
+    out = {}
+    for gate in suite.gates:
+        n = examples.get(gate.metric)
+        if not n or not gate.higher_is_better:
+            continue
+        bound = -float(tango_interval(0, 0, n)[0])
+        if gate.tolerance < bound:
+            out[f"warning.gate.{gate.metric}"] = (
+                f"tolerance {gate.tolerance:g} is below {bound:.3f}, the 95% bound of {n} "
+                f"examples with no flip at all: this gate cannot show non-inferiority; use a "
+                f"tolerance >= {math.ceil(bound * 1000) / 1000:g} or more examples"
             )
     return out
 
