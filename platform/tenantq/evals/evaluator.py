@@ -399,9 +399,8 @@ class Evaluator:
             bar.close()
         timings["compile"] = engine.stats.compile_s
         timings["total"] = time.perf_counter() - began + timings["load"]
-        gates = self._gates(summary)
-        summary.update({f"verdict.{k}": g.verdict for k, g in gates.items()})
-        summary.update({f"changed.{k}": stats.CHANGED_WORDS[g.changed] for k, g in gates.items()})
+        gates = gates_for(self.suite, summary)
+        summary.update(decision_words(gates))
         summary.update(baseline_pass_warnings(self.suite, self._baseline_passes))
         summary.update(unreachable_gate_warnings(self.suite, self._gate_examples()))
         summary.update({
@@ -505,25 +504,36 @@ class Evaluator:
             })  # fmt: skip
         return out
 
-    def _gates(self, summary) -> dict[str, Gate]:
-        gates = {}
-        for g in self.suite.gates:
-            value = float(summary[g.metric])
-            low = float(summary.get(f"{g.metric}.ci_low", value))
-            high = float(summary.get(f"{g.metric}.ci_high", value))
-            ref = 1.0 if g.metric.endswith("ppl_ratio") else 0.0  # a ratio's "no change" is 1
-            lo, hi = low - ref, high - ref
-            # a pass/fail delta's change is the exact McNemar test's call (its p sits under
-            # the same name with mcnemar_p for acc_delta); a continuous one's, the CI's
-            p_value = summary.get(g.metric.replace(".acc_delta", ".mcnemar_p", 1))
-            p_value = float(p_value) if ".acc_delta" in g.metric and p_value is not None else None
-            gates[g.metric] = Gate(
-                g.metric, value, low, high, g.tolerance, g.higher_is_better,
-                stats.verdict(lo, hi, g.tolerance, higher_is_better=g.higher_is_better),
-                stats.constraint(lo, hi, g.tolerance, higher_is_better=g.higher_is_better),
-                changed=stats.changed(lo, hi, p_value=p_value),
-            )  # fmt: skip
-        return gates
+
+def gates_for(suite: Suite, summary: dict[str, Any]) -> dict[str, Gate]:
+    """The suite's gates decided on a summary's deltas and CIs: verdict (non-inferiority
+    against the tolerance), constraint, and the two-sided `changed` flag (exact McNemar for a
+    pass/fail delta, whose p sits under the delta's name with mcnemar_p for acc_delta; the
+    CI excluding no change for a continuous one)."""
+    gates = {}
+    for g in suite.gates:
+        value = float(summary[g.metric])
+        low = float(summary.get(f"{g.metric}.ci_low", value))
+        high = float(summary.get(f"{g.metric}.ci_high", value))
+        ref = 1.0 if g.metric.endswith("ppl_ratio") else 0.0  # a ratio's "no change" is 1
+        lo, hi = low - ref, high - ref
+        p_value = None
+        if ".acc_delta" in g.metric:
+            p_value = float(summary[g.metric.replace(".acc_delta", ".mcnemar_p", 1)])
+        gates[g.metric] = Gate(
+            g.metric, value, low, high, g.tolerance, g.higher_is_better,
+            stats.verdict(lo, hi, g.tolerance, higher_is_better=g.higher_is_better),
+            stats.constraint(lo, hi, g.tolerance, higher_is_better=g.higher_is_better),
+            changed=stats.changed(lo, hi, p_value=p_value),
+        )  # fmt: skip
+    return gates
+
+
+def decision_words(gates: dict[str, Gate]) -> dict[str, str]:
+    """`verdict.<metric>` and `changed.<metric>` summary entries (MLflow tags, report, CLI)."""
+    out = {f"verdict.{k}": g.verdict for k, g in gates.items()}
+    out.update({f"changed.{k}": stats.CHANGED_WORDS[g.changed] for k, g in gates.items()})
+    return out
 
 
 # ---------------------------------------------------------------------- helpers
