@@ -301,3 +301,103 @@ def test_clopper_pearson_matches_closed_forms_and_tables() -> None:
     assert stats.clopper_pearson(5, 10) == pytest.approx((0.187, 0.813), abs=5e-4)
     with pytest.raises(ValueError, match="passed <= n"):
         stats.clopper_pearson(11, 10)
+
+
+# ---------------------------------------------------------------- edges and bad input
+@pytest.mark.parametrize("confidence", [0.01, 0.5, 0.95, 0.999])
+def test_no_flips_interval_follows_the_closed_form_at_any_confidence(confidence) -> None:
+    # +-z^2 / (n + z^2) holds for every z; at confidence 0.01 the bounds sit within 2e-6 of
+    # the point, where the restricted fit's discriminant is far below 1.
+    z2 = sps.norm.ppf(0.5 + confidence / 2) ** 2
+    low, high = stats.tango_interval(0, 0, 40, confidence=confidence)
+    assert high == pytest.approx(z2 / (40 + z2), rel=1e-7) and low == pytest.approx(-high)
+
+
+def test_interval_stays_within_minus_one_and_one() -> None:
+    # every example lost: the point is -1 and so is the lower bound, exactly; all won: +1
+    assert stats.tango_interval(16, 0, 16)[0] == -1.0
+    assert stats.tango_interval(0, 16, 16)[1] == 1.0
+    c2w, w2c = _outcomes(16)
+    low, high = stats.tango_interval(c2w, w2c, 16)
+    assert (low >= -1.0).all() and (high <= 1.0).all() and (low <= high).all()
+    assert stats.tango_interval(0, 1, 1)[1] == 1.0  # one example is enough to ask
+
+
+def test_interval_refuses_impossible_counts_naming_them() -> None:
+    for confidence in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match=r"confidence must be in \(0, 1\)"):
+            stats.tango_interval(1, 1, 10, confidence=confidence)
+    for worse, better in ((-1, 0), (0, -1), (6, 5)):
+        with pytest.raises(ValueError, match="need 0 <= correct_to_wrong"):
+            stats.tango_interval(worse, better, 10)
+    with pytest.raises(ValueError, match="need n > 0 paired examples"):
+        stats.tango_interval(0, 0, 0)
+
+
+def test_paired_proportion_ci_passes_its_confidence_and_takes_one_example() -> None:
+    base, cand = np.array([1, 1, 0, 1] * 4, bool), np.array([1, 0, 0, 1] * 4, bool)
+    ci = stats.paired_proportion_ci(base, cand, confidence=0.8)
+    assert (ci.ci_low, ci.ci_high) == pytest.approx(stats.tango_interval(4, 0, 16, confidence=0.8))
+    one = stats.paired_proportion_ci([True], [False])
+    assert one.n == 1 and one.delta == -1.0 and one.ci_low == -1.0
+    with pytest.raises(ValueError, match="needs at least one example"):
+        stats.paired_proportion_ci([], [])
+
+
+def test_discordant_counts_read_float_scores_as_pass_fail_and_refuse_unequal_lengths() -> None:
+    # the evaluator's per-example table stores scores as floats 0.0 / 1.0
+    assert stats.discordant_counts(np.array([1.0, 1.0, 0.0]), np.array([0.0, 1.0, 1.0])) == (1, 1)
+    with pytest.raises(ValueError, match="equal lengths, got 2 and 3"):
+        stats.discordant_counts([True, False], [True, False, True])
+
+
+@pytest.mark.parametrize("alpha", [0.0625, 0.01, 0.1])
+def test_exact_power_at_other_alphas_equals_enumeration(alpha) -> None:
+    # 0.0625 = 2 / 2^5 is a tail probability the test can hit exactly (5 of 5 flips one way
+    # has p = 0.0625, which rejects at p <= alpha); n = 100 with half the examples flipping
+    # reaches D up to 100.
+    for n, drop, psi in ((16, 0.25, 0.5), (100, 0.1, 0.5)):
+        assert stats.mcnemar_power(n, drop, psi, alpha=alpha) == pytest.approx(
+            _power_by_enumeration(n, drop, psi, alpha), abs=1e-12
+        )
+
+
+def test_examples_needed_honours_alpha_max_n_and_its_bounds() -> None:
+    strict = stats.mcnemar_examples_needed(0.1, 0.1, alpha=0.01)
+    assert stats.mcnemar_power(strict, 0.1, 0.1, alpha=0.01) >= 0.8
+    assert stats.mcnemar_power(strict - 1, 0.1, 0.1, alpha=0.01) < 0.8
+    assert strict > stats.mcnemar_examples_needed(0.1, 0.1) == 78  # the guide's table
+    assert stats.mcnemar_examples_needed(0.1, 0.1, max_n=78) == 78  # max_n itself is tried
+    with pytest.raises(ValueError, match="more than max_n=77"):
+        stats.mcnemar_examples_needed(0.1, 0.1, max_n=77)
+    assert stats.mcnemar_examples_needed(0.5, 1.0) > 0  # every example flips: allowed
+    with pytest.raises(ValueError, match="drop must be non-zero"):
+        stats.mcnemar_examples_needed(0.0, 0.1)
+    with pytest.raises(ValueError, match=r"discordance_rate must be in \[\|drop\|, 1\]"):
+        stats.mcnemar_examples_needed(0.1, 1.5)
+    for power in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match=r"power must be in \(0, 1\)"):
+            stats.mcnemar_examples_needed(0.1, 0.2, power=power)
+    with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\)"):
+        stats.mcnemar_examples_needed(0.1, 0.2, alpha=0.0)
+
+
+def test_power_refuses_impossible_designs_naming_them() -> None:
+    for n, drop, psi in ((0, 0.1, 0.2), (10, 0.3, 0.2), (10, 0.1, 1.5), (10, 0.0, 0.0)):
+        with pytest.raises(ValueError, match="need n > 0 and 0 <= \\|drop\\|"):
+            stats.mcnemar_power(n, drop, psi)
+    for alpha in (0.0, 1.0):
+        with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\)"):
+            stats.mcnemar_power(10, 0.1, 0.2, alpha=alpha)
+    assert stats.mcnemar_power(10, 1.0, 1.0) == pytest.approx(1.0)  # 10 of 10 lost: p = 2^-9
+
+
+def test_changed_needs_the_whole_interval_off_zero() -> None:
+    # an interval touching 0 from either side is no change shown
+    assert not stats.changed(0.0, 0.2) and not stats.changed(-0.2, 0.0)
+
+
+def test_clopper_pearson_refuses_no_examples_and_takes_one() -> None:
+    with pytest.raises(ValueError, match="n > 0"):
+        stats.clopper_pearson(0, 0)
+    assert stats.clopper_pearson(1, 1) == pytest.approx((0.025, 1.0), abs=1e-12)

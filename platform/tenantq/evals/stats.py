@@ -118,6 +118,7 @@ def mcnemar_exact(correct_to_wrong: int, wrong_to_correct: int) -> float:
     return float(min(1.0, 2.0 * _sps.binom.cdf(min(b, c), b + c, 0.5)))
 
 
+_TINY_VARIANCE = 1e-300
 # Bisection halvings of a bound's bracket (width <= 2): 2 * 2**-52, below float64's step at 1.
 _BISECTIONS = 52
 
@@ -133,12 +134,9 @@ def _tango_score(to_better, to_worse, n, delta):
     w = -to_better - to_worse + (2 * n - to_better + to_worse) * delta
     p21 = (np.sqrt(np.maximum(w * w + 8 * n * to_worse * delta * (1 - delta), 0.0)) - w) / (4 * n)
     var = n * (2 * p21 + delta * (1 - delta))
-    num = to_better - to_worse - n * delta
-    with np.errstate(divide="ignore", invalid="ignore"):
-        z = num / np.sqrt(var)
-    # var = 0 only at a delta the observed table sits on (e.g. 0 with no flips): no evidence
-    # against it when the numerator is 0 too, else infinitely much
-    return np.where(var > 0, z, np.where(num == 0, 0.0, np.copysign(np.inf, num)))
+    # var = 0 only at a delta the observed table sits on (e.g. -1 when every example was
+    # lost), where the numerator is 0 too: the floor makes that 0, no evidence against it
+    return (to_better - to_worse - n * delta) / np.sqrt(np.maximum(var, _TINY_VARIANCE))
 
 
 def tango_interval(
@@ -231,21 +229,13 @@ def changed(
     return bool(ci_low > 0 or ci_high < 0)
 
 
-_critical_cache: dict[float, np.ndarray] = {}
-
-
 def _mcnemar_critical(discordant: int, alpha: float) -> np.ndarray:
     """k[D] for D = 0..discordant: the largest min(b, c) that `mcnemar_exact` rejects at
     p <= alpha among D discordant pairs, -1 where none does (D < 6 at alpha 0.05)."""
-    table = _critical_cache.get(alpha)
-    if table is None or table.size <= discordant:
-        size = max(discordant + 1, 2 * (0 if table is None else table.size), 1024)
-        d = np.arange(size)
-        k = _sps.binom.ppf(alpha / 2, d, 0.5)  # smallest k with P[X <= k] >= alpha / 2
-        rejects = np.minimum(1.0, 2.0 * _sps.binom.cdf(k, d, 0.5)) <= alpha
-        table = np.where(rejects, k, k - 1).astype(np.int64)
-        _critical_cache[alpha] = table
-    return table[: discordant + 1]
+    d = np.arange(discordant + 1)
+    k = _sps.binom.ppf(alpha / 2, d, 0.5)  # smallest k with P[X <= k] >= alpha / 2
+    rejects = np.minimum(1.0, 2.0 * _sps.binom.cdf(k, d, 0.5)) <= alpha  # equal: k rejects
+    return np.where(rejects, k, k - 1).astype(np.int64)
 
 
 def mcnemar_power(
@@ -268,16 +258,17 @@ def mcnemar_power(
         )
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    n = int(n)
+    return _exact_power(int(n), d, psi, _mcnemar_critical(int(n), alpha))
+
+
+def _exact_power(n: int, d: float, psi: float, critical: np.ndarray) -> float:
+    """`mcnemar_power`'s sum, given the critical values k[D] for D = 0..n (or more)."""
     discord = np.arange(n + 1)
-    k = _mcnemar_critical(n, alpha)
+    k = critical[: n + 1]
     worse = (psi + d) / (2 * psi)
-    reject = np.where(
-        k >= 0,
-        _sps.binom.cdf(k, discord, worse) + _sps.binom.sf(discord - k - 1, discord, worse),
-        0.0,
-    )
-    return float(np.clip(np.dot(_sps.binom.pmf(discord, n, psi), reject), 0.0, 1.0))
+    # both tails; k[D] < D / 2, so they never overlap; k = -1 gives 0 + 0
+    reject = _sps.binom.cdf(k, discord, worse) + _sps.binom.sf(discord - k - 1, discord, worse)
+    return float(np.dot(_sps.binom.pmf(discord, n, psi), reject))
 
 
 def mcnemar_examples_needed(
@@ -304,8 +295,11 @@ def mcnemar_examples_needed(
         )
     if not 0.0 < power < 1.0:
         raise ValueError(f"power must be in (0, 1), got {power}")
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    critical = _mcnemar_critical(max_n, alpha)
     for n in range(1, max_n + 1):
-        if mcnemar_power(n, d, psi, alpha=alpha) >= power:
+        if _exact_power(n, d, psi, critical) >= power:
             return n
     raise ValueError(
         f"a drop of {d} at discordance {psi} needs more than max_n={max_n} examples for "
