@@ -325,12 +325,14 @@ def test_interval_stays_within_minus_one_and_one() -> None:
 
 def test_interval_refuses_impossible_counts_naming_them() -> None:
     for confidence in (0.0, 1.0, 1.5):
-        with pytest.raises(ValueError, match=r"confidence must be in \(0, 1\)"):
+        with pytest.raises(ValueError, match=r"^confidence must be in \(0, 1\), got "):
             stats.tango_interval(1, 1, 10, confidence=confidence)
     for worse, better in ((-1, 0), (0, -1), (6, 5)):
-        with pytest.raises(ValueError, match="need 0 <= correct_to_wrong"):
+        with pytest.raises(
+            ValueError, match=r"^need 0 <= correct_to_wrong \+ wrong_to_correct <= n$"
+        ):
             stats.tango_interval(worse, better, 10)
-    with pytest.raises(ValueError, match="need n > 0 paired examples"):
+    with pytest.raises(ValueError, match="^need n > 0 paired examples$"):
         stats.tango_interval(0, 0, 0)
 
 
@@ -340,14 +342,14 @@ def test_paired_proportion_ci_passes_its_confidence_and_takes_one_example() -> N
     assert (ci.ci_low, ci.ci_high) == pytest.approx(stats.tango_interval(4, 0, 16, confidence=0.8))
     one = stats.paired_proportion_ci([True], [False])
     assert one.n == 1 and one.delta == -1.0 and one.ci_low == -1.0
-    with pytest.raises(ValueError, match="needs at least one example"):
+    with pytest.raises(ValueError, match="^paired_proportion_ci needs at least one example$"):
         stats.paired_proportion_ci([], [])
 
 
 def test_discordant_counts_read_float_scores_as_pass_fail_and_refuse_unequal_lengths() -> None:
     # the evaluator's per-example table stores scores as floats 0.0 / 1.0
     assert stats.discordant_counts(np.array([1.0, 1.0, 0.0]), np.array([0.0, 1.0, 1.0])) == (1, 1)
-    with pytest.raises(ValueError, match="equal lengths, got 2 and 3"):
+    with pytest.raises(ValueError, match="^paired data need equal lengths, got 2 and 3$"):
         stats.discordant_counts([True, False], [True, False, True])
 
 
@@ -368,26 +370,32 @@ def test_examples_needed_honours_alpha_max_n_and_its_bounds() -> None:
     assert stats.mcnemar_power(strict - 1, 0.1, 0.1, alpha=0.01) < 0.8
     assert strict > stats.mcnemar_examples_needed(0.1, 0.1) == 78  # the guide's table
     assert stats.mcnemar_examples_needed(0.1, 0.1, max_n=78) == 78  # max_n itself is tried
-    with pytest.raises(ValueError, match="more than max_n=77"):
+    with pytest.raises(
+        ValueError, match="^a drop of 0.1 at discordance 0.1 needs more than max_n=77 "
+    ):
         stats.mcnemar_examples_needed(0.1, 0.1, max_n=77)
     assert stats.mcnemar_examples_needed(0.5, 1.0) > 0  # every example flips: allowed
-    with pytest.raises(ValueError, match="drop must be non-zero"):
+    with pytest.raises(ValueError, match="^drop must be non-zero, got 0.0$"):
         stats.mcnemar_examples_needed(0.0, 0.1)
-    with pytest.raises(ValueError, match=r"discordance_rate must be in \[\|drop\|, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"^discordance_rate must be in \[\|drop\|, 1\] \(a drop of 0.1 "
+    ):
         stats.mcnemar_examples_needed(0.1, 1.5)
     for power in (0.0, 1.0, 1.5):
-        with pytest.raises(ValueError, match=r"power must be in \(0, 1\)"):
+        with pytest.raises(ValueError, match=r"^power must be in \(0, 1\), got "):
             stats.mcnemar_examples_needed(0.1, 0.2, power=power)
-    with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"^alpha must be in \(0, 1\), got 0.0$"):
         stats.mcnemar_examples_needed(0.1, 0.2, alpha=0.0)
 
 
 def test_power_refuses_impossible_designs_naming_them() -> None:
     for n, drop, psi in ((0, 0.1, 0.2), (10, 0.3, 0.2), (10, 0.1, 1.5), (10, 0.0, 0.0)):
-        with pytest.raises(ValueError, match="need n > 0 and 0 <= \\|drop\\|"):
+        with pytest.raises(
+            ValueError, match=r"^need n > 0 and 0 <= \|drop\| <= discordance_rate <= 1, "
+        ):
             stats.mcnemar_power(n, drop, psi)
     for alpha in (0.0, 1.0):
-        with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\)"):
+        with pytest.raises(ValueError, match=r"^alpha must be in \(0, 1\), got "):
             stats.mcnemar_power(10, 0.1, 0.2, alpha=alpha)
     assert stats.mcnemar_power(10, 1.0, 1.0) == pytest.approx(1.0)  # 10 of 10 lost: p = 2^-9
 
@@ -398,6 +406,6 @@ def test_changed_needs_the_whole_interval_off_zero() -> None:
 
 
 def test_clopper_pearson_refuses_no_examples_and_takes_one() -> None:
-    with pytest.raises(ValueError, match="n > 0"):
+    with pytest.raises(ValueError, match="^need 0 <= passed <= n and n > 0, got passed=0, n=0$"):
         stats.clopper_pearson(0, 0)
     assert stats.clopper_pearson(1, 1) == pytest.approx((0.025, 1.0), abs=1e-12)
