@@ -409,3 +409,26 @@ def test_clopper_pearson_refuses_no_examples_and_takes_one() -> None:
     with pytest.raises(ValueError, match="^need 0 <= passed <= n and n > 0, got passed=0, n=0$"):
         stats.clopper_pearson(0, 0)
     assert stats.clopper_pearson(1, 1) == pytest.approx((0.025, 1.0), abs=1e-12)
+
+
+def test_bootstrap_default_seed_is_zero_and_float32_figures_are_averaged_in_float64() -> None:
+    rng = np.random.default_rng(5)
+    base, cand = rng.normal(size=30).astype(np.float32), rng.normal(size=30).astype(np.float32)
+    assert stats.paired_bootstrap(base, cand) == stats.paired_bootstrap(base, cand, seed=0)
+    wide = stats.paired_bootstrap(base.astype(np.float64), cand.astype(np.float64))
+    assert stats.paired_bootstrap(base, cand) == wide  # bit for bit
+
+
+def test_bootstrap_takes_one_example_and_refuses_none_or_unequal_lengths() -> None:
+    one = stats.paired_bootstrap([1.0], [3.0], resamples=100)
+    assert (one.delta, one.ci_low, one.ci_high, one.n) == (2.0, 2.0, 2.0, 1)
+    with pytest.raises(ValueError, match="^paired_bootstrap needs at least one example$"):
+        stats.paired_bootstrap([], [])
+    with pytest.raises(ValueError, match="^paired data need equal lengths, got 2 and 1$"):
+        stats.paired_bootstrap([1.0, 2.0], [1.0])
+
+
+def test_examples_needed_refuses_alpha_of_one_or_more() -> None:
+    for alpha in (1.0, 1.5):
+        with pytest.raises(ValueError, match=r"^alpha must be in \(0, 1\), got "):
+            stats.mcnemar_examples_needed(0.1, 0.2, alpha=alpha)
