@@ -432,3 +432,50 @@ def test_examples_needed_refuses_alpha_of_one_or_more() -> None:
     for alpha in (1.0, 1.5):
         with pytest.raises(ValueError, match=r"^alpha must be in \(0, 1\), got "):
             stats.mcnemar_examples_needed(0.1, 0.2, alpha=alpha)
+
+
+def _bootstrap_by_definition(base, cand, weights, resamples, seed, confidence=0.95):
+    """Percentile CI of the weighted mean difference over `resamples` draws of n indices from
+    numpy's Generator seeded `seed`, in one draw; draws whose weights sum to 0 are skipped."""
+    b, c, w = (np.asarray(a, np.float64) for a in (base, cand, weights))
+    idx = np.random.default_rng(seed).integers(0, b.size, size=(resamples, b.size))
+    wsum = w[idx].sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        deltas = ((w * c)[idx].sum(axis=1) - (w * b)[idx].sum(axis=1)) / wsum
+    deltas[wsum == 0] = np.nan
+    tail = (1 - confidence) / 2
+    return tuple(np.nanquantile(deltas, [tail, 1 - tail]))
+
+
+def test_bootstrap_ci_is_the_percentile_interval_of_its_resampled_means() -> None:
+    # 1,000 examples: the 10,000 resamples are drawn in blocks (of 4,000 here); the blocks
+    # must be the same stream as one draw. Weights 1/0 on 3 examples: most draws hold a single
+    # weighted example, some none (skipped).
+    rng = np.random.default_rng(11)
+    base, cand = rng.normal(size=1000), rng.normal(size=1000) + 0.1
+    ci = stats.paired_bootstrap(base, cand, seed=4)
+    want = _bootstrap_by_definition(base, cand, np.ones(1000), 10_000, 4)
+    assert (ci.ci_low, ci.ci_high) == pytest.approx(want, rel=1e-12)
+    small = stats.paired_bootstrap([0.0, 1.0, 2.0], [1.0, 5.0, 0.0], weights=[1.0, 0.0, 0.0],
+                                   resamples=500, seed=2, confidence=0.9)  # fmt: skip
+    assert (small.ci_low, small.ci_high) == pytest.approx(
+        _bootstrap_by_definition([0, 1, 2], [1, 5, 0], [1, 0, 0], 500, 2, 0.9), rel=1e-12
+    )
+
+
+def test_bootstrap_refuses_bad_confidence_and_weights_naming_them() -> None:
+    x = np.arange(4.0)
+    for confidence in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match=r"^confidence must be in \(0, 1\), got "):
+            stats.paired_bootstrap(x, x, confidence=confidence)
+    bad = "^weights must be non-negative, one per example, not all zero$"
+    for weights in ([1.0, -1.0, 3.0, 1.0], [1.0, 1.0, 1.0], [0.0] * 4):
+        with pytest.raises(ValueError, match=bad):
+            stats.paired_bootstrap(x, x, weights=weights)
+    # zero weights on some examples, fractional weights, weights summing to 1: all fine
+    for weights in ([0.0, 1.0, 1.0, 1.0], [0.5] * 4, [0.25] * 4):
+        assert stats.paired_bootstrap(x, x + 1, weights=weights, resamples=100).delta == 1.0
+    w32 = np.array([0.3, 0.7, 0.1, 0.9], np.float32)
+    assert stats.paired_bootstrap(x, x**2, weights=w32, resamples=100) == stats.paired_bootstrap(
+        x, x**2, weights=w32.astype(np.float64), resamples=100
+    )
