@@ -479,3 +479,25 @@ def test_bootstrap_refuses_bad_confidence_and_weights_naming_them() -> None:
     assert stats.paired_bootstrap(x, x**2, weights=w32, resamples=100) == stats.paired_bootstrap(
         x, x**2, weights=w32.astype(np.float64), resamples=100
     )
+
+
+def test_power_when_every_example_flips_matches_the_binomial_sum_up_to_400_examples() -> None:
+    # discordance 1: D = n exactly, losses ~ Bin(n, (1 + d) / 2); the test's rejections read
+    # from mcnemar_exact itself, at every seventh n from 6 to 400 (critical values up to 400)
+    for n in range(6, 400, 7):
+        losses = np.arange(n + 1)
+        rejects = [stats.mcnemar_exact(int(b), n - int(b)) <= 0.05 for b in losses]
+        want = float(sps.binom.pmf(losses, n, 0.55)[rejects].sum())
+        assert stats.mcnemar_power(n, 0.1, 1.0) == pytest.approx(want, abs=1e-12), n
+
+
+def test_bootstrap_reports_the_weighted_means_and_n() -> None:
+    b, c, w = np.array([1.0, 2.0, 4.0]), np.array([2.0, 2.0, 8.0]), np.array([1.0, 2.0, 1.0])
+    ci = stats.paired_bootstrap(b, c, weights=w, resamples=200)
+    assert (ci.baseline, ci.candidate, ci.n) == (pytest.approx(9 / 4), pytest.approx(14 / 4), 3)
+
+
+def test_exact_mcnemar_refuses_a_negative_count() -> None:
+    for b, c in ((-1, 2), (2, -1)):
+        with pytest.raises(ValueError, match="^discordant counts must be >= 0, got "):
+            stats.mcnemar_exact(b, c)
