@@ -501,3 +501,11 @@ def test_exact_mcnemar_refuses_a_negative_count() -> None:
     for b, c in ((-1, 2), (2, -1)):
         with pytest.raises(ValueError, match="^discordant counts must be >= 0, got "):
             stats.mcnemar_exact(b, c)
+
+
+def test_bootstrap_fills_every_resample_even_with_a_handful() -> None:
+    # 3 resamples: each one moves both percentile bounds, so none may be skipped or left unset
+    base, cand = np.array([0.0, 1.0, 2.0, 3.0, 4.0]), np.array([1.0, 1.0, 5.0, 2.0, 9.0])
+    ci = stats.paired_bootstrap(base, cand, resamples=3, seed=1)
+    want = _bootstrap_by_definition(base, cand, np.ones(5), 3, 1)
+    assert (ci.ci_low, ci.ci_high) == pytest.approx(want, rel=1e-12)
