@@ -109,6 +109,7 @@ def front_table_rows(study: StudyRecord) -> list[dict[str, str]]:
             if c is not None:
                 row[f"confirmed {m}"] = _fmt_ci(c)
         row["shippable"] = "yes" if t.shippable else "no"
+        row["verdicts"] = t.gate_words() or "-"
         row["plan"] = t.plan_summary()
         row["fingerprint"] = t.fingerprint
         row["export"] = export_command(study, t)
