@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --quiet -e '.[test,parity,docs]'
+	$(PY) -m pip install --quiet -e '.[test,parity,docs,lmeval]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -136,6 +136,7 @@ class Evaluator:
         _check_gates(self.suite, self.expected_metrics())
         self.load_s = time.perf_counter() - began
         self._baseline: dict[str, Any] | None = None
+        self._kv_scales: dict[str, Any] = {}  # by folded-params identity
         self._evaluations = 0
 
     # ------------------------------------------------------------------ examples
@@ -231,30 +232,37 @@ class Evaluator:
 
     def build_engine(self, plan):
         from tenantq.engine import Engine
+
+        options = dict(self.engine_options)
+        params, folded, folded_id = self.calibrator.prepared(plan)
+        if plan.needs_kv_scales and "kv_scales" not in options:
+            options["kv_scales"] = self.kv_scales(folded, folded_id)
+        try:
+            return Engine(
+                self.config, params, plan, dtype=self.dtype, tokenizer=self.tokenizer, **options
+            )
+        except (TypeError, NotImplementedError) as err:
+            raise ValueError(f"cannot build the engine for this plan: {err}") from None
+
+    def kv_scales(self, folded: dict[str, Any], folded_id: str):
+        """Static KV scales calibrated on `folded`, the params the engine runs before its
+        weights are quantized (after a plan's smoothquant/awq folds, which rescale v_proj's
+        output and so the cached values): once per folded identity, in memory and on disk."""
         from tenantq.evals.sensitivity import calibration_windows
         from tenantq.quant import kv_calibration as kvc
 
-        options = dict(self.engine_options)
-        if plan.needs_kv_scales and "kv_scales" not in options:  # static KV: calibrate once
-            if getattr(self, "_kv_scales", None) is None:
-                windows, _ = calibration_windows(  # the weights' calibration text, if given
-                    self.tokenizer, self.config, source=self.calibrator.data.source,
-                    num_sequences=kvc.DEFAULT_KV_SEQUENCES,
-                    seq_tokens=min(kvc.DEFAULT_KV_SEQ_TOKENS, self.config.max_position_embeddings),
-                )  # fmt: skip
-                self._kv_scales = kvc.kv_static_scales(
-                    self.model_path, windows, model_id=self.identity,
-                    data_hash=data.array_hash(windows), cache_dir=self.cache_dir / "calibration",
-                    params=self.params,
-                )  # fmt: skip
-            options["kv_scales"] = self._kv_scales
-        try:
-            return Engine(
-                self.config, self.calibrator.params_for(plan), plan, dtype=self.dtype,
-                tokenizer=self.tokenizer, **options,
+        if folded_id not in self._kv_scales:
+            windows, _ = calibration_windows(  # the weights' calibration text, if given
+                self.tokenizer, self.config, source=self.calibrator.data.source,
+                num_sequences=kvc.DEFAULT_KV_SEQUENCES,
+                seq_tokens=min(kvc.DEFAULT_KV_SEQ_TOKENS, self.config.max_position_embeddings),
             )  # fmt: skip
-        except (TypeError, NotImplementedError) as err:
-            raise ValueError(f"cannot build the engine for this plan: {err}") from None
+            self._kv_scales[folded_id] = kvc.kv_static_scales(
+                self.model_path, windows, model_id=folded_id,
+                data_hash=data.array_hash(windows), cache_dir=self.cache_dir / "calibration",
+                params=folded,
+            )  # fmt: skip
+        return self._kv_scales[folded_id]
 
     def baseline_key(self) -> str:
         return cache_key(
