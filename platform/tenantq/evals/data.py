@@ -31,8 +31,7 @@ def load_documents(source: str, text_field: str = "text") -> list[str]:
         if path.suffix == ".txt":
             docs = [path.read_text(encoding="utf-8")]
         elif path.suffix == ".jsonl":
-            lines = path.read_text(encoding="utf-8").splitlines()
-            docs = [json.loads(line)[text_field] for line in lines if line.strip()]
+            docs = _jsonl_texts(path, source, text_field)
         elif path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -50,6 +49,33 @@ def load_documents(source: str, text_field: str = "text") -> list[str]:
     docs = [d for d in docs if isinstance(d, str) and d.strip()]
     if not docs:
         raise ValueError(f"dataset {source!r} holds no text; {expected}")
+    return docs
+
+
+def _jsonl_texts(path: Path, source: str, text_field: str) -> list[str]:
+    """Every record's `text_field`, which must be a string: a record whose text is a number or
+    null is an error naming its line (dropping it would shrink the dataset silently)."""
+    docs = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"dataset {source!r} line {number}: not JSON ({err})") from None
+        if not isinstance(record, dict) or text_field not in record:
+            raise ValueError(
+                f"dataset {source!r} line {number}: expected an object with a {text_field!r} "
+                f"field, got {type(record).__name__}"
+                + (f" with keys {sorted(record)[:5]}" if isinstance(record, dict) else "")
+            )
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise ValueError(
+                f"dataset {source!r} line {number}: {text_field!r} must be a string, got "
+                f"{type(text).__name__} {text!r:.40}"
+            )
+        docs.append(text)
     return docs
 
 

@@ -13,10 +13,13 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
 SPLITS = ("search", "confirm")
+# Shortest needle prompt: BOS, the needle sentence, some haystack and the query (the shortest
+# length the shipped suites and tests use is 64).
+MIN_NEEDLE_TOKENS = 32
 
 
 class _Spec(BaseModel):
@@ -47,6 +50,22 @@ class NeedleSpec(_Spec):
     per_length: int = Field(gt=0, description="needles per length, depths evenly over 0-100%")
     count: int = Field(4, ge=2, description="needles per prompt for multikey/multivalue")
 
+    @field_validator("lengths")
+    @classmethod
+    def _lengths(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        # An empty list measures nothing and passes; a repeated length counts the same needles
+        # twice as independent examples (its interval too narrow).
+        if not v:
+            raise ValueError("needs at least one prompt length (tokens), e.g. [1019]")
+        if len(set(v)) != len(v):
+            raise ValueError(f"lists a length twice in {list(v)}; give each length once")
+        short = [n for n in v if n < MIN_NEEDLE_TOKENS]
+        if short:
+            raise ValueError(
+                f"{short} too short: a needle prompt needs at least {MIN_NEEDLE_TOKENS} tokens"
+            )
+        return v
+
 
 class StructuredSpec(_Spec):
     tasks: tuple[
@@ -76,6 +95,23 @@ class Suite(_Spec):
     structured: StructuredSpec | None = None
     gates: tuple[GateSpec, ...] = ()
 
+    @model_validator(mode="after")
+    def _measures_and_gates_once(self) -> Suite:
+        if self.fidelity is None and not self.needles and self.structured is None:
+            raise ValueError(
+                "the suite has no task: add [fidelity], [[needles]] or [structured] (a suite "
+                "that measures nothing would pass every plan)"
+            )
+        seen = set()
+        for g in self.gates:
+            if g.metric in seen:
+                raise ValueError(
+                    f"gates: {g.metric!r} is gated twice; keep one [[gates]] entry per metric "
+                    "with the tolerance you mean"
+                )
+            seen.add(g.metric)
+        return self
+
     def with_split(self, split: str) -> Suite:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -83,6 +119,41 @@ class Suite(_Spec):
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+
+
+def check_suite_for_model(suite: Suite, config, where: str = "suite") -> None:
+    """The suite against the model it measures (`config`: a `ModelConfig`): window and prompt
+    lengths within the model's positions, top-k and tail samples within its vocabulary. One
+    ValueError line naming the suite key; called by the evaluator and by `search --check`."""
+    context, vocab = config.max_position_embeddings, config.vocab_size
+    name = f"{where} {suite.name!r}"
+    f = suite.fidelity
+    if f is not None:
+        if f.row_tokens > context:
+            raise ValueError(
+                f"{name}: fidelity.row_tokens = {f.row_tokens} exceeds the model's context "
+                f"of {context} tokens; use row_tokens <= {context}"
+            )
+        if vocab > f.exact_vocab_limit:  # top-k + tail sampling is used: both within vocab
+            for key in ("top_k", "tail_samples"):
+                if getattr(f, key) >= vocab:
+                    raise ValueError(
+                        f"{name}: fidelity.{key} = {getattr(f, key)} is not below the model's "
+                        f"vocabulary of {vocab}; use {key} < {vocab}"
+                    )
+    for i, n in enumerate(suite.needles):
+        over = [length for length in n.lengths if length >= context]
+        if over:
+            raise ValueError(
+                f"{name}: needles.{i}.lengths {over} reach the model's context of {context} "
+                f"tokens (the answer follows the prompt); use lengths < {context}"
+            )
+    s = suite.structured
+    if s is not None and s.context_tokens + s.max_new_tokens > context:
+        raise ValueError(
+            f"{name}: structured.context_tokens + max_new_tokens = "
+            f"{s.context_tokens + s.max_new_tokens} exceeds the model's context of {context}"
+        )
 
 
 # Needle variant -> the task name its summary keys and example ids carry.
@@ -157,5 +228,10 @@ def load_suite(name_or_path: str | Path) -> Suite:
         return Suite.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"suite file {path}: {where}: {first['msg']}") from None
+        where = ".".join(str(p) for p in first["loc"]) or "suite"
+        msg = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif not isinstance(first.get("input"), dict | list | tuple):
+            msg = f"{msg} (got {first.get('input')!r})"
+        raise ValueError(f"suite file {path}: {where}: {msg}") from None

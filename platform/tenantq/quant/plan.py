@@ -206,6 +206,17 @@ class Rule:
         except re.error as err:
             raise ValueError(f"{where}: invalid regex ({err})") from None
         check_w8a8(self)
+        if self.format == "bf16":  # settings of a quantizer a bf16 tensor never meets
+            ignored = [
+                f"{name}={getattr(self, name)!r}"
+                for name, default in (("group_size", None), ("algorithm", "rtn"), ("symmetric", True))
+                if getattr(self, name) != default
+            ]
+            if ignored:
+                raise ValueError(
+                    f"{where}: {', '.join(ignored)} on a bf16 rule does nothing (bf16 tensors "
+                    "are not quantized) but would change the plan's fingerprint; drop it"
+                )
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = "rule") -> Rule:
@@ -348,6 +359,27 @@ def _check_scale_dtype(scale_dtype: str, scaled: set[str]) -> None:
         )
 
 
+def _check_layers_once(bf16: list[int], formats: list[int], num_layers: int | None) -> None:
+    """Each layer named once across `bf16_layers` and `layer_formats` (an index and its negative
+    alias, e.g. 0 and -4 on a 4-layer model, are the same layer once `num_layers` is known):
+    two entries for one layer would leave one silently ignored."""
+
+    def layer(i: int) -> int:
+        return i + num_layers if num_layers is not None and i < 0 else i
+
+    seen: dict[int, tuple[str, int]] = {}
+    for name, indices in (("layer_formats", formats), ("bf16_layers", bf16)):
+        for i in indices:
+            j = layer(i)
+            if j in seen and not (name == seen[j][0] == "bf16_layers"):  # bf16 twice agrees
+                first, index = seen[j]
+                raise ValueError(
+                    f"kv.{name}: layer {i} is already given in kv.{first} (as {index}); "
+                    "name each layer once (negative indices count from the end)"
+                )
+            seen.setdefault(j, (name, i))
+
+
 @dataclass(frozen=True)
 class KVPlan:
     """The KV-cache part of a plan (keys per channel, values per token by default, as KIVI)."""
@@ -384,6 +416,9 @@ class KVPlan:
             if getattr(self, axis_key) not in STATIC_KV_AXES:
                 scaled |= {f for f in formats if FORMATS[f].scale_dtype is not None}
         _check_scale_dtype(self.scale_dtype, scaled)
+        _check_layers_once(
+            list(checked.bf16_layers), [e.layer for e in checked.layer_formats], None
+        )
         object.__setattr__(self, "bf16_layers", tuple(checked.bf16_layers))
         object.__setattr__(
             self,
@@ -402,6 +437,7 @@ class KVPlan:
                     f"kv.{name}: layer {i} is out of range for a model of {n} layers; "
                     f"valid indices are {-n}..{n - 1} (negative counts from the end)"
                 )
+        _check_layers_once(list(self.bf16_layers), [e[0] for e in self.layer_formats], n)
         context = config.max_position_embeddings
         if self.sink_tokens > context:
             raise ValueError(
@@ -477,7 +513,9 @@ class QuantPlan:
         `config` may also be the tensor inventory itself (path -> TensorInfo)."""
 
         out: dict[str, TensorQuant] = {}
-        for path, info in _inventory(config).items():
+        inventory = _inventory(config)
+        self._check_embed_activations(inventory)
+        for path, info in inventory.items():
             if not info.quantizable:
                 continue
             rule = self.match(path)
@@ -496,6 +534,24 @@ class QuantPlan:
                 activation_scale=rule.activation_scale,
             )
         return out
+
+    def _check_embed_activations(self, inventory: Mapping[str, TensorInfo]) -> None:
+        """W8A8 activations on an untied `embed` (a model with its own `lm_head`): the
+        embedding is a row lookup, not a matmul, so a rule giving only embed activations
+        does nothing. A broader rule (".*") keeps them for its matmuls and is accepted."""
+        rule = self.match("embed") if "lm_head" in inventory and "embed" in inventory else None
+        if rule is None or rule.activations is None:
+            return
+        others = [
+            p for p, info in inventory.items()
+            if info.quantizable and p != "embed" and self.match(p) is rule
+        ]  # fmt: skip
+        if not others:
+            raise ValueError(
+                f"rule {rule.pattern!r}: activations={rule.activations!r} on embed does "
+                "nothing: this model's embedding is untied (it has an lm_head), so embed is a "
+                "lookup, not a matmul; drop activations from this rule"
+            )
 
     def unused_rules(self, config: ModelConfig | Mapping[str, TensorInfo]) -> list[Rule]:
         """Rules that are the first match for no tensor of `config` (typos, shadowed rules)."""
@@ -578,7 +634,9 @@ class QuantPlan:
 
     @classmethod
     def from_json(cls, text: str) -> QuantPlan:
-        return cls.from_dict(json.loads(text))
+        """A plan from JSON; a key given twice in one object is an error (JSON keeps the last
+        silently). TOML refuses a repeated key itself."""
+        return cls.from_dict(json.loads(text, object_pairs_hook=_unique_keys))
 
     def to_toml(self) -> str:
         lines = []
@@ -631,6 +689,14 @@ class QuantPlan:
         """Stable short hash of the canonical JSON (same plan -> same hash, any process)."""
         canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"key {twice[0]!r} is given twice in one object; give each key once")
+    return dict(pairs)
 
 
 def _inventory(config: ModelConfig | Mapping[str, TensorInfo]) -> Mapping[str, TensorInfo]:

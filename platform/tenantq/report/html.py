@@ -40,12 +40,22 @@ def load_profile(study: StudyRecord, profile: str | Path | None):
     return read_profile_table(profile)
 
 
+def _why_no_pareto(study: StudyRecord) -> str:
+    """Why the Pareto figure is absent: no trial completed, or none measured quality."""
+    if not [t for t in study.completed if t.duplicate_of is None]:
+        return "no completed trial"
+    return (
+        "the study has no quality objective (a capacity-only study measures tenants only, "
+        "so there is no tenants-against-quality plane to draw)"
+    )
+
+
 def build_figures(study: StudyRecord, trial: int | None = None, profile=None):
     """(name, title, figure or None, why absent) for every section of the report."""
     chosen = study.choose_trial(trial)
     bf16 = study.bf16
     out = []
-    out.append(("pareto", "Pareto front", figures.pareto_figure(study), "no completed trial"))
+    out.append(("pareto", "Pareto front", figures.pareto_figure(study), _why_no_pareto(study)))
     if chosen is None:
         out += [
             ("capacity", "Capacity waterfall", None, "no completed trial"),
@@ -73,7 +83,10 @@ def build_figures(study: StudyRecord, trial: int | None = None, profile=None):
             "sensitivity",
             "Per-tensor sensitivity",
             figures.sensitivity_figure(profile),
-            "no sensitivity profile (a `sensitivity` space's spec names one; or --profile)",
+            "no sensitivity profile (a `sensitivity` space's spec names one; or --profile)"
+            if profile is None
+            else "the profile has no per-layer rows to draw (layers/I/... or kv/I tensors); "
+            "only whole-model tensors such as embed or lm_head",
         )
     )
     out.append(
