@@ -38,6 +38,8 @@ def load_documents(source: str, text_field: str = "text") -> list[str]:
             docs = pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
         else:
             raise ValueError(f"dataset {source!r}: unknown suffix {path.suffix!r}; {expected}")
+    except _RecordError:
+        raise
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, OSError) as err:
         kind = type(err).__name__
         raise ValueError(
@@ -52,6 +54,10 @@ def load_documents(source: str, text_field: str = "text") -> list[str]:
     return docs
 
 
+class _RecordError(ValueError):
+    """A .jsonl record at fault, already named by its line."""
+
+
 def _jsonl_texts(path: Path, source: str, text_field: str) -> list[str]:
     """Every record's `text_field`, which must be a string: a record whose text is a number or
     null is an error naming its line (dropping it would shrink the dataset silently)."""
@@ -62,16 +68,19 @@ def _jsonl_texts(path: Path, source: str, text_field: str) -> list[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"dataset {source!r} line {number}: not JSON ({err})") from None
+            raise _RecordError(
+                f"dataset {source!r} is unreadable (JSONDecodeError on line {number}: {err}); "
+                f"expected one JSON object per line with a {text_field!r} text field"
+            ) from None
         if not isinstance(record, dict) or text_field not in record:
-            raise ValueError(
+            raise _RecordError(
                 f"dataset {source!r} line {number}: expected an object with a {text_field!r} "
                 f"field, got {type(record).__name__}"
                 + (f" with keys {sorted(record)[:5]}" if isinstance(record, dict) else "")
             )
         text = record[text_field]
         if not isinstance(text, str):
-            raise ValueError(
+            raise _RecordError(
                 f"dataset {source!r} line {number}: {text_field!r} must be a string, got "
                 f"{type(text).__name__} {text!r:.40}"
             )

@@ -231,7 +231,22 @@ def load_suite(name_or_path: str | Path) -> Suite:
         where = ".".join(str(p) for p in first["loc"]) or "suite"
         msg = first["msg"].removeprefix("Value error, ")
         if first["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = f"unknown key; valid keys here: {', '.join(_fields_at(first['loc'][:-1]))}"
         elif not isinstance(first.get("input"), dict | list | tuple):
             msg = f"{msg} (got {first.get('input')!r})"
         raise ValueError(f"suite file {path}: {where}: {msg}") from None
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """The keys valid at `loc` (a pydantic error location) of a suite file."""
+    model: type[BaseModel] = Suite
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        ann = model.model_fields[part].annotation
+        inner = [a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type)]
+        inner = [a for a in inner if issubclass(a, BaseModel)]
+        if not inner:
+            return []
+        model = inner[0]
+    return list(model.model_fields)
