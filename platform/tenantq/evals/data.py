@@ -75,7 +75,7 @@ def _jsonl_texts(path: Path, source: str, text_field: str) -> list[str]:
         if not isinstance(record, dict) or text_field not in record:
             raise _RecordError(
                 f"dataset {source!r} line {number}: expected an object with a {text_field!r} "
-                f"field, got {type(record).__name__}"
+                f"text field, got {type(record).__name__}"
                 + (f" with keys {sorted(record)[:5]}" if isinstance(record, dict) else "")
             )
         text = record[text_field]
