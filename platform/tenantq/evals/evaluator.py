@@ -27,7 +27,7 @@ from tenantq.evals import data, fidelity, retrieval, stats, structured
 from tenantq.evals.calibrated import CalibrationData, Calibrator
 from tenantq.evals.generation import Generated
 from tenantq.evals.identity import cache_key, model_identity
-from tenantq.evals.suite import Suite, load_suite, pass_fail_key
+from tenantq.evals.suite import Suite, check_suite_for_model, load_suite, pass_fail_key
 
 # Part of every cached baseline's key: bump it whenever the suite's numerics change (version 2:
 # needles teacher-forced in fidelity-width steps, all at one KV window), so baselines cached
@@ -101,7 +101,7 @@ class Evaluator:
     ):
         from tenantq.model.config import ModelConfig
         from tenantq.model.loader import load_params
-        from tenantq.model.tokenizer import load_tokenizer
+        from tenantq.model.tokenizer import require_tokenizer
 
         began = time.perf_counter()
         self.model_path = Path(model_path)
@@ -113,11 +113,8 @@ class Evaluator:
         self.progress = progress
         self.identity = model_identity(self.model_path)
         self.config = ModelConfig.from_file(self.model_path)
-        self.tokenizer = load_tokenizer(self.model_path)
-        if self.tokenizer is None:
-            raise ValueError(
-                f"{self.model_path} has no tokenizer.json; the quality suite needs text"
-            )
+        self.tokenizer = require_tokenizer(self.model_path, self.config.vocab_size)
+        check_suite_for_model(self.suite, self.config)
         self.params = load_params(self.model_path, self.config, dtype=jnp.float32)
         # gptq/awq/smoothquant plans: statistics on first use, once (evals.calibrated)
         self.calibrator = Calibrator(

@@ -194,14 +194,12 @@ def profile(
 
     from tenantq.engine import Engine
     from tenantq.model.loader import load_params
-    from tenantq.model.tokenizer import load_tokenizer
+    from tenantq.model.tokenizer import require_tokenizer
 
     model_path = Path(model_path)
     config = ModelConfig.from_file(model_path)
     todo = units(config, fmt, by=by, kv=kv)
-    tokenizer = load_tokenizer(model_path)
-    if tokenizer is None:
-        raise ValueError(f"{model_path} has no tokenizer.json; sensitivity needs text windows")
+    tokenizer = require_tokenizer(model_path, config.vocab_size)
     windows = text_windows(tokenizer, config, source=source, rows=rows, row_tokens=row_tokens)
     key = cache_key(
         version=CACHE_VERSION, model=model_identity(model_path), format=fmt, by=by, kv=kv,

@@ -111,6 +111,10 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
                 )
             out[name] = shard
         return out
+    if not folder.is_dir():
+        raise ValueError(
+            f"checkpoint {folder} is not a folder; give a Hugging Face checkpoint folder"
+        )
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in folder.glob("*.bin"))
@@ -121,6 +125,29 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
         for name in SafetensorsHeader.read(path).entries:
             out[name] = path
     return out
+
+
+def _check_tied_head(folder: Path, where: dict[str, Path]) -> None:
+    """config.json ties the output head to the embedding, yet the checkpoint holds an
+    `lm_head.weight`: fine when it is the embedding's copy (some exports save both), an
+    error when it differs: loading would throw a trained head away without a word."""
+    embed_name, head_name = "model.embed_tokens.weight", "lm_head.weight"
+    if embed_name not in where:
+        return  # reported as a missing tensor by the caller
+    header = {f: SafetensorsHeader.read(f) for f in {where[embed_name], where[head_name]}}
+    embed_entry = header[where[embed_name]].entries[embed_name]
+    head_entry = header[where[head_name]].entries[head_name]
+    same = embed_entry.shape == head_entry.shape and embed_entry.dtype == head_entry.dtype
+    if same and embed_entry.dtype in READABLE_DTYPES:
+        embed = map_tensor(header[where[embed_name]], embed_entry)
+        head = map_tensor(header[where[head_name]], head_entry)
+        same = embed.tobytes() == head.tobytes()
+    if not same:
+        raise ValueError(
+            f"{folder / 'config.json'}: tie_word_embeddings is true, but "
+            f"{where[head_name].name} holds an lm_head.weight that differs from the embedding "
+            "(a trained output head); set tie_word_embeddings to false to use it, or remove it"
+        )
 
 
 # Bit pattern of +inf per float dtype (sign 0, exponent all ones, mantissa 0), IEEE 754.
@@ -184,6 +211,8 @@ def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[s
             f"{folder}: tensors the {config.model_type} engine does not use: {extra[:5]} "
             f"({len(extra)} in all); the checkpoint does not match its config.json"
         )
+    if tied_head & set(where):
+        _check_tied_head(folder, where)
     headers: dict[Path, SafetensorsHeader] = {}
     for path, (hf, transpose) in names.items():
         file = where.get(hf)

@@ -209,7 +209,11 @@ class Rule:
         if self.format == "bf16":  # settings of a quantizer a bf16 tensor never meets
             ignored = [
                 f"{name}={getattr(self, name)!r}"
-                for name, default in (("group_size", None), ("algorithm", "rtn"), ("symmetric", True))
+                for name, default in (
+                    ("group_size", None),
+                    ("algorithm", "rtn"),
+                    ("symmetric", True),
+                )
                 if getattr(self, name) != default
             ]
             if ignored:
