@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic_core import to_jsonable_python
 
+from tenantq.search.checks import check_study
 from tenantq.search.metrics import StudyMetrics
 from tenantq.search.objectives import capacity_metrics, constraint_values, objective_values
 from tenantq.search.pareto import FrontRow, front_rows, quality_with_ci, render_front, verdict_text
@@ -95,6 +96,7 @@ def prepare(spec: Spec, spec_text: str) -> _Prepared:
     parameter_choices(spec.space, config, profile)  # raises on choices the model cannot take
     check_metrics(spec)
     check_stores(spec)
+    check_study(spec, config, profile)  # tenantq.search.checks: the model-aware checks
     baselines = baseline_params(spec.space, config, profile) if wants_baselines(spec) else []
     return _Prepared(
         spec, spec_text, model_path, config, capacity_config, deployment, profile, baselines

@@ -151,7 +151,11 @@ class ConstraintSpec(_Strict):
     """`metric`'s CI bound must stay within `tolerance` (constraint = bound - tolerance <= 0)."""
 
     metric: str
-    tolerance: float
+    tolerance: float = Field(
+        ge=0,
+        allow_inf_nan=False,
+        description="how far the bound may go in the bad direction (>= 0, finite)",
+    )
     bound: Literal["ci_high", "ci_low", "value"] = "ci_high"
 
 
@@ -286,6 +290,12 @@ class Spec(_Strict):
         names = [o.metric for o in self.objectives]
         if len(set(names)) != len(names):
             raise ValueError(f"objectives: metric listed twice in {names}")
+        for i, o in enumerate(self.objectives):
+            if o.metric == CAPACITY_METRIC and o.direction != "maximize":
+                raise ValueError(
+                    f"objectives.{i}: {CAPACITY_METRIC!r} must be maximized (more tenants per "
+                    "chip is the point of the study); write direction = 'maximize'"
+                )
         return self
 
     @model_validator(mode="after")

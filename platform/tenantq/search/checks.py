@@ -1,0 +1,216 @@
+"""The study's checks that need the model and the deployment, in one function (`check_study`).
+
+`tenantq search --check` and the run call the same function, so a spec `--check` accepts
+is a spec the run starts: the deployment's context against the model's positions, a memory
+that holds some plan of the space, the capacity_aware sampler's needs, the suites against
+the model, and the stores' files. Options the chosen sampler or space ignores are warnings
+naming them (`IgnoredOptionWarning`), not errors: the study still means what it says.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+from tenantq.search.spec import Spec
+
+# The first 16 bytes of every SQLite 3 database file (sqlite.org/fileformat.html, 1.3.1).
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+class IgnoredOptionWarning(UserWarning):
+    """A spec value that changes nothing for the chosen sampler or space (named, not fatal)."""
+
+
+def check_study(spec: Spec, config=None, profile=None) -> list[str]:
+    """Raise one ValueError line for a study that cannot run as written; warn (and return the
+    warnings) for values that would be ignored. `config`: the study model's `ModelConfig`
+    (read from `spec.model` when None); `profile`: its `SensitivityProfile`, if any."""
+    from tenantq.model.config import ModelConfig
+
+    if config is None:
+        config = ModelConfig.from_file(spec.model_path() / "config.json")
+    _check_context(spec, config)
+    _check_some_plan_fits(spec, config)
+    _check_suites(spec, config)
+    _check_capacity_aware(spec, config, profile)
+    if not spec.quality_objectives() and spec.constraints:
+        raise ValueError(
+            "constraints: a capacity-only study (objective 'tenants' only) measures no quality, "
+            "so every trial would fail its constraints; add a quality objective or remove them"
+        )
+    check_store_files(spec)
+    ignored = ignored_options(spec)
+    for message in ignored:
+        warnings.warn(message, IgnoredOptionWarning, stacklevel=2)
+    return ignored
+
+
+def _check_context(spec: Spec, config) -> None:
+    """A tenant's context and its sink tokens within the model's positions."""
+    limit = config.max_position_embeddings
+    context = spec.deployment.context_tokens
+    if context > limit:
+        raise ValueError(
+            f"deployment.context_tokens: {context} exceeds the model's "
+            f"max_position_embeddings of {limit} (config.json); use at most {limit}"
+        )
+    over = [n for n in spec.space.sink_tokens if n > limit]
+    if over:
+        raise ValueError(
+            f"space.sink_tokens: choices {over} exceed the model's context of {limit} tokens"
+        )
+
+
+def _cheapest(formats: list[str]) -> str:
+    from tenantq.numerics import get_format
+
+    return min(formats, key=lambda f: (get_format(f).element_bits, f != "bf16"))
+
+
+def _check_some_plan_fits(spec: Spec, config) -> None:
+    """Some plan of the space holds a tenant: the space's smallest weights and KV (every
+    tensor in its cheapest format, no bf16 layers or sinks) bound every plan's bytes from
+    below, so when even that fits no tenant, every trial would report 0."""
+    from tenantq.capacity import budget, get_model_config
+    from tenantq.quant.plan import QuantPlan
+
+    space = spec.space
+    weights = _cheapest(list(space.weight_formats) + list(space.embed_formats or []))
+    kv = _cheapest(list(space.key_formats) + list(space.value_formats))
+    try:
+        plan = QuantPlan.uniform(weights, kv, group_size=space.group_size)
+    except ValueError:  # a combination the plan refuses (e.g. a group on a cast format)
+        plan = QuantPlan.uniform(weights, kv)
+    capacity_config = get_model_config(spec.deployment.model) if spec.deployment.model else config
+    b = budget(capacity_config, plan, spec.deployment.build(), spec.deployment.context_tokens)
+    if b.tenants == 0:
+        raise ValueError(
+            f"deployment: no plan of the space fits a tenant of "
+            f"{spec.deployment.context_tokens} tokens even with every weight in {weights} "
+            f"and the KV cache in {kv} ({b.reason}); give more memory or chips, or a "
+            "shorter deployment.context_tokens"
+        )
+
+
+def _check_suites(spec: Spec, config) -> None:
+    from tenantq.evals.suite import check_suite_for_model, load_suite
+
+    if not spec.quality_objectives() and not spec.eval.confirm_suite:
+        return  # a capacity-only study runs no suite
+    for key, name in (
+        ("eval.suite", spec.eval.suite),
+        ("eval.confirm_suite", spec.eval.confirm_suite),
+    ):
+        if name:
+            try:
+                check_suite_for_model(load_suite(name), config, "suite")
+            except ValueError as err:
+                raise ValueError(f"{key}: {err}") from None
+
+
+def _check_capacity_aware(spec: Spec, config, profile) -> None:
+    """capacity_aware enumerates the whole space and ranks plans by a quality objective."""
+    if spec.sampler.kind != "capacity_aware":
+        return
+    from tenantq.search.capacity_aware import MAX_CANDIDATES
+    from tenantq.search.space import parameter_choices
+
+    if not spec.quality_objectives():
+        raise ValueError(
+            "sampler.kind: 'capacity_aware' needs a quality objective besides 'tenants' "
+            "(it measures the plan predicted to improve the front most); add one, or use "
+            "'random' or 'grid' for a capacity-only study"
+        )
+    choices = parameter_choices(spec.space, config, profile)
+    size = math.prod(len(v) for v in choices.values())
+    if size > MAX_CANDIDATES:
+        raise ValueError(
+            f"sampler.kind: 'capacity_aware' enumerates the space, which has {size:,} plans "
+            f"(at most {MAX_CANDIDATES:,}); narrow the space's choices or use 'nsga2'"
+        )
+
+
+def ignored_options(spec: Spec) -> list[str]:
+    """Values the chosen sampler or space kind never reads, each named with why."""
+    out = []
+    kind = spec.sampler.kind
+    if spec.sampler.population_size is not None and kind != "nsga2":
+        out.append(
+            f"sampler.population_size = {spec.sampler.population_size} is ignored: only the "
+            f"'nsga2' sampler has a population (sampler.kind is {kind!r})"
+        )
+    space = spec.space
+    if space.kind != "sensitivity":
+        for key in ("profile", "max_keep_bf16"):
+            if getattr(space, key) is not None:
+                out.append(
+                    f"space.{key} = {getattr(space, key)!r} is ignored: it applies to "
+                    f"space.kind = 'sensitivity' (this space is {space.kind!r})"
+                )
+    return out
+
+
+# ---------------------------------------------------------------- stores
+def _sqlite_file(url: str) -> Path | None:
+    """The file of a `sqlite:///FILE` URL (None for other URLs and in-memory databases)."""
+    if not url.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    try:
+        database = make_url(url).database
+    except Exception:  # a malformed URL is check_stores' to name
+        return None
+    if database in (None, "", ":memory:"):
+        return None
+    return Path(database).expanduser()
+
+
+def check_sqlite_file(url: str, key: str) -> None:
+    """A sqlite store's file, when it exists, is a SQLite database (or empty, which sqlite
+    initialises): another file there would be a traceback from deep in SQLAlchemy."""
+    path = _sqlite_file(url)
+    if path is None or not path.exists():
+        return
+    if path.is_dir():
+        raise ValueError(f"{key}: {path} is a folder; give a sqlite:/// path to a database file")
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except OSError as err:
+        raise ValueError(f"{key}: cannot read {path} ({err.strerror or err})") from None
+    if head and head != SQLITE_MAGIC:
+        raise ValueError(
+            f"{key}: {path} is not a SQLite database (it starts with {head[:8]!r}); move it "
+            "away, or point the URL at another file"
+        )
+
+
+def check_store_files(spec: Spec) -> None:
+    """Both stores' sqlite files (Optuna's `study.storage`, MLflow's `tracking.uri`)."""
+    check_sqlite_file(spec.study.storage, "study.storage")
+    check_sqlite_file(spec.tracking.uri, "tracking.uri")
+
+
+def check_resumable(spec: Spec) -> None:
+    """`--resume` of a study whose sqlite store does not exist: an error before either
+    store is opened, so the failed resume creates no empty database."""
+    path = _sqlite_file(spec.study.storage)
+    if path is not None and not path.exists():
+        raise ValueError(
+            f"--resume: study.storage {spec.study.storage!r} does not exist ({path}), so it "
+            f"holds no study {spec.study.name!r}; run without --resume to start it"
+        )
+
+
+def no_trial_completed(counts: dict[str, int]) -> str | None:
+    """The one line `tenantq search` ends with when the study has no completed trial."""
+    if counts.get("complete", 0) > 0:
+        return None
+    return (
+        f"no trial completed ({counts.get('failed', 0)} failed); the front is empty. The "
+        "trials' errors are in MLflow (each failed trial's run) and in the study's trial "
+        "user attrs 'error'"
+    )
