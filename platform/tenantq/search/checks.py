@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from pathlib import Path
 
 from tenantq.search.spec import Spec
-
-# The first 16 bytes of every SQLite 3 database file (sqlite.org/fileformat.html, 1.3.1).
-SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
 class IgnoredOptionWarning(UserWarning):
@@ -153,43 +149,10 @@ def ignored_options(spec: Spec) -> list[str]:
 
 
 # ---------------------------------------------------------------- stores
-def _sqlite_file(url: str) -> Path | None:
-    """The file of a `sqlite:///FILE` URL (None for other URLs and in-memory databases)."""
-    if not url.startswith("sqlite:"):
-        return None
-    from sqlalchemy.engine import make_url
-
-    try:
-        database = make_url(url).database
-    except Exception:  # a malformed URL is check_stores' to name
-        return None
-    if database in (None, "", ":memory:"):
-        return None
-    return Path(database).expanduser()
-
-
-def check_sqlite_file(url: str, key: str) -> None:
-    """A sqlite store's file, when it exists, is a SQLite database (or empty, which sqlite
-    initialises): another file there would be a traceback from deep in SQLAlchemy."""
-    path = _sqlite_file(url)
-    if path is None or not path.exists():
-        return
-    if path.is_dir():
-        raise ValueError(f"{key}: {path} is a folder; give a sqlite:/// path to a database file")
-    try:
-        with path.open("rb") as f:
-            head = f.read(len(SQLITE_MAGIC))
-    except OSError as err:
-        raise ValueError(f"{key}: cannot read {path} ({err.strerror or err})") from None
-    if head and head != SQLITE_MAGIC:
-        raise ValueError(
-            f"{key}: {path} is not a SQLite database (it starts with {head[:8]!r}); move it "
-            "away, or point the URL at another file"
-        )
-
-
 def check_store_files(spec: Spec) -> None:
     """Both stores' sqlite files (Optuna's `study.storage`, MLflow's `tracking.uri`)."""
+    from tenantq.tracking import check_sqlite_file
+
     check_sqlite_file(spec.study.storage, "study.storage")
     check_sqlite_file(spec.tracking.uri, "tracking.uri")
 
@@ -197,7 +160,9 @@ def check_store_files(spec: Spec) -> None:
 def check_resumable(spec: Spec) -> None:
     """`--resume` of a study whose sqlite store does not exist: an error before either
     store is opened, so the failed resume creates no empty database."""
-    path = _sqlite_file(spec.study.storage)
+    from tenantq.tracking.runs import sqlite_file
+
+    path = sqlite_file(spec.study.storage)
     if path is not None and not path.exists():
         raise ValueError(
             f"--resume: study.storage {spec.study.storage!r} does not exist ({path}), so it "
