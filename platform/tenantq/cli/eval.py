@@ -52,6 +52,13 @@ def run(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else reference_model_path()
     if not model.is_dir():
         raise ValueError(f"--model {model} is not a checkpoint folder")
+    if args.plan and (model / "config.json").is_file():  # before the baseline is measured
+        from tenantq.model.config import ModelConfig
+
+        try:
+            plan.check_model(ModelConfig.from_file(model / "config.json"))
+        except ValueError as err:
+            raise ValueError(f"plan file {args.plan}: {err}") from None
     options = {"pool_bytes": args.pool_bytes} if args.pool_bytes else None
     evaluator = Evaluator(
         model, suite, cache_dir=args.cache_dir, engine_options=options,

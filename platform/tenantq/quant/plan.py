@@ -569,6 +569,13 @@ class QuantPlan:
                     break
         return [r for i, r in enumerate(self.rules) if i not in used]
 
+    def check_model(self, config: ModelConfig) -> None:
+        """The whole plan against the model it meets (KV layers and sinks, W8A8 on embed):
+        the checks engine, capacity and tracking each run when they use the plan, run at
+        once by a command before its work."""
+        self.kv.check_model(config)
+        self.resolve(config)
+
     def kv_layers(self, config: ModelConfig) -> list[LayerKV]:
         """Each layer's KV formats, once the KV part is checked against `config`."""
         self.kv.check_model(config)
