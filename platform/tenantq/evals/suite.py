@@ -224,6 +224,11 @@ def load_suite(name_or_path: str | Path) -> Suite:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"suite file {path}: cannot parse ({err})") from None
     raw.setdefault("name", path.stem)
+    return parse_suite(raw, f"suite file {path}")
+
+
+def parse_suite(raw: dict, source: str = "suite") -> Suite:
+    """Validate a suite's table; a mistake is one ValueError line naming `source` and the key."""
     try:
         return Suite.model_validate(raw)
     except ValidationError as err:
@@ -234,7 +239,7 @@ def load_suite(name_or_path: str | Path) -> Suite:
             msg = f"unknown key; valid keys here: {', '.join(_fields_at(first['loc'][:-1]))}"
         elif not isinstance(first.get("input"), dict | list | tuple):
             msg = f"{msg} (got {first.get('input')!r})"
-        raise ValueError(f"suite file {path}: {where}: {msg}") from None
+        raise ValueError(f"{source}: {where}: {msg}") from None
 
 
 def _fields_at(loc: tuple) -> list[str]:

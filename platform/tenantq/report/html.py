@@ -50,6 +50,15 @@ def _why_no_pareto(study: StudyRecord) -> str:
     )
 
 
+def _why_no_sensitivity(profile) -> str:
+    if profile is None:
+        return "no sensitivity profile (a `sensitivity` space's spec names one; or --profile)"
+    return (
+        "the profile has no per-layer rows to draw (layers/I/... or kv/I tensors), only "
+        "whole-model tensors such as embed or lm_head"
+    )
+
+
 def build_figures(study: StudyRecord, trial: int | None = None, profile=None):
     """(name, title, figure or None, why absent) for every section of the report."""
     chosen = study.choose_trial(trial)
@@ -83,10 +92,7 @@ def build_figures(study: StudyRecord, trial: int | None = None, profile=None):
             "sensitivity",
             "Per-tensor sensitivity",
             figures.sensitivity_figure(profile),
-            "no sensitivity profile (a `sensitivity` space's spec names one; or --profile)"
-            if profile is None
-            else "the profile has no per-layer rows to draw (layers/I/... or kv/I tensors); "
-            "only whole-model tensors such as embed or lm_head",
+            _why_no_sensitivity(profile),
         )
     )
     out.append(

@@ -341,6 +341,8 @@ def _one_line(err: ValidationError, source: str) -> str:
     elif not isinstance(first.get("input"), dict | list):
         msg = f"{msg} (got {first.get('input')!r})"
     extra = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    if not first["loc"]:  # a check across keys: its message names them
+        return f"{source}: {msg}{extra}"
     return f"{source}: {loc}: {msg}{extra}"
 
 
