@@ -64,6 +64,23 @@ MISTAKES = [
     (lambda d: d["study"].update(name=""), ["study.name", "not a study name"]),
     (lambda d: d["study"].update(name=".hidden"), ["study.name", "starting with a letter"]),
     (lambda d: d["study"].update(name="a/b"), ["study.name", "'a/b'"]),
+    # Issue 24: a study that can never succeed is refused before it starts.
+    (
+        lambda d: d.update(objectives=[{"metric": "tenants", "direction": "minimize"}]),
+        ["objectives.0: 'tenants' must be maximized", "direction = 'maximize'"],
+    ),
+    (
+        lambda d: d.update(constraints=[{"metric": "fidelity.kl_mean", "tolerance": -0.5}]),
+        ["constraints.0.tolerance", "greater than or equal to 0", "-0.5"],
+    ),
+    (
+        lambda d: d.update(constraints=[{"metric": "fidelity.kl_mean", "tolerance": float("nan")}]),
+        ["constraints.0.tolerance", "finite number"],
+    ),
+    (
+        lambda d: d.update(constraints=[{"metric": "fidelity.kl_mean", "tolerance": float("inf")}]),
+        ["constraints.0.tolerance", "finite number"],
+    ),
 ]
 
 

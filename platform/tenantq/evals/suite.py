@@ -81,7 +81,9 @@ class StructuredSpec(_Spec):
 
 class GateSpec(_Spec):
     metric: str = Field(description="a summary delta, e.g. 'fidelity.kl_mean'")
-    tolerance: float = Field(ge=0, description="largest acceptable change in the bad direction")
+    tolerance: float = Field(
+        ge=0, allow_inf_nan=False, description="largest acceptable change in the bad direction"
+    )
     higher_is_better: bool = Field(description="accuracy: true; KL, perplexity: false")
 
 
