@@ -292,6 +292,12 @@ CASES = [
         ["split", "'search' or 'confirm'"],
     ),
     (
+        # numpy's seed sequence used to refuse it mid-run with "expected non-negative integer".
+        "suite-negative-seed",
+        lambda t: _load_suite(t, "seed = -1\n" + FIDELITY),
+        ["suite.toml: seed: Input should be greater than or equal to 0 (got -1)"],
+    ),
+    (
         "suite-resamples-small",
         lambda t: _load_suite(t, "resamples = 5\n" + FIDELITY),
         ["resamples", "greater than or equal to 100", "(got 5)"],

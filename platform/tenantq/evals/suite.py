@@ -89,7 +89,8 @@ class GateSpec(_Spec):
 
 class Suite(_Spec):
     name: str
-    seed: int = Field(0, description="seeds every example draw and the bootstrap")
+    # numpy's SeedSequence takes non-negative integers only ("expected non-negative integer").
+    seed: int = Field(0, ge=0, description="seeds every example draw and the bootstrap")
     split: Literal["search", "confirm"] = "search"
     resamples: int = Field(10_000, ge=100, description="bootstrap resamples per CI")
     fidelity: FidelitySpec | None = None
