@@ -696,6 +696,17 @@ CLI_CASES = [
         "--resume: study.storage 'sqlite:///optuna.db' does not exist",
     ),
     (
+        "search-resume-unknown-study",
+        lambda t: [
+            __import__("optuna").create_study(study_name="other", storage="sqlite:///optuna.db")
+            and "search",
+            _spec_file(t),
+            "--resume",
+            "--no-progress",
+        ],
+        "--resume: no study 's' in sqlite:///optuna.db; studies there: other",
+    ),
+    (
         "report-tracking-uri-not-a-db",
         lambda t: [
             (t / "m.db").write_bytes(b"\x00\x01binary") and "report",
@@ -769,6 +780,7 @@ def test_each_hostile_command_is_one_line_and_creates_nothing(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     argv = setup(tmp_path)
+    capsys.readouterr()  # what the setup printed (Optuna's log of a study it created)
     before = sorted(p.name for p in tmp_path.iterdir())
     code = main(argv)
     err = capsys.readouterr().err

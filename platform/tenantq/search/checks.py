@@ -158,15 +158,28 @@ def check_store_files(spec: Spec) -> None:
 
 
 def check_resumable(spec: Spec) -> None:
-    """`--resume` of a study whose sqlite store does not exist: an error before either
-    store is opened, so the failed resume creates no empty database."""
+    """`--resume` of a study its sqlite store does not hold (or a store that does not exist):
+    an error before MLflow's store is opened, so the failed resume creates no empty one."""
     from tenantq.tracking.runs import sqlite_file
 
     path = sqlite_file(spec.study.storage)
-    if path is not None and not path.exists():
+    if path is None:
+        return  # a server: the run asks it, before MLflow is written
+    if not path.exists():
         raise ValueError(
             f"--resume: study.storage {spec.study.storage!r} does not exist ({path}), so it "
             f"holds no study {spec.study.name!r}; run without --resume to start it"
+        )
+    import optuna
+
+    from tenantq.tracking import check_sqlite_file
+
+    check_sqlite_file(spec.study.storage, "study.storage")
+    names = optuna.study.get_all_study_names(spec.study.storage)
+    if spec.study.name not in names:
+        raise ValueError(
+            f"--resume: no study {spec.study.name!r} in {spec.study.storage}; studies there: "
+            f"{', '.join(names) or 'none'}"
         )
 
 
