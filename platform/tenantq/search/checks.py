@@ -59,35 +59,43 @@ def _check_context(spec: Spec, config) -> None:
         )
 
 
-def _cheapest(formats: list[str]) -> str:
+def _cheapest(formats: list[str]) -> list[str]:
+    """The formats of fewest bits per element (ties kept: their scales differ)."""
     from tenantq.numerics import get_format
 
-    return min(formats, key=lambda f: (get_format(f).element_bits, f != "bf16"))
+    bits = min(get_format(f).element_bits for f in formats)
+    return sorted({f for f in formats if get_format(f).element_bits == bits})
 
 
 def _check_some_plan_fits(spec: Spec, config) -> None:
-    """Some plan of the space holds a tenant: the space's smallest weights and KV (every
-    tensor in its cheapest format, no bf16 layers or sinks) bound every plan's bytes from
-    below, so when even that fits no tenant, every trial would report 0."""
+    """Some plan of the space holds a tenant: every tensor in one of the space's cheapest
+    formats, no bf16 layers and no sinks, bounds the space's plans' bytes from below; when
+    none of those fits a tenant, every trial would report 0."""
     from tenantq.capacity import budget, get_model_config
     from tenantq.quant.plan import QuantPlan
 
     space = spec.space
-    weights = _cheapest(list(space.weight_formats) + list(space.embed_formats or []))
-    kv = _cheapest(list(space.key_formats) + list(space.value_formats))
-    try:
-        plan = QuantPlan.uniform(weights, kv, group_size=space.group_size)
-    except ValueError:  # a combination the plan refuses (e.g. a group on a cast format)
-        plan = QuantPlan.uniform(weights, kv)
+    weight_choices = _cheapest(list(space.weight_formats) + list(space.embed_formats or []))
+    kv_choices = _cheapest(list(space.key_formats) + list(space.value_formats))
     capacity_config = get_model_config(spec.deployment.model) if spec.deployment.model else config
-    b = budget(capacity_config, plan, spec.deployment.build(), spec.deployment.context_tokens)
-    if b.tenants == 0:
-        raise ValueError(
-            f"deployment: no plan of the space fits a tenant of "
-            f"{spec.deployment.context_tokens} tokens even with every weight in {weights} "
-            f"and the KV cache in {kv} ({b.reason}); give more memory or chips, or a "
-            "shorter deployment.context_tokens"
-        )
+    deployment = spec.deployment.build()
+    reasons = []
+    for weights in weight_choices:
+        for kv in kv_choices:
+            try:
+                plan = QuantPlan.uniform(weights, kv, group_size=space.group_size)
+            except ValueError:  # a group the format does not take (e.g. a cast format)
+                plan = QuantPlan.uniform(weights, kv)
+            b = budget(capacity_config, plan, deployment, spec.deployment.context_tokens)
+            if b.tenants > 0:
+                return
+            reasons.append(b.reason)
+    raise ValueError(
+        f"deployment: no plan of the space fits a tenant of {spec.deployment.context_tokens} "
+        f"tokens even with every weight in {'/'.join(weight_choices)} and the KV cache in "
+        f"{'/'.join(kv_choices)} ({reasons[0]}); give more memory or chips, or a shorter "
+        "deployment.context_tokens"
+    )
 
 
 def _check_suites(spec: Spec, config) -> None:
