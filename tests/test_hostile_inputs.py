@@ -865,6 +865,20 @@ def test_report_gives_the_real_reason_a_figure_is_absent() -> None:
     assert _why_no_sensitivity(None).startswith("no sensitivity profile")
 
 
+def test_report_checks_a_profile_s_kv_rows_against_the_study_s_model(tmp_path) -> None:
+    # The report used to draw kv/0..kv/31 of a 4-layer model without a word.
+    from types import SimpleNamespace
+
+    from tenantq.report.html import load_profile
+
+    path = tmp_path / "p.parquet"
+    rows = [f"kv/{i}" for i in range(32)]
+    pq.write_table(pa.table({"tensor": rows, "format": ["int4"] * 32, "kl_mean": [0.1] * 32}), path)
+    study = SimpleNamespace(spec_text='model = "reference"\n')
+    with pytest.raises(ValueError, match=r"row 'kv/4' names no KV layer of the model \(4 layers\)"):
+        load_profile(study, path)
+
+
 def test_the_tables_hold_the_issue_s_sixty_cases() -> None:
     # Issue 24 asks for at least 60 new hostile-input cases (with tests/search/test_spec.py's
     # additions); ids name each case once.
