@@ -408,11 +408,9 @@ CASES = [
         ["rule 'embed'", "group_size=128 on a bf16 rule does nothing"],
     ),
     (
-        "plan-algorithm-on-bf16",
-        lambda t: _plan_json(
-            t, json.dumps({"rules": [{"pattern": ".*", "format": "bf16", "algorithm": "gptq"}]})
-        ),
-        ["algorithm='gptq' on a bf16 rule"],
+        "plan-group-on-bf16-toml",
+        lambda t: _plan_toml(t, '[[rules]]\npattern = ".*"\nformat = "bf16"\ngroup_size = 32\n'),
+        ["plan.toml", "group_size=32 on a bf16 rule does nothing"],
     ),
     (
         "plan-asymmetric-bf16",

@@ -206,14 +206,13 @@ class Rule:
         except re.error as err:
             raise ValueError(f"{where}: invalid regex ({err})") from None
         check_w8a8(self)
-        if self.format == "bf16":  # settings of a quantizer a bf16 tensor never meets
+        # Settings of a quantizer a bf16 tensor never meets. (`algorithm` is left alone: a
+        # search space gives every rule the study's calibration algorithm, bf16 ones too, and
+        # plans stored by earlier studies carry it.)
+        if self.format == "bf16":
             ignored = [
                 f"{name}={getattr(self, name)!r}"
-                for name, default in (
-                    ("group_size", None),
-                    ("algorithm", "rtn"),
-                    ("symmetric", True),
-                )
+                for name, default in (("group_size", None), ("symmetric", True))
                 if getattr(self, name) != default
             ]
             if ignored:
