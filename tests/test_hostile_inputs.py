@@ -218,6 +218,41 @@ def _study_spec(text: str):
     return lambda: check_study(spec)
 
 
+def _damaged_checkpoint(tmp: Path, damage: str) -> Path:
+    """The reference checkpoint with one fault a header read finds (round 3, item 1)."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = _reference_copy(tmp)
+    weights = folder / "model.safetensors"
+    if damage == "empty":
+        weights.unlink()
+        weights.write_bytes(b"")
+        return folder
+    tensors = load_file(str(REF / "model.safetensors"))
+    if damage == "missing":
+        tensors.pop("model.layers.1.self_attn.k_proj.weight")
+    elif damage == "shape":
+        name = "model.layers.0.mlp.down_proj.weight"
+        tensors[name] = tensors[name][:, :100].copy()
+    weights.unlink()
+    save_file(tensors, str(weights))
+    return folder
+
+
+def _study_on_model(folder: Path, extra: str = ""):
+    """`check_study` on a valid spec whose model is `folder`."""
+    return _study_spec(SPEC_HEAD.replace('"reference"', f'"{folder}"') + extra)
+
+
+def _config_of(tmp: Path, update: dict, drop: tuple[str, ...] = ()):
+    folder = _reference_copy(tmp, update)
+    raw = json.loads((folder / "config.json").read_text())
+    for key in drop:
+        raw.pop(key, None)
+    (folder / "config.json").write_text(json.dumps(raw))
+    return lambda: ModelConfig.from_file(folder / "config.json")
+
+
 FIDELITY = "[fidelity]\nrows = 2\nrow_tokens = 64\n"
 LONG_NEEDLES = "[[needles]]\nlengths = [1500]\nper_length = 2\n"
 
@@ -588,6 +623,32 @@ CASES = [
         lambda t: _study_spec(SPEC_HEAD + f'[eval]\nsuite = "{_suite(t, LONG_NEEDLES)}"\n'),
         ["eval.suite: suite 'suite'", "needles.0.lengths [1500]"],
     ),
+    # ---- round 3 (the review of round 2): checkpoint headers at --check, config fields
+    (
+        "study-checkpoint-empty-weights",
+        lambda t: _study_on_model(_damaged_checkpoint(t, "empty")),
+        ["model: ", "model.safetensors: not a safetensors file (0 bytes"],
+    ),
+    (
+        "study-checkpoint-missing-tensor",
+        lambda t: _study_on_model(_damaged_checkpoint(t, "missing")),
+        ["model: tensor model.layers.1.self_attn.k_proj.weight", "is missing"],
+    ),
+    (
+        "study-checkpoint-wrong-shape",
+        lambda t: _study_on_model(_damaged_checkpoint(t, "shape")),
+        ["model.layers.0.mlp.down_proj.weight", "has shape [192, 100]", "expected [192, 512]"],
+    ),
+    (
+        "config-kv-heads-zero",
+        lambda t: _config_of(t, {"num_key_value_heads": 0}),
+        ["config.json: num_key_value_heads must be an integer >= 1, got 0"],
+    ),
+    (
+        "config-hidden-not-divisible-no-head-dim",
+        lambda t: _config_of(t, {"hidden_size": 190}, drop=("head_dim",)),
+        ["config.json: hidden_size 190 is not a multiple of num_attention_heads 6", "head_dim"],
+    ),
 ]
 
 
@@ -882,3 +943,21 @@ def test_the_tables_hold_the_issue_s_sixty_cases() -> None:
     # additions); ids name each case once.
     ids = [c[0] for c in CASES + CLI_CASES]
     assert len(ids) >= 60 and len(set(ids)) == len(ids)
+
+
+def test_a_worker_that_dies_loading_is_one_line_naming_the_fault() -> None:
+    # NaN weights need the data, so a worker finds them; Ray keeps only the text of the
+    # creation task's error (a traceback), and the run's message is its last line.
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from tenantq.workers.pool import _start_error
+
+    fault = "tensor w (layers/0/mlp/down_proj) in model.safetensors holds 1 non-finite values"
+    try:
+        raise ValueError(fault)
+    except ValueError as err:
+        import traceback
+
+        died = ActorDiedError(RayTaskError("HostWorker.__init__", traceback.format_exc(), err))
+    assert "\n" in str(died)  # what the run printed before
+    assert _start_error(died) == f"ValueError: {fault}"

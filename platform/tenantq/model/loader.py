@@ -184,16 +184,15 @@ def check_finite(array: np.ndarray, what: str) -> None:
     )
 
 
-def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """(engine path, float array in engine layout) per tensor, one at a time, in order.
-
-    Every file's header is validated (`SafetensorsHeader`) and every expected tensor found
-    with its config.json shape before the first tensor is read. Arrays are read-only
-    memory maps, each checked for NaN/inf (`read_tensor`) before it is yielded: the checks
-    run on a worker thread ahead of the consumer (`_checked_stream`), which is joined
-    before the stream ends or fails. A consumer that keeps an array past the next tensor
-    must copy or convert it.
-    """
+def check_checkpoint(
+    folder: str | Path, config: ModelConfig
+) -> tuple[dict[str, Path], dict[Path, SafetensorsHeader]]:
+    """Every check of a checkpoint that reads headers only (no tensor data, except a tied
+    lm_head compared to the embedding): config.json supported, every file's header valid, no
+    tensor the engine does not use, every expected tensor present with a readable dtype and
+    its config.json shape. `iter_checkpoint` runs it before the first tensor is read, and
+    `tenantq search --check` (`search.checks.check_study`) runs it alone; NaN/inf need the
+    data and are left to the load. Returns (HF tensor name -> file, file -> header)."""
     from tenantq.model.decoder import check_supported
 
     folder = Path(folder)
@@ -238,9 +237,24 @@ def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[s
                 f"tensor {hf} ({path}) in {file.name} has shape {list(entry.shape)}, "
                 f"expected {list(want_hf)} from config.json"
             )
+    return where, headers
+
+
+def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """(engine path, float array in engine layout) per tensor, one at a time, in order.
+
+    Every file's header is validated (`SafetensorsHeader`) and every expected tensor found
+    with its config.json shape before the first tensor is read. Arrays are read-only
+    memory maps, each checked for NaN/inf (`read_tensor`) before it is yielded: the checks
+    run on a worker thread ahead of the consumer (`_checked_stream`), which is joined
+    before the stream ends or fails. A consumer that keeps an array past the next tensor
+    must copy or convert it.
+    """
+    folder = Path(folder)
+    where, headers = check_checkpoint(folder, config)
     yield from _checked_stream(
         (path, headers[where[hf]], hf, f"tensor {hf} ({path}) in {where[hf].name}", transpose)
-        for path, (hf, transpose) in names.items()
+        for path, (hf, transpose) in hf_names(config).items()
     )
 
 

@@ -27,6 +27,7 @@ def check_study(spec: Spec, config=None, profile=None) -> list[str]:
 
     if config is None:
         config = ModelConfig.from_file(spec.model_path() / "config.json")
+    _check_checkpoint(spec, config)
     _check_context(spec, config)
     _check_some_plan_fits(spec, config)
     _check_suites(spec, config)
@@ -41,6 +42,19 @@ def check_study(spec: Spec, config=None, profile=None) -> list[str]:
     for message in ignored:
         warnings.warn(message, IgnoredOptionWarning, stacklevel=2)
     return ignored
+
+
+def _check_checkpoint(spec: Spec, config) -> None:
+    """The model's safetensors headers against its config.json (names, shapes, dtypes: the
+    loader's own `check_checkpoint`, no tensor data read), so a broken checkpoint is the
+    loader's one line at `--check`, not a worker's failure after the stores exist. NaN/inf
+    weights need the data: the workers' load reports them."""
+    from tenantq.model.loader import check_checkpoint
+
+    try:
+        check_checkpoint(spec.model_path(), config)
+    except ValueError as err:
+        raise ValueError(f"model: {err}") from None
 
 
 def _check_context(spec: Spec, config) -> None:
