@@ -649,6 +649,52 @@ CASES = [
         lambda t: _config_of(t, {"hidden_size": 190}, drop=("head_dim",)),
         ["config.json: hidden_size 190 is not a multiple of num_attention_heads 6", "head_dim"],
     ),
+    (
+        "suite-gate-on-unmeasured-metric",
+        lambda t: _load_suite(
+            t,
+            FIDELITY + '[[gates]]\nmetric = "fidelity.kl_meen"\ntolerance = 0.1\n'
+            "higher_is_better = false\n",
+        ),
+        ["gates.0.metric: 'fidelity.kl_meen' is not a delta", "did you mean 'fidelity.kl_mean'"],
+    ),
+    (
+        "suite-gate-on-length-not-measured",
+        lambda t: _load_suite(
+            t,
+            FIDELITY + '[[gates]]\nmetric = "needle.acc_delta.len999"\ntolerance = 0.1\n'
+            "higher_is_better = true\n",
+        ),
+        ["gates.0.metric: 'needle.acc_delta.len999'", "its deltas: fidelity.kl_mean"],
+    ),
+    (
+        "suite-gate-direction-contradicts-metric",
+        lambda t: _load_suite(
+            t,
+            FIDELITY + '[[gates]]\nmetric = "fidelity.kl_mean"\ntolerance = 0.1\n'
+            "higher_is_better = true\n",
+        ),
+        ["gates.0.higher_is_better", "better when lower", "higher_is_better = false"],
+    ),
+    (
+        "suite-structured-no-tasks",
+        lambda t: _load_suite(t, "[structured]\ntasks = []\n"),
+        ["structured.tasks: needs at least one task"],
+    ),
+    (
+        "suite-structured-task-twice",
+        lambda t: _load_suite(t, '[structured]\ntasks = ["close_line", "close_line"]\n'),
+        ["structured.tasks: names 'close_line' twice"],
+    ),
+    (
+        "suite-two-needle-entries-same-key",
+        lambda t: _load_suite(
+            t,
+            "[[needles]]\nlengths = [300]\nper_length = 2\n"
+            "[[needles]]\nlengths = [128, 300]\nper_length = 4\n",
+        ),
+        ["needles.1: 'single' needles of length 300", "needles.0", "'needle.acc_delta.len300'"],
+    ),
 ]
 
 
@@ -814,7 +860,7 @@ CLI_CASES = [
     (
         "eval-suite-no-task",
         lambda t: [(t / "s.toml").write_text("seed = 1\n") and "eval", "--suite", "s.toml"],
-        "suite file s.toml: suite: the suite has no task",
+        "suite file s.toml: the suite has no task",
     ),
     (
         "eval-garbage-tokenizer",
@@ -961,3 +1007,12 @@ def test_a_worker_that_dies_loading_is_one_line_naming_the_fault() -> None:
         died = ActorDiedError(RayTaskError("HostWorker.__init__", traceback.format_exc(), err))
     assert "\n" in str(died)  # what the run printed before
     assert _start_error(died) == f"ValueError: {fault}"
+
+
+def test_a_suite_file_starting_with_a_byte_order_mark_is_read(tmp_path) -> None:
+    # Some editors save UTF-8 with a BOM; tomllib refuses it as "Invalid statement".
+    from tenantq.evals.suite import load_suite
+
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + FIDELITY.encode())
+    assert load_suite(path).fidelity.rows == 2

@@ -8,6 +8,7 @@ from "search", a confirmation run (`suite.with_split("confirm")`) from examples 
 
 from __future__ import annotations
 
+import difflib
 import json
 import tomllib
 from pathlib import Path
@@ -75,6 +76,21 @@ class StructuredSpec(_Spec):
         "repeat_identifier",
     )
     per_task: int = Field(16, gt=0, description="examples per task")
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        # No task measures nothing (its gate would pass every plan); a task named twice would
+        # count its examples twice as independent ones.
+        if not v:
+            raise ValueError(
+                'needs at least one task, e.g. ["close_line"] (leave [structured] out for none)'
+            )
+        twice = sorted({t for t in v if v.count(t) > 1})
+        if twice:
+            raise ValueError(f"names {twice[0]!r} twice in {list(v)}; give each task once")
+        return v
+
     context_tokens: int = Field(192, ge=16, description="prompt tokens of real code before the cut")
     max_new_tokens: int = Field(12, gt=0, description="greedy tokens generated at most")
 
@@ -105,14 +121,41 @@ class Suite(_Spec):
                 "the suite has no task: add [fidelity], [[needles]] or [structured] (a suite "
                 "that measures nothing would pass every plan)"
             )
+        measured: dict[str, int] = {}  # needle summary key group -> the [[needles]] entry
+        for i, n in enumerate(self.needles):
+            task = NEEDLE_TASK_NAMES[n.variant]
+            for length in n.lengths:
+                key = f"{task}.acc_delta.len{length}"
+                if key in measured:
+                    raise ValueError(
+                        f"needles.{i}: {n.variant!r} needles of length {length} are already "
+                        f"measured by needles.{measured[key]}: both would report {key!r}; "
+                        "give each (variant, length) once"
+                    )
+                measured[key] = i
         seen = set()
-        for g in self.gates:
+        gateable = gate_metrics(self)
+        for i, g in enumerate(self.gates):
             if g.metric in seen:
                 raise ValueError(
                     f"gates: {g.metric!r} is gated twice; keep one [[gates]] entry per metric "
                     "with the tolerance you mean"
                 )
             seen.add(g.metric)
+            if g.metric not in gateable:
+                close = difflib.get_close_matches(g.metric, gateable, n=2)
+                hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+                raise ValueError(
+                    f"gates.{i}.metric: {g.metric!r} is not a delta this suite measures; "
+                    f"{hint}its deltas: {', '.join(gateable)}"
+                )
+            better = higher_is_better(g.metric)
+            if better is not None and g.higher_is_better != better:
+                raise ValueError(
+                    f"gates.{i}.higher_is_better: {g.metric!r} is better when "
+                    f"{'higher' if better else 'lower'}; set higher_is_better = "
+                    f"{str(better).lower()}"
+                )
         return self
 
     def with_split(self, split: str) -> Suite:
@@ -208,6 +251,44 @@ def suite_metrics(suite: Suite) -> list[str]:
     return sorted(names)
 
 
+def gate_metrics(suite: Suite) -> list[str]:
+    """The deltas a gate, objective or constraint compares against its tolerance: the
+    headline fidelity deltas and each pass/fail group's `acc_delta` (the evaluator's
+    `expected_metrics`, read from the suite alone)."""
+    names = []
+    if suite.fidelity is not None:
+        names += ["fidelity.kl_mean", "fidelity.top1_agree_delta", "fidelity.ppl_ratio"]
+    for spec in suite.needles:
+        task = NEEDLE_TASK_NAMES[spec.variant]
+        names += [f"{task}.acc_delta.len{length}" for length in spec.lengths]
+    if suite.structured is not None:
+        names.append("structured.acc_delta")
+        names += [f"structured.acc_delta.{t}" for t in suite.structured.tasks]
+    return sorted(set(names))
+
+
+# Summary figures a quality change makes larger (True) or smaller (False); a bound of one
+# (.ci_low/.ci_high) goes the same way. Counts and baselines have no better direction.
+_LOWER_IS_BETTER = ("fidelity.kl_mean", "fidelity.kl_p99", "fidelity.kl_max", "fidelity.ppl_ratio")
+_HIGHER_IS_BETTER = ("fidelity.top1_agree", "fidelity.top1_agree_delta")
+_PASS_FAIL_HIGHER = ("acc_cand", "acc_delta")
+
+
+def higher_is_better(metric: str) -> bool | None:
+    """True when a larger value of summary key `metric` means better quality, False when a
+    smaller does, None when the key has no such direction (counts, baselines, p-values)."""
+    base = metric.removesuffix(".ci_low").removesuffix(".ci_high")
+    if base in _LOWER_IS_BETTER:
+        return False
+    if base in _HIGHER_IS_BETTER:
+        return True
+    parts = base.split(".")
+    pass_fail = parts[0] in (*NEEDLE_TASK_NAMES.values(), "structured")
+    if len(parts) >= 2 and pass_fail and parts[1] in _PASS_FAIL_HIGHER:
+        return True
+    return None
+
+
 def builtin_suites() -> list[str]:
     return sorted(p.stem for p in SUITES_DIR.glob("*.toml"))
 
@@ -223,7 +304,8 @@ def load_suite(name_or_path: str | Path) -> Suite:
             "or the path of a suite .toml file"
         )
     try:
-        raw = tomllib.loads(path.read_text())
+        # A byte order mark (some Windows editors write one) is not TOML; it is skipped.
+        raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"suite file {path}: cannot parse ({err})") from None
     raw.setdefault("name", path.stem)
@@ -236,13 +318,14 @@ def parse_suite(raw: dict, source: str = "suite") -> Suite:
         return Suite.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "suite"
+        where = ".".join(str(p) for p in first["loc"])
         msg = first["msg"].removeprefix("Value error, ")
         if first["type"] == "extra_forbidden":
             msg = f"unknown key; valid keys here: {', '.join(_fields_at(first['loc'][:-1]))}"
         elif not isinstance(first.get("input"), dict | list | tuple):
             msg = f"{msg} (got {first.get('input')!r})"
-        raise ValueError(f"{source}: {where}: {msg}") from None
+        # a whole-suite check names its key in its message itself
+        raise ValueError(f"{source}: {where + ': ' if where else ''}{msg}") from None
 
 
 def _fields_at(loc: tuple) -> list[str]:
