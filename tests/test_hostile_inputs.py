@@ -253,6 +253,15 @@ def _config_of(tmp: Path, update: dict, drop: tuple[str, ...] = ()):
     return lambda: ModelConfig.from_file(folder / "config.json")
 
 
+def _parsed_spec(text: str):
+    """`parse_spec` alone (the schema and its cross-field checks, no model)."""
+    import tomllib
+
+    from tenantq.search.spec import parse_spec
+
+    return lambda: parse_spec(tomllib.loads(text), "spec.toml")
+
+
 FIDELITY = "[fidelity]\nrows = 2\nrow_tokens = 64\n"
 LONG_NEEDLES = "[[needles]]\nlengths = [1500]\nper_length = 2\n"
 
@@ -694,6 +703,22 @@ CASES = [
             "[[needles]]\nlengths = [128, 300]\nper_length = 4\n",
         ),
         ["needles.1: 'single' needles of length 300", "needles.0", "'needle.acc_delta.len300'"],
+    ),
+    (
+        "spec-kl-maximized",
+        lambda t: _parsed_spec(
+            SPEC_HEAD + '[[objectives]]\nmetric = "tenants"\ndirection = "maximize"\n'
+            '[[objectives]]\nmetric = "fidelity.kl_mean"\ndirection = "maximize"\n'
+        ),
+        ["objectives.1: 'fidelity.kl_mean' is better when lower", "direction = 'minimize'"],
+    ),
+    (
+        "spec-acc-delta-minimized",
+        lambda t: _parsed_spec(
+            SPEC_HEAD + '[[objectives]]\nmetric = "needle.acc_delta.len1019"\n'
+            'direction = "minimize"\n'
+        ),
+        ["objectives.0: 'needle.acc_delta.len1019' is better when higher", "'maximize'"],
     ),
 ]
 

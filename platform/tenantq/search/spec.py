@@ -287,6 +287,8 @@ class Spec(_Strict):
 
     @model_validator(mode="after")
     def _objectives(self) -> Spec:
+        from tenantq.evals.suite import higher_is_better
+
         names = [o.metric for o in self.objectives]
         if len(set(names)) != len(names):
             raise ValueError(f"objectives: metric listed twice in {names}")
@@ -295,6 +297,14 @@ class Spec(_Strict):
                 raise ValueError(
                     f"objectives.{i}: {CAPACITY_METRIC!r} must be maximized (more tenants per "
                     "chip is the point of the study); write direction = 'maximize'"
+                )
+            better = higher_is_better(o.metric)
+            want = {True: "maximize", False: "minimize", None: o.direction}[better]
+            if o.direction != want:
+                raise ValueError(
+                    f"objectives.{i}: {o.metric!r} is better when "
+                    f"{'higher' if better else 'lower'}, so direction = {o.direction!r} would "
+                    f"search for worse plans; write direction = {want!r}"
                 )
         return self
 
