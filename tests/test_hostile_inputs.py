@@ -262,6 +262,21 @@ def _parsed_spec(text: str):
     return lambda: parse_spec(tomllib.loads(text), "spec.toml")
 
 
+def _source(path: Path) -> str:
+    return f'source = "{path}"\n'
+
+
+def _calibration_study(tmp: Path, data: str | None, text: str | None = "", extra: str = ""):
+    """`check_study` with a [calibration] table; `data` written with `text` (None: a folder)."""
+    if data is not None:
+        if text is None:
+            (tmp / data).mkdir()
+        else:
+            (tmp / data).write_text(text)
+        extra = f'data = "{tmp / data}"\n' + extra
+    return _study_spec(SPEC_HEAD + '[calibration]\nalgorithm = "gptq"\n' + extra)
+
+
 FIDELITY = "[fidelity]\nrows = 2\nrow_tokens = 64\n"
 LONG_NEEDLES = "[[needles]]\nlengths = [1500]\nper_length = 2\n"
 
@@ -719,6 +734,33 @@ CASES = [
             'direction = "minimize"\n'
         ),
         ["objectives.0: 'needle.acc_delta.len1019' is better when higher", "'maximize'"],
+    ),
+    (
+        "study-calibration-windows-beyond-model",
+        lambda t: _calibration_study(t, None, extra="sequence_tokens = 100000\n"),
+        ["calibration.sequence_tokens: 100000 exceeds", "max_position_embeddings of 1024"],
+    ),
+    (
+        "study-calibration-data-empty",
+        lambda t: _calibration_study(t, "empty.txt", ""),
+        ["calibration.data: dataset", "empty.txt' holds no text"],
+    ),
+    (
+        "study-calibration-data-folder",
+        lambda t: _calibration_study(t, "texts.txt", None),
+        ["calibration.data", "texts.txt' is a folder, not a file"],
+    ),
+    (
+        "study-calibration-data-too-short",
+        lambda t: _calibration_study(t, "short.txt", "a short text. " * 40),
+        ["calibration.data: ", "short.txt has", "windows of 511 (+ BOS), 128 asked for"],
+    ),
+    (
+        "study-suite-fidelity-source-missing",
+        lambda t: _study_spec(
+            SPEC_HEAD + f'[eval]\nsuite = "{_suite(t, FIDELITY + _source(t / "no.jsonl"))}"\n'
+        ),
+        ["eval.suite: suite 'suite': fidelity.source: dataset", "no.jsonl' does not exist"],
     ),
 ]
 

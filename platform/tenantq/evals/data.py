@@ -25,6 +25,8 @@ def load_documents(source: str, text_field: str = "text") -> list[str]:
         return load_corpus().texts("test")
     path = Path(source)
     expected = f"expected '{REFERENCE_TEST}' or a .txt, .jsonl or .parquet file"
+    if path.is_dir():
+        raise ValueError(f"dataset {source!r} is a folder, not a file; {expected}")
     if not path.is_file():
         raise ValueError(f"dataset {source!r} does not exist; {expected}")
     try:
@@ -111,14 +113,22 @@ def token_stream(tokenizer, docs: list[str]) -> np.ndarray:
 
 
 def token_windows(
-    stream: np.ndarray, rows: int, window_tokens: int, rng: np.random.Generator
+    stream: np.ndarray,
+    rows: int,
+    window_tokens: int,
+    rng: np.random.Generator,
+    *,
+    asker: str = "the dataset half has {tokens}: {slots} windows of {window}, the suite "
+    "asks for {rows}; use fewer rows or shorter ones",
 ) -> np.ndarray:
-    """`rows` disjoint windows of `window_tokens` ids, slots chosen at random, in order."""
+    """`rows` disjoint windows of `window_tokens` ids, slots chosen at random, in order;
+    `asker` words the error of a stream too short (the suite's rows, calibration's windows)."""
     slots = len(stream) // window_tokens
     if slots < rows:
         raise ValueError(
-            f"the dataset half has {len(stream):,} tokens: {slots} windows of {window_tokens}, "
-            f"the suite asks for {rows}; use fewer rows or shorter ones"
+            asker.format(
+                tokens=f"{len(stream):,} tokens", slots=slots, window=window_tokens, rows=rows
+            )
         )
     chosen = np.sort(rng.choice(slots, rows, replace=False))
     return np.stack([stream[s * window_tokens : (s + 1) * window_tokens] for s in chosen])

@@ -89,7 +89,11 @@ def text_windows(
         if held >= 4 * need:
             break
     stream = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-    body = data.token_windows(stream, rows, row_tokens - 1, np.random.default_rng([seed, 1]))
+    body = data.token_windows(
+        stream, rows, row_tokens - 1, np.random.default_rng([seed, 1]),
+        asker=f"{source or 'the train split'} has {{tokens}}: {{slots}} windows of "
+        f"{{window}} (+ BOS), {{rows}} asked for; give more text, or fewer or shorter windows",
+    )  # fmt: skip
     bos = config.bos_token_id if config.bos_token_id is not None else 1
     return np.concatenate([np.full((rows, 1), bos, np.int32), body], axis=1).astype(np.int32)
 

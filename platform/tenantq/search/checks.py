@@ -29,6 +29,7 @@ def check_study(spec: Spec, config=None, profile=None) -> list[str]:
         config = ModelConfig.from_file(spec.model_path() / "config.json")
     _check_checkpoint(spec, config)
     _check_context(spec, config)
+    _check_calibration(spec, config)
     _check_some_plan_fits(spec, config)
     _check_suites(spec, config)
     _check_capacity_aware(spec, config, profile)
@@ -71,6 +72,34 @@ def _check_context(spec: Spec, config) -> None:
         raise ValueError(
             f"space.sink_tokens: choices {over} exceed the model's context of {limit} tokens"
         )
+
+
+def _check_calibration(spec: Spec, config) -> None:
+    """Calibration windows within the model's positions, and the calibration text (when the
+    spec names one) a file holding the windows asked for: the workers' own draw
+    (`evals.sensitivity.calibration_windows`: the same reading, tokenizing and count), so
+    the error is theirs, at `--check`. The file is tokenized only until it holds 4x what is
+    drawn."""
+    cal = spec.calibration
+    limit = config.max_position_embeddings
+    if cal.sequence_tokens > limit:
+        raise ValueError(
+            f"calibration.sequence_tokens: {cal.sequence_tokens} exceeds the model's "
+            f"max_position_embeddings of {limit} (config.json); use at most {limit}"
+        )
+    if cal.data is None:
+        return  # the reference train split
+    from tenantq.evals.sensitivity import calibration_windows
+    from tenantq.model.tokenizer import require_tokenizer
+
+    try:
+        tokenizer = require_tokenizer(spec.model_path(), config.vocab_size)
+        calibration_windows(
+            tokenizer, config, source=cal.data, num_sequences=cal.sequences,
+            seq_tokens=cal.sequence_tokens,
+        )  # fmt: skip
+    except ValueError as err:
+        raise ValueError(f"calibration.data: {err}") from None
 
 
 def _cheapest(formats: list[str]) -> list[str]:
@@ -123,9 +152,24 @@ def _check_suites(spec: Spec, config) -> None:
     ):
         if name:
             try:
-                check_suite_for_model(load_suite(name), config, "suite")
+                suite = load_suite(name)
+                check_suite_for_model(suite, config, "suite")
+                _check_suite_data(suite)
             except ValueError as err:
                 raise ValueError(f"{key}: {err}") from None
+
+
+def _check_suite_data(suite) -> None:
+    """A suite's own fidelity text (a file, not the shipped split) is readable and holds text:
+    the evaluator's `load_documents`, at `--check` instead of in every worker."""
+    from tenantq.evals.data import REFERENCE_TEST, load_documents
+
+    f = suite.fidelity
+    if f is not None and f.source != REFERENCE_TEST:
+        try:
+            load_documents(f.source, f.text_field)
+        except ValueError as err:
+            raise ValueError(f"suite {suite.name!r}: fidelity.source: {err}") from None
 
 
 def _check_capacity_aware(spec: Spec, config, profile) -> None:
