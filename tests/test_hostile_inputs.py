@@ -762,6 +762,11 @@ CASES = [
         ),
         ["eval.suite: suite 'suite': fidelity.source: dataset", "no.jsonl' does not exist"],
     ),
+    (
+        "study-tracking-sqlite-folder-missing",
+        lambda t: _study_spec(SPEC_HEAD + f'[tracking]\nuri = "sqlite:///{t}/nodir/m.db"\n'),
+        ["tracking.uri: the folder of", "nodir/m.db", "does not exist"],
+    ),
 ]
 
 
@@ -1083,3 +1088,27 @@ def test_a_suite_file_starting_with_a_byte_order_mark_is_read(tmp_path) -> None:
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf" + FIDELITY.encode())
     assert load_suite(path).fidelity.rows == 2
+
+
+def test_a_locked_optuna_store_is_refused_before_mlflow_s_is_created(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    # Another process's study holds the store's write lock: the run failed only after MLflow's
+    # store was created. The check takes the lock and gives it back (bound: LOCK_WAIT_S).
+    import sqlite3
+
+    from tenantq.search import checks
+
+    monkeypatch.setattr(checks, "LOCK_WAIT_S", 0.05)
+    monkeypatch.chdir(tmp_path)
+    holder = sqlite3.connect(tmp_path / "optuna.db", isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        code = main(["search", _spec_file(tmp_path), "--no-progress"])
+    finally:
+        holder.close()
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "study.storage: optuna.db is locked by another process" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["optuna.db", "spec.toml"]

@@ -219,8 +219,56 @@ def check_store_files(spec: Spec) -> None:
     """Both stores' sqlite files (Optuna's `study.storage`, MLflow's `tracking.uri`)."""
     from tenantq.tracking import check_sqlite_file
 
-    check_sqlite_file(spec.study.storage, "study.storage")
-    check_sqlite_file(spec.tracking.uri, "tracking.uri")
+    for url, key in ((spec.study.storage, "study.storage"), (spec.tracking.uri, "tracking.uri")):
+        check_sqlite_file(url, key)
+        _check_sqlite_folder(url, key)
+        _check_not_locked(url, key)
+
+
+def _check_sqlite_folder(url: str, key: str) -> None:
+    """sqlite creates a database file, never its folder: a missing one would fail only when
+    the store is opened (MLflow's after Optuna's was written, or the other way round)."""
+    from tenantq.tracking.runs import sqlite_file
+
+    path = sqlite_file(url)
+    if path is not None and not path.absolute().parent.is_dir():
+        raise ValueError(
+            f"{key}: the folder of {str(path)!r} ({path.absolute().parent}) does not exist; "
+            "create it, or give a sqlite:/// path in an existing folder"
+        )
+
+
+# How long the check waits for another process's write to end (Optuna and MLflow write in
+# short transactions; a store held longer is another study's run, or a crashed lock).
+LOCK_WAIT_S = 2.0
+
+
+def _check_not_locked(url: str, key: str) -> None:
+    """An existing sqlite store another process holds locked would fail after the other
+    store was created: take the write lock (`BEGIN IMMEDIATE`) and give it back, writing
+    nothing (sqlite3 is Python's own; SQLAlchemy would do the same through it)."""
+    import sqlite3
+
+    from tenantq.tracking.runs import sqlite_file
+
+    path = sqlite_file(url)
+    if path is None or not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=LOCK_WAIT_S)
+    except sqlite3.Error as err:
+        raise ValueError(f"{key}: cannot open {path} ({err})") from None
+    try:
+        con.isolation_level = None  # no implicit transaction: the BEGIN below is the only one
+        con.execute("BEGIN IMMEDIATE")
+        con.execute("ROLLBACK")
+    except sqlite3.OperationalError as err:
+        raise ValueError(
+            f"{key}: {path} is locked by another process ({err}, after {LOCK_WAIT_S:g} s); "
+            "wait for the other study or command to end, or use another file"
+        ) from None
+    finally:
+        con.close()
 
 
 def check_resumable(spec: Spec) -> None:
