@@ -464,7 +464,7 @@ CASES = [
         lambda t: _plan_json(
             t, json.dumps({"rules": [{"pattern": "embed", "format": "bf16", "group_size": 128}]})
         ),
-        ["rule 'embed'", "group_size=128 on a bf16 rule does nothing"],
+        ["rules[0] (pattern 'embed')", "group_size=128 on a bf16 rule does nothing"],
     ),
     (
         "plan-group-on-bf16-toml",
@@ -487,7 +487,7 @@ CASES = [
     ),
     (
         "plan-layer-beyond-model",
-        lambda t: _plan_on_model({"kv": {"bf16_layers": [7]}}),
+        lambda t: _plan_on_model({"kv": {"key_format": "int8", "bf16_layers": [7]}}),
         ["kv.bf16_layers: layer 7 is out of range for a model of 4 layers"],
     ),
     ("plan-top-level-list", lambda t: _plan_json(t, "[1, 2]"), ["a plan must be an object"]),
@@ -766,6 +766,38 @@ CASES = [
         "study-tracking-sqlite-folder-missing",
         lambda t: _study_spec(SPEC_HEAD + f'[tracking]\nuri = "sqlite:///{t}/nodir/m.db"\n'),
         ["tracking.uri: the folder of", "nodir/m.db", "does not exist"],
+    ),
+    (
+        "plan-bf16-layer-twice",
+        lambda t: _plan_json(t, '{"kv": {"key_format": "int8", "bf16_layers": [0, 0]}}'),
+        ["plan.json: kv.bf16_layers: layer 0 is already given in kv.bf16_layers"],
+    ),
+    (
+        "plan-bf16-layer-and-its-alias",
+        lambda t: _plan_on_model({"kv": {"key_format": "int8", "bf16_layers": [0, -4]}}),
+        ["kv.bf16_layers: layer -4 is already given in kv.bf16_layers (as 0)"],
+    ),
+    (
+        "plan-sinks-with-bf16-kv",
+        lambda t: _plan_json(t, '{"kv": {"sink_tokens": 4}}'),
+        ["kv: sink_tokens=4 with bf16 keys and values does nothing", "fingerprint"],
+    ),
+    (
+        "plan-layer-format-naming-no-format",
+        lambda t: _plan_json(t, '{"kv": {"key_format": "int8", "layer_formats": [{"layer": 1}]}}'),
+        ["kv.layer_formats[0]: layer 1 names neither key_format nor value_format"],
+    ),
+    (
+        "plan-mx-group-names-file-and-rule",
+        lambda t: _plan_json(
+            t, '{"rules": [{"pattern": ".*", "format": "mxfp4", "group_size": 64}]}'
+        ),
+        ["plan.json: plan rules[0] (pattern '.*'): mxfp4 fixes its block at 32", "not 64"],
+    ),
+    (
+        "plan-unknown-axis-plural",
+        lambda t: _plan_json(t, '{"kv": {"key_format": "int8", "key_axis": "row"}}'),
+        ["kv.key_axis: unknown key axis 'row'; valid key axes: channel, token"],
     ),
 ]
 
@@ -1112,3 +1144,20 @@ def test_a_locked_optuna_store_is_refused_before_mlflow_s_is_created(
     assert code == 2 and err.count("\n") == 1, err
     assert "study.storage: optuna.db is locked by another process" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["optuna.db", "spec.toml"]
+
+
+def test_a_layer_format_entry_inherits_the_plan_s_format_it_leaves_out() -> None:
+    # An entry with only key_format used to make the values of that layer bf16 silently.
+    from tenantq.quant.plan import QuantPlan
+
+    plan = QuantPlan.from_dict(
+        {"kv": {"key_format": "int8", "value_format": "fp8_e4m3",
+                "layer_formats": [{"layer": 1, "key_format": "int4"}]}}
+    )  # fmt: skip
+    assert plan.kv.layer_formats == ((1, "int4", "fp8_e4m3"),)
+    written = QuantPlan.from_dict(
+        {"kv": {"key_format": "int8", "value_format": "fp8_e4m3",
+                "layer_formats": [{"layer": 1, "key_format": "int4",
+                                   "value_format": "fp8_e4m3"}]}}
+    )  # fmt: skip
+    assert plan.fingerprint() == written.fingerprint()

@@ -112,7 +112,7 @@ def test_check_model_names_the_field_and_the_range():
         "valid indices are -2..1 (negative counts from the end)"
     )
     with pytest.raises(ValueError) as err:
-        KVPlan(sink_tokens=129).check_model(config)
+        KVPlan("int8", sink_tokens=129).check_model(config)
     assert str(err.value) == (
         "kv.sink_tokens: 129 is more than the model's context of 128 tokens; valid: 0..128"
     )

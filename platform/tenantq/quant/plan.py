@@ -104,8 +104,9 @@ class _RuleFields(BaseModel):
 class _LayerFormatFields(BaseModel):
     model_config = _STRICT
     layer: StrictInt = Field(description="layer index; negative counts from the end")
-    key_format: Literal[KV_FORMAT_NAMES] = "bf16"
-    value_format: Literal[KV_FORMAT_NAMES] = "bf16"
+    # absent: the plan's kv.key_format / kv.value_format (an entry naming neither is refused)
+    key_format: Literal[KV_FORMAT_NAMES] | None = None
+    value_format: Literal[KV_FORMAT_NAMES] | None = None
 
 
 class _KVFields(BaseModel):
@@ -148,8 +149,9 @@ def _validated(model: type[BaseModel], raw: Any, where: str) -> BaseModel:
             message = f"{inside}: {key!r} is required"
         elif e["type"] == "literal_error":
             valid = e["ctx"]["expected"].replace("'", "").replace(" or ", ", ")
-            noun = "format" if key.endswith("format") else key
-            message = f"{where}.{loc}: unknown {noun} {e['input']!r}; valid {noun}s: {valid}"
+            noun = "format" if key.endswith("format") else key.replace("_", " ")
+            nouns = noun[:-2] + "es" if noun.endswith("is") else noun + "s"  # axis -> axes
+            message = f"{where}.{loc}: unknown {noun} {e['input']!r}; valid {nouns}: {valid}"
             if e["input"] in KV_ONLY_FORMATS:
                 message = (
                     f"{where}.{loc}: {e['input']} is a KV-cache format only (weights in "
@@ -220,11 +222,31 @@ class Rule:
                     f"{where}: {', '.join(ignored)} on a bf16 rule does nothing (bf16 tensors "
                     "are not quantized) but would change the plan's fingerprint; drop it"
                 )
+        else:  # the quantizer's own check of group and symmetry, on a one-group stand-in
+            from tenantq.numerics.layout import resolve_layout
+
+            try:
+                resolve_layout(
+                    (self.group_size or 32,), self.format, axis=-1, group_size=self.group_size,
+                    symmetric=self.symmetric,
+                )  # fmt: skip
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = "rule") -> Rule:
-        """A rule from its JSON/TOML table (unknown keys, wrong types: one-line errors)."""
-        return cls(**_validated(_RuleFields, raw, where).model_dump())
+        """A rule from its JSON/TOML table (unknown keys, wrong types: one-line errors naming
+        `where`, e.g. `plan rules[0]`, and the rule's pattern)."""
+        fields_ = _validated(_RuleFields, raw, where).model_dump()
+        try:
+            return cls(**fields_)
+        except ValueError as err:
+            message, own = str(err), f"rule {fields_['pattern']!r}"
+            if message.startswith(own):
+                message = f"{where} (pattern {fields_['pattern']!r})" + message[len(own) :]
+            else:
+                message = f"{where}: {message}"
+            raise ValueError(message) from None
 
     def matches(self, path: str) -> bool:
         return self._regex.fullmatch(path) is not None  # type: ignore[attr-defined]
@@ -362,10 +384,28 @@ def _check_scale_dtype(scale_dtype: str, scaled: set[str]) -> None:
         )
 
 
+def _check_bf16_settings(kv: KVPlan, entries: list[tuple[int, str, str]]) -> None:
+    """Sink tokens and bf16 layers keep quantized KV in bf16: with bf16 keys and values in
+    every layer there is nothing to keep, and the setting would only change the plan's
+    fingerprint (as group_size on a bf16 rule; refused the same way)."""
+    formats = {kv.key_format, kv.value_format} | {f for e in entries for f in e[1:]}
+    if formats != {"bf16"}:
+        return
+    ignored = [f"sink_tokens={kv.sink_tokens}"] if kv.sink_tokens else []
+    if kv.bf16_layers:
+        ignored.append(f"bf16_layers={list(kv.bf16_layers)}")
+    if ignored:
+        raise ValueError(
+            f"kv: {', '.join(ignored)} with bf16 keys and values does nothing (every KV "
+            "tensor is bf16 already) but would change the plan's fingerprint; drop it"
+        )
+
+
 def _check_layers_once(bf16: list[int], formats: list[int], num_layers: int | None) -> None:
     """Each layer named once across `bf16_layers` and `layer_formats` (an index and its negative
     alias, e.g. 0 and -4 on a 4-layer model, are the same layer once `num_layers` is known):
-    two entries for one layer would leave one silently ignored."""
+    two entries for one layer would leave one silently ignored, and a layer named twice in
+    `bf16_layers` would give one plan two fingerprints."""
 
     def layer(i: int) -> int:
         return i + num_layers if num_layers is not None and i < 0 else i
@@ -374,7 +414,7 @@ def _check_layers_once(bf16: list[int], formats: list[int], num_layers: int | No
     for name, indices in (("layer_formats", formats), ("bf16_layers", bf16)):
         for i in indices:
             j = layer(i)
-            if j in seen and not (name == seen[j][0] == "bf16_layers"):  # bf16 twice agrees
+            if j in seen:
                 first, index = seen[j]
                 raise ValueError(
                     f"kv.{name}: layer {i} is already given in kv.{first} (as {index}); "
@@ -409,6 +449,24 @@ class KVPlan:
             for e in raw["layer_formats"]
         ] if isinstance(raw["layer_formats"], list) else raw["layer_formats"]  # fmt: skip
         checked = _validated(_KVFields, raw, "kv")
+        entries = []
+        for i, e in enumerate(checked.layer_formats):
+            if e.key_format is None and e.value_format is None:
+                raise ValueError(
+                    f"kv.layer_formats[{i}]: layer {e.layer} names neither key_format nor "
+                    "value_format, so it changes nothing; give one or both, or remove it"
+                )
+            entries.append(
+                (e.layer, e.key_format or self.key_format, e.value_format or self.value_format)
+            )
+        checked = checked.model_copy(
+            update={
+                "layer_formats": [
+                    _LayerFormatFields(layer=i, key_format=k, value_format=v) for i, k, v in entries
+                ]
+            }
+        )
+        _check_bf16_settings(self, entries)
         scaled: set[str] = set()  # formats of tensors with page/token scales
         for fmt_key, axis_key in (("key_format", "key_axis"), ("value_format", "value_axis")):
             formats = {getattr(self, fmt_key)} | {
