@@ -1010,12 +1010,22 @@ def test_each_hostile_command_is_one_line_and_creates_nothing(
          "sampler.population_size = 8 is ignored: only the 'nsga2' sampler has a population"),
         ('[space]\nprofile = "p.parquet"\n', "space.profile = 'p.parquet' is ignored"),
         ("[space]\nmax_keep_bf16 = 3\n", "space.max_keep_bf16 = 3 is ignored"),
+        ('[space]\nkind = "per_tensor"\nuniform_weights = true\n',
+         "space.uniform_weights = True is ignored: it applies to space.kind = 'structured'"),
+        ("[sampler]\npopulation_size = 50\n",
+         "sampler.population_size = 50 is more than study.trials = 2"),
+        ('[eval]\nsuite = "needle_count.toml"\n',
+         "eval.suite: suite 'needle_count' needles.0.count = 8 is ignored: only multikey and "
+         "multivalue needles have a count"),
     ],
 )  # fmt: skip
 def test_an_ignored_option_is_a_named_warning_and_the_spec_is_valid(
     extra, expected, tmp_path, monkeypatch, capsys
 ) -> None:
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "needle_count.toml").write_text(
+        FIDELITY + "[[needles]]\nlengths = [128]\nper_length = 2\ncount = 8\n"
+    )
     assert main(["search", _spec_file(tmp_path, extra), "--check"]) == 0
     captured = capsys.readouterr()
     assert captured.err == f"tenantq search: warning: {expected}" + captured.err.split(expected)[1]

@@ -194,22 +194,73 @@ def _check_capacity_aware(spec: Spec, config, profile) -> None:
         )
 
 
+# Space fields and the space kinds that read them (search.space.parameter_choices); set on
+# another kind, a field is a warning naming it.
+SPACE_FIELD_KINDS = {
+    "uniform_weights": ("structured",),
+    "bf16_first_layers": ("structured",),
+    "bf16_last_layers": ("structured",),
+    "embed_formats": ("structured", "per_tensor"),
+    "profile": ("sensitivity",),
+    "max_keep_bf16": ("sensitivity",),
+}
+# Needle variants that read `count` (reference.needles.build_needle: distractors or values).
+COUNTED_NEEDLES = ("multikey", "multivalue")
+
+
 def ignored_options(spec: Spec) -> list[str]:
-    """Values the chosen sampler or space kind never reads, each named with why."""
+    """Values the chosen sampler, space or suite never reads, each named with why (written
+    in the spec and different from the default: a default that changes nothing is silent)."""
     out = []
     kind = spec.sampler.kind
-    if spec.sampler.population_size is not None and kind != "nsga2":
+    population = spec.sampler.population_size
+    if population is not None and kind != "nsga2":
         out.append(
-            f"sampler.population_size = {spec.sampler.population_size} is ignored: only the "
+            f"sampler.population_size = {population} is ignored: only the "
             f"'nsga2' sampler has a population (sampler.kind is {kind!r})"
         )
+    elif population is not None and population > spec.study.trials:
+        out.append(
+            f"sampler.population_size = {population} is more than study.trials = "
+            f"{spec.study.trials}: NSGA-II never finishes its first (random) generation, so "
+            "the study is a random search; lower it or ask for more trials"
+        )
     space = spec.space
-    if space.kind != "sensitivity":
-        for key in ("profile", "max_keep_bf16"):
-            if getattr(space, key) is not None:
+    for key, kinds in SPACE_FIELD_KINDS.items():
+        value, default = (
+            getattr(space, key),
+            type(space).model_fields[key].get_default(call_default_factory=True),
+        )
+        if space.kind not in kinds and key in space.model_fields_set and value != default:
+            applies = " or ".join(repr(k) for k in kinds)
+            out.append(
+                f"space.{key} = {value!r} is ignored: it applies to space.kind = {applies} "
+                f"(this space is {space.kind!r})"
+            )
+    out += _ignored_suite_options(spec)
+    return out
+
+
+def _ignored_suite_options(spec: Spec) -> list[str]:
+    from tenantq.evals.suite import load_suite
+
+    out = []
+    for key, name in (
+        ("eval.suite", spec.eval.suite),
+        ("eval.confirm_suite", spec.eval.confirm_suite),
+    ):
+        if not name:
+            continue
+        try:
+            suite = load_suite(name)
+        except ValueError:
+            continue  # named by the suite checks
+        for i, n in enumerate(suite.needles):
+            if "count" in n.model_fields_set and n.variant not in COUNTED_NEEDLES:
                 out.append(
-                    f"space.{key} = {getattr(space, key)!r} is ignored: it applies to "
-                    f"space.kind = 'sensitivity' (this space is {space.kind!r})"
+                    f"{key}: suite {suite.name!r} needles.{i}.count = {n.count} is ignored: "
+                    f"only {' and '.join(COUNTED_NEEDLES)} needles have a count (variant is "
+                    f"{n.variant!r})"
                 )
     return out
 
