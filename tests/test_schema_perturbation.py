@@ -6,7 +6,13 @@ exception type, no silently different result.
 
 The invalid values are read off each field's schema (pydantic annotations and bounds): a
 choice outside a Literal, a number past its bound, a NaN where only finite numbers go, the
-wrong type, an unknown key beside the field.
+wrong type, an unknown key beside the field; and one element of a list changed (a negative,
+a huge value, an element repeated). Specs, suites and plans are checked as `--check` and
+the run check them: against the reference model too (`check_study`,
+`check_suite_for_model`, `QuantPlan.check_model`), so a value the schema lets through but
+the model check misses is found. `test_schema_bounds_are_refused` lists bounds by hand: a
+bound dropped from the schema is caught there even though the perturbation (which reads
+the schema) would no longer try it.
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from tenantq.evals import suite as suite_mod
+from tenantq.model.config import ModelConfig
 from tenantq.quant import plan as plan_mod
+from tenantq.reference import reference_model_path
 from tenantq.search import spec as spec_mod
+
+REF_CONFIG = ModelConfig.from_file(reference_model_path() / "config.json")  # 4 layers, 1,024 pos
 
 SETTINGS = settings(
     max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
@@ -93,6 +103,28 @@ def invalid_values(field: FieldInfo) -> list[Any]:
     if annotation is str or "Str" in str(annotation):
         return [*out, 3, ["a"]]
     return out
+
+
+def element_values(current: Any, negatives: bool = True) -> list[Any]:
+    """Lists like `current` with one element changed: negative, huge, or repeated."""
+    if not isinstance(current, list) or not current:
+        return []
+    out = [[*current, current[0]]]  # an element repeated
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in current):
+        out.append([*current[:-1], 10**6])
+        if negatives:  # plans take negative layer indices (counted from the end)
+            out.append([*current[:-1], -4])
+    return out
+
+
+def _at(doc: dict, path: tuple) -> Any:
+    here: Any = doc
+    for part in path:
+        try:
+            here = here[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return here
 
 
 def targets(model: type[BaseModel], doc: dict, path: tuple = ()) -> list[tuple[tuple, FieldInfo]]:
@@ -231,6 +263,8 @@ def plans(draw) -> dict:
         "sink_tokens": draw(st.integers(0, 8)),
         "bf16_layers": draw(st.lists(st.integers(0, 3), max_size=2, unique=True)),
     }
+    if kv["key_format"] == kv["value_format"] == "bf16":  # sinks, bf16 layers: refused
+        kv.update(sink_tokens=0, bf16_layers=[])
     return {"rules": draw(st.lists(rules(), max_size=3)), "kv": kv}
 
 
@@ -246,16 +280,41 @@ def _plan_targets(doc: dict) -> list[tuple[tuple, FieldInfo]]:
     return out
 
 
+_CHECKED: dict[str, ValueError | None] = {}  # spec JSON -> check_study's outcome
+
+
 def _parse_spec(doc: dict):
-    return spec_mod.parse_spec(doc, "spec.toml")
+    """What `tenantq search --check` runs: the schema, then `check_study` on the model
+    (once per distinct spec: perturbations read the same mostly give the same spec)."""
+    import warnings
+
+    from tenantq.search.checks import check_study
+
+    spec = spec_mod.parse_spec(doc, "spec.toml")
+    key = spec.model_dump_json()
+    if key not in _CHECKED:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                check_study(spec, REF_CONFIG)
+            _CHECKED[key] = None
+        except ValueError as err:
+            _CHECKED[key] = err
+    if _CHECKED[key] is not None:
+        raise ValueError(str(_CHECKED[key]))
+    return spec
 
 
 def _parse_plan(doc: dict):
-    return plan_mod.QuantPlan.from_dict(doc)
+    plan = plan_mod.QuantPlan.from_dict(doc)
+    plan.check_model(REF_CONFIG)
+    return plan
 
 
 def _parse_suite(doc: dict):
-    return suite_mod.parse_suite(doc, "suite.toml")
+    suite = suite_mod.parse_suite(doc, "suite.toml")
+    suite_mod.check_suite_for_model(suite, REF_CONFIG)
+    return suite
 
 
 KINDS = {
@@ -277,7 +336,9 @@ def test_one_invalid_field_is_named_or_changes_nothing(kind) -> None:
     def prop(doc) -> None:
         parse(doc)  # the generated input is valid
         for path, field in find_targets(doc):
-            for value in invalid_values(field):
+            values = invalid_values(field)
+            values += element_values(_at(doc, path), negatives=kind != "plan")
+            for value in values:
                 check_outcome(parse, doc, path, value)
                 tried.append(path)
 
@@ -299,3 +360,59 @@ def test_an_unknown_key_beside_any_field_is_named(kind) -> None:
         assert "\n" not in str(err.value) and "bogus_key" in str(err.value), str(err.value)
 
     prop()
+
+
+# Bounds the schemas hold, by hand: (kind, a valid document's change, the name the error
+# gives). The perturbation above reads the bounds off the schema, so a bound removed there
+# would silently stop being tried; this list still asks for it.
+SPEC_BASE = {
+    "model": "reference",
+    "deployment": {"hardware": "cpu", "memory": "10MiB", "context_tokens": 256},
+    "study": {"name": "s", "trials": 3},
+}
+HAND_BOUNDS = [
+    ("spec", ("space", "sink_tokens"), [-4], "sink_tokens"),
+    ("spec", ("space", "sink_tokens"), [0, 0], "sink_tokens"),
+    ("spec", ("space", "bf16_first_layers"), [-1], "bf16_first_layers"),
+    ("spec", ("space", "bf16_last_layers"), [0, 9], "bf16"),
+    ("spec", ("space", "group_size"), 0, "group_size"),
+    ("spec", ("space", "max_keep_bf16"), -1, "max_keep_bf16"),
+    ("spec", ("deployment", "context_tokens"), 0, "context_tokens"),
+    ("spec", ("deployment", "context_tokens"), 5000, "context_tokens"),
+    ("spec", ("deployment", "page_tokens"), 0, "page_tokens"),
+    ("spec", ("study", "trials"), 0, "trials"),
+    ("spec", ("workers", "count"), 0, "count"),
+    ("spec", ("sampler", "seed"), -1, "seed"),
+    ("spec", ("sampler", "population_size"), 1, "population_size"),
+    ("spec", ("calibration", "sequences"), 0, "sequences"),
+    ("spec", ("calibration", "sequence_tokens"), 1, "sequence_tokens"),
+    ("spec", ("calibration", "sequence_tokens"), 5000, "sequence_tokens"),
+    ("suite", ("seed",), -1, "seed"),
+    ("suite", ("resamples",), 99, "resamples"),
+    ("suite", ("fidelity", "rows"), 0, "rows"),
+    ("suite", ("fidelity", "row_tokens"), 7, "row_tokens"),
+    ("suite", ("fidelity", "row_tokens"), 5000, "row_tokens"),
+    ("plan", ("kv", "sink_tokens"), -4, "sink_tokens"),
+    ("plan", ("kv", "sink_tokens"), 5000, "sink_tokens"),
+    ("plan", ("kv", "bf16_layers"), [0, 0], "bf16_layers"),
+    ("plan", ("kv", "bf16_layers"), [0, -4], "bf16_layers"),
+    ("plan", ("kv", "bf16_layers"), [4], "bf16_layers"),
+]
+BASES = {
+    "spec": (SPEC_BASE, _parse_spec),
+    "suite": ({"name": "s", "fidelity": {"rows": 2, "row_tokens": 64}}, _parse_suite),
+    "plan": ({"rules": [], "kv": {"key_format": "int8", "value_format": "int8"}}, _parse_plan),
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "value", "named"),
+    HAND_BOUNDS,
+    ids=[f"{k}-{'.'.join(p)}={v}" for k, p, v, _ in HAND_BOUNDS],
+)
+def test_schema_bounds_are_refused(kind, path, value, named) -> None:
+    doc, parse = BASES[kind]
+    parse(doc)  # the base is valid
+    with pytest.raises(ValueError) as err:
+        parse(perturbed(doc, path, value))
+    assert "\n" not in str(err.value) and named in str(err.value), str(err.value)

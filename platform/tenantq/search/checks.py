@@ -30,6 +30,10 @@ def check_study(spec: Spec, config=None, profile=None) -> list[str]:
     _check_checkpoint(spec, config)
     _check_context(spec, config)
     _check_calibration(spec, config)
+    if spec.space.kind != "sensitivity" or profile is not None:
+        from tenantq.search.space import parameter_choices
+
+        parameter_choices(spec.space, config, profile)  # choices the model cannot take
     _check_some_plan_fits(spec, config)
     _check_suites(spec, config)
     _check_capacity_aware(spec, config, profile)

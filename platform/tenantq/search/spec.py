@@ -292,6 +292,13 @@ class Spec(_Strict):
         names = [o.metric for o in self.objectives]
         if len(set(names)) != len(names):
             raise ValueError(f"objectives: metric listed twice in {names}")
+        bounds = [(c.metric, c.bound) for c in self.constraints or []]
+        for i, b in enumerate(bounds):
+            if b in bounds[:i]:  # two tolerances on one bound: one of them is meaningless
+                raise ValueError(
+                    f"constraints.{i}: {b[0]!r} ({b[1]}) is constrained twice (also "
+                    f"constraints.{bounds.index(b)}); keep one with the tolerance you mean"
+                )
         for i, o in enumerate(self.objectives):
             if o.metric == CAPACITY_METRIC and o.direction != "maximize":
                 raise ValueError(
