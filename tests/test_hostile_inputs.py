@@ -1171,3 +1171,15 @@ def test_a_layer_format_entry_inherits_the_plan_s_format_it_leaves_out() -> None
                                    "value_format": "fp8_e4m3"}]}}
     )  # fmt: skip
     assert plan.fingerprint() == written.fingerprint()
+
+
+def test_a_dataset_of_unknown_suffix_is_named_once(tmp_path) -> None:
+    # The suffix error was raised inside the reader's try and wrapped as "unreadable (...)",
+    # so "expected 'reference-test' or ..." appeared twice in one line.
+    from tenantq.evals.data import load_documents
+
+    (tmp_path / "a.csv").write_text("text\nhello\n")
+    with pytest.raises(ValueError) as err:
+        load_documents(str(tmp_path / "a.csv"))
+    message = str(err.value)
+    assert "unknown suffix '.csv'" in message and message.count("expected") == 1, message

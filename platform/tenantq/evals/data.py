@@ -29,17 +29,17 @@ def load_documents(source: str, text_field: str = "text") -> list[str]:
         raise ValueError(f"dataset {source!r} is a folder, not a file; {expected}")
     if not path.is_file():
         raise ValueError(f"dataset {source!r} does not exist; {expected}")
+    if path.suffix not in (".txt", ".jsonl", ".parquet"):  # before the try: named once
+        raise ValueError(f"dataset {source!r}: unknown suffix {path.suffix!r}; {expected}")
     try:
         if path.suffix == ".txt":
             docs = [path.read_text(encoding="utf-8")]
         elif path.suffix == ".jsonl":
             docs = _jsonl_texts(path, source, text_field)
-        elif path.suffix == ".parquet":
+        else:  # .parquet
             import pyarrow.parquet as pq
 
             docs = pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
-        else:
-            raise ValueError(f"dataset {source!r}: unknown suffix {path.suffix!r}; {expected}")
     except _RecordError:
         raise
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, OSError) as err:
