@@ -72,14 +72,19 @@ def test_uniform_plans():
 
 
 def test_kv_layers_applies_bf16_layers_then_layer_formats_then_the_default():
-    # 2 layers: layer -1 is layer 1. bf16_layers wins over layer_formats for the same layer.
+    # 2 layers: layer -1 is layer 1, kept bf16; layer 0 takes its layer_formats entry.
     config = tiny_config()
     kv = KVPlan("int8", "channel", "fp8_e4m3", "token", bf16_layers=(-1,),
-                layer_formats=((0, "int4", "int8"), (1, "nvfp4", "nvfp4")))  # fmt: skip
+                layer_formats=((0, "int4", "int8"),))  # fmt: skip
     assert QuantPlan(kv=kv).kv_layers(config) == [
         LayerKV("int4", "channel", "int8", "token"),
         LayerKV("bf16", "channel", "bf16", "token"),
     ]
+    # One layer in both lists (here by its negative alias) contradicts itself: refused, not
+    # resolved by a precedence the user cannot see.
+    both = KVPlan("int8", bf16_layers=(-1,), layer_formats=((1, "nvfp4", "nvfp4"),))
+    with pytest.raises(ValueError, match=r"kv.bf16_layers: layer -1 is already given in "):
+        QuantPlan(kv=both).kv_layers(config)
     by_negative = KVPlan("int8", layer_formats=((-2, "fp8_e5m2", "int4"),))
     assert QuantPlan(kv=by_negative).kv_layers(config) == [
         LayerKV("fp8_e5m2", "channel", "int4", "token"),
@@ -107,11 +112,13 @@ def test_check_model_names_the_field_and_the_range():
         "valid indices are -2..1 (negative counts from the end)"
     )
     with pytest.raises(ValueError) as err:
-        KVPlan(sink_tokens=129).check_model(config)
+        KVPlan("int8", sink_tokens=129).check_model(config)
     assert str(err.value) == (
         "kv.sink_tokens: 129 is more than the model's context of 128 tokens; valid: 0..128"
     )
-    KVPlan(bf16_layers=(-2, 1), layer_formats=((-1, "int8", "int8"),)).check_model(config)
+    KVPlan(bf16_layers=(-2,), layer_formats=((-1, "int8", "int8"),)).check_model(config)
+    with pytest.raises(ValueError, match=r"^kv.bf16_layers: layer 1 is already given in kv."):
+        KVPlan(bf16_layers=(-2, 1), layer_formats=((-1, "int8", "int8"),)).check_model(config)
 
 
 def test_python_lists_become_tuples_so_plans_compare_and_hash():

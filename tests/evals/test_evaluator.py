@@ -156,5 +156,6 @@ def test_gate_on_an_unmeasured_metric_is_refused(tmp_path) -> None:
         '[fidelity]\nrows = 2\nrow_tokens = 64\n[[gates]]\nmetric = "needle.acc_delta.len99"\n'
         "tolerance = 0.1\nhigher_is_better = true\n"
     )
-    with pytest.raises(ValueError, match="does not measure"):
-        Evaluator(reference_model_path(), load_suite(path), cache_dir=tmp_path)
+    # refused when the suite is read, before any evaluator (or worker) starts
+    with pytest.raises(ValueError, match="gates.0.metric: 'needle.acc_delta.len99' is not a delta"):
+        load_suite(path)

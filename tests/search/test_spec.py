@@ -64,6 +64,23 @@ MISTAKES = [
     (lambda d: d["study"].update(name=""), ["study.name", "not a study name"]),
     (lambda d: d["study"].update(name=".hidden"), ["study.name", "starting with a letter"]),
     (lambda d: d["study"].update(name="a/b"), ["study.name", "'a/b'"]),
+    # Issue 24: a study that can never succeed is refused before it starts.
+    (
+        lambda d: d.update(objectives=[{"metric": "tenants", "direction": "minimize"}]),
+        ["objectives.0: 'tenants' must be maximized", "direction = 'maximize'"],
+    ),
+    (
+        lambda d: d.update(constraints=[{"metric": "fidelity.kl_mean", "tolerance": -0.5}]),
+        ["constraints.0.tolerance", "greater than or equal to 0", "-0.5"],
+    ),
+    (
+        lambda d: d.update(constraints=[{"metric": "fidelity.kl_mean", "tolerance": float("nan")}]),
+        ["constraints.0.tolerance", "finite number"],
+    ),
+    (
+        lambda d: d.update(constraints=[{"metric": "fidelity.kl_mean", "tolerance": float("inf")}]),
+        ["constraints.0.tolerance", "finite number"],
+    ),
 ]
 
 
@@ -273,7 +290,8 @@ def test_a_storage_that_cannot_be_opened_is_one_line(tmp_path, monkeypatch, caps
     monkeypatch.chdir(tmp_path)
     assert main(["search", "spec.toml", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith(
-        "tenantq search: error: study.storage: cannot open 'sqlite:///optuna.db': "
-        "(sqlite3.OperationalError)"
+    # Named by the store-file check before SQLAlchemy is asked (tenantq.search.checks).
+    assert err == (
+        "tenantq search: error: study.storage: optuna.db is a folder; give a sqlite:/// path "
+        "to a database file"
     ), err

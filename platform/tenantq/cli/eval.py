@@ -44,7 +44,6 @@ def run(args: argparse.Namespace) -> int:
     from tenantq.reference import reference_model_path
 
     out = output_folder(args.out, "--out") if args.out else None
-    cache_folder(args.cache_dir, "--cache-dir")
     plan = QuantPlan.load(args.plan) if args.plan else QuantPlan()
     suite = load_suite(args.suite)
     if args.split:
@@ -52,6 +51,14 @@ def run(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else reference_model_path()
     if not model.is_dir():
         raise ValueError(f"--model {model} is not a checkpoint folder")
+    if args.plan and (model / "config.json").is_file():  # before the baseline is measured
+        from tenantq.model.config import ModelConfig
+
+        try:
+            plan.check_model(ModelConfig.from_file(model / "config.json"))
+        except ValueError as err:
+            raise ValueError(f"plan file {args.plan}: {err}") from None
+    cache_folder(args.cache_dir, "--cache-dir")  # created once the inputs are checked
     options = {"pool_bytes": args.pool_bytes} if args.pool_bytes else None
     evaluator = Evaluator(
         model, suite, cache_dir=args.cache_dir, engine_options=options,

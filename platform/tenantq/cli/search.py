@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 from tenantq.cli._args import output_folder
 
@@ -50,10 +51,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ["JAX_PLATFORMS"] = "cpu"
     from pathlib import Path
 
-    from tenantq.search.context import prepare
-    from tenantq.search.driver import SearchDriver
+    from tenantq.search.checks import IgnoredOptionWarning
     from tenantq.search.spec import load_spec
-    from tenantq.search.store import study_exists
 
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be a positive integer, got {args.workers}")
@@ -67,11 +66,35 @@ def run(args: argparse.Namespace) -> int:
             update={"study": spec.study.model_copy(update={"trials": args.trials})}
         )
     text = Path(args.spec).read_text()
+    shown: set[str] = set()
+    default_show = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        # Values the study ignores: one line each on stderr, once (the checks run again when
+        # the driver prepares the study), named by tenantq.search.checks.
+        if not issubclass(category, IgnoredOptionWarning):
+            return default_show(message, category, filename, lineno, file, line)
+        if str(message) not in shown:
+            shown.add(str(message))
+            print(f"tenantq search: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", IgnoredOptionWarning)
+        warnings.showwarning = show
+        return _run(args, spec, text)
+
+
+def _run(args: argparse.Namespace, spec, text: str) -> int:
+    from tenantq.search.checks import check_resumable, no_trial_completed
+    from tenantq.search.driver import SearchDriver, prepare, study_exists
+
     if args.check:
         prepare(spec, text)
         print(f"{args.spec}: valid ({spec.space.kind} space, {spec.study.trials} trials)")
         return 0
     resume = args.resume
+    if args.resume:
+        check_resumable(spec)  # before either store is opened: a failed resume creates none
     continue_from = None
     if args.continue_as:
         continue_from = spec.study.name
@@ -99,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         # Every trial would fail the same way: one line, not a traceback; the study is kept.
         print(f"tenantq search: workers could not run: {err}", file=sys.stderr)
         return 1
+    failed_all = no_trial_completed(outcome.counts)
     if args.json:
         print(
             json.dumps(
@@ -122,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
                 indent=2,
             )
         )
-        return 0
+        if failed_all:
+            print(f"tenantq search: {failed_all}", file=sys.stderr)
+        return 1 if failed_all else 0
     c = outcome.counts
     print(
         f"\nstudy {outcome.study_name}: {c['done']} distinct plans; {c['complete']} trials "
@@ -137,4 +163,7 @@ def run(args: argparse.Namespace) -> int:
         f"MLflow: experiment {spec.experiment_name!r}, parent run {outcome.mlflow_parent_run_id}"
         f"\n  open the UI with: mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
     )
+    if failed_all:  # a study that measured nothing is not a success, whatever it recorded
+        print(f"tenantq search: {failed_all}", file=sys.stderr)
+        return 1
     return 0

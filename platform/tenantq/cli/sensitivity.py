@@ -54,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {model}: no config.json there; pass a checkpoint folder")
     if args.rows < 2 or args.row_tokens < 2:
         raise ValueError("--rows and --row-tokens must be at least 2 (a CI needs two windows)")
+    if args.resamples < 100:  # the suites' own floor (evals.suite.Suite.resamples)
+        raise ValueError(
+            f"--resamples must be at least 100 (a percentile CI needs them), got {args.resamples}"
+        )
     # Checked before the profile runs (minutes): `.parquet`, as every reader of a profile
     # (`--profile`, a sensitivity space) reads other suffixes as Arrow IPC.
     out = output_file(args.out, "--out", ".parquet") if args.out else None

@@ -25,20 +25,23 @@ def load_documents(source: str, text_field: str = "text") -> list[str]:
         return load_corpus().texts("test")
     path = Path(source)
     expected = f"expected '{REFERENCE_TEST}' or a .txt, .jsonl or .parquet file"
+    if path.is_dir():
+        raise ValueError(f"dataset {source!r} is a folder, not a file; {expected}")
     if not path.is_file():
         raise ValueError(f"dataset {source!r} does not exist; {expected}")
+    if path.suffix not in (".txt", ".jsonl", ".parquet"):  # before the try: named once
+        raise ValueError(f"dataset {source!r}: unknown suffix {path.suffix!r}; {expected}")
     try:
         if path.suffix == ".txt":
             docs = [path.read_text(encoding="utf-8")]
         elif path.suffix == ".jsonl":
-            lines = path.read_text(encoding="utf-8").splitlines()
-            docs = [json.loads(line)[text_field] for line in lines if line.strip()]
-        elif path.suffix == ".parquet":
+            docs = _jsonl_texts(path, source, text_field)
+        else:  # .parquet
             import pyarrow.parquet as pq
 
             docs = pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
-        else:
-            raise ValueError(f"dataset {source!r}: unknown suffix {path.suffix!r}; {expected}")
+    except _RecordError:
+        raise
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, OSError) as err:
         kind = type(err).__name__
         raise ValueError(
@@ -50,6 +53,40 @@ def load_documents(source: str, text_field: str = "text") -> list[str]:
     docs = [d for d in docs if isinstance(d, str) and d.strip()]
     if not docs:
         raise ValueError(f"dataset {source!r} holds no text; {expected}")
+    return docs
+
+
+class _RecordError(ValueError):
+    """A .jsonl record at fault, already named by its line."""
+
+
+def _jsonl_texts(path: Path, source: str, text_field: str) -> list[str]:
+    """Every record's `text_field`, which must be a string: a record whose text is a number or
+    null is an error naming its line (dropping it would shrink the dataset silently)."""
+    docs = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise _RecordError(
+                f"dataset {source!r} is unreadable (JSONDecodeError on line {number}: {err}); "
+                f"expected one JSON object per line with a {text_field!r} text field"
+            ) from None
+        if not isinstance(record, dict) or text_field not in record:
+            raise _RecordError(
+                f"dataset {source!r} line {number}: expected an object with a {text_field!r} "
+                f"text field, got {type(record).__name__}"
+                + (f" with keys {sorted(record)[:5]}" if isinstance(record, dict) else "")
+            )
+        text = record[text_field]
+        if not isinstance(text, str):
+            raise _RecordError(
+                f"dataset {source!r} line {number}: {text_field!r} must be a string, got "
+                f"{type(text).__name__} {text!r:.40}"
+            )
+        docs.append(text)
     return docs
 
 
@@ -76,14 +113,22 @@ def token_stream(tokenizer, docs: list[str]) -> np.ndarray:
 
 
 def token_windows(
-    stream: np.ndarray, rows: int, window_tokens: int, rng: np.random.Generator
+    stream: np.ndarray,
+    rows: int,
+    window_tokens: int,
+    rng: np.random.Generator,
+    *,
+    asker: str = "the dataset half has {tokens}: {slots} windows of {window}, the suite "
+    "asks for {rows}; use fewer rows or shorter ones",
 ) -> np.ndarray:
-    """`rows` disjoint windows of `window_tokens` ids, slots chosen at random, in order."""
+    """`rows` disjoint windows of `window_tokens` ids, slots chosen at random, in order;
+    `asker` words the error of a stream too short (the suite's rows, calibration's windows)."""
     slots = len(stream) // window_tokens
     if slots < rows:
         raise ValueError(
-            f"the dataset half has {len(stream):,} tokens: {slots} windows of {window_tokens}, "
-            f"the suite asks for {rows}; use fewer rows or shorter ones"
+            asker.format(
+                tokens=f"{len(stream):,} tokens", slots=slots, window=window_tokens, rows=rows
+            )
         )
     chosen = np.sort(rng.choice(slots, rows, replace=False))
     return np.stack([stream[s * window_tokens : (s + 1) * window_tokens] for s in chosen])

@@ -30,6 +30,7 @@ from tenantq.evals.identity import cache_key, model_identity
 from tenantq.evals.suite import (
     Suite,
     baseline_pass_warnings,
+    check_suite_for_model,
     load_suite,
     pass_fail_key,
     unreachable_gate_warnings,
@@ -109,7 +110,7 @@ class Evaluator:
     ):
         from tenantq.model.config import ModelConfig
         from tenantq.model.loader import load_params
-        from tenantq.model.tokenizer import load_tokenizer
+        from tenantq.model.tokenizer import require_tokenizer
 
         began = time.perf_counter()
         self.model_path = Path(model_path)
@@ -121,11 +122,8 @@ class Evaluator:
         self.progress = progress
         self.identity = model_identity(self.model_path)
         self.config = ModelConfig.from_file(self.model_path)
-        self.tokenizer = load_tokenizer(self.model_path)
-        if self.tokenizer is None:
-            raise ValueError(
-                f"{self.model_path} has no tokenizer.json; the quality suite needs text"
-            )
+        self.tokenizer = require_tokenizer(self.model_path, self.config.vocab_size)
+        check_suite_for_model(self.suite, self.config)
         self.params = load_params(self.model_path, self.config, dtype=jnp.float32)
         # gptq/awq/smoothquant plans: statistics on first use, once (evals.calibrated)
         self.calibrator = Calibrator(

@@ -32,7 +32,10 @@ def model_identity(folder: str | Path) -> str:
     if not config.is_file():
         raise ValueError(f"{folder} has no config.json; expected a Hugging Face checkpoint folder")
     h = hashlib.sha256(config.read_bytes())
+    from tenantq.model.safetensors_header import check_weight_file
+
     for path in sorted(folder.glob("*.safetensors")):
+        check_weight_file(path)
         st = path.stat()
         h.update(path.name.encode())
         h.update(_file_digest(str(path), st.st_size, st.st_mtime_ns).encode())

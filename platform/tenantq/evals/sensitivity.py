@@ -89,7 +89,11 @@ def text_windows(
         if held >= 4 * need:
             break
     stream = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-    body = data.token_windows(stream, rows, row_tokens - 1, np.random.default_rng([seed, 1]))
+    body = data.token_windows(
+        stream, rows, row_tokens - 1, np.random.default_rng([seed, 1]),
+        asker=f"{source or 'the train split'} has {{tokens}}: {{slots}} windows of "
+        f"{{window}} (+ BOS), {{rows}} asked for; give more text, or fewer or shorter windows",
+    )  # fmt: skip
     bos = config.bos_token_id if config.bos_token_id is not None else 1
     return np.concatenate([np.full((rows, 1), bos, np.int32), body], axis=1).astype(np.int32)
 
@@ -194,14 +198,12 @@ def profile(
 
     from tenantq.engine import Engine
     from tenantq.model.loader import load_params
-    from tenantq.model.tokenizer import load_tokenizer
+    from tenantq.model.tokenizer import require_tokenizer
 
     model_path = Path(model_path)
     config = ModelConfig.from_file(model_path)
     todo = units(config, fmt, by=by, kv=kv)
-    tokenizer = load_tokenizer(model_path)
-    if tokenizer is None:
-        raise ValueError(f"{model_path} has no tokenizer.json; sensitivity needs text windows")
+    tokenizer = require_tokenizer(model_path, config.vocab_size)
     windows = text_windows(tokenizer, config, source=source, rows=rows, row_tokens=row_tokens)
     key = cache_key(
         version=CACHE_VERSION, model=model_identity(model_path), format=fmt, by=by, kv=kv,

@@ -8,16 +8,20 @@ from "search", a confirmation run (`suite.with_split("confirm")`) from examples 
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
 SPLITS = ("search", "confirm")
+# Shortest needle prompt: BOS, the needle sentence, some haystack and the query (the shortest
+# length the shipped suites and tests use is 64).
+MIN_NEEDLE_TOKENS = 32
 
 
 class _Spec(BaseModel):
@@ -48,6 +52,22 @@ class NeedleSpec(_Spec):
     per_length: int = Field(gt=0, description="needles per length, depths evenly over 0-100%")
     count: int = Field(4, ge=2, description="needles per prompt for multikey/multivalue")
 
+    @field_validator("lengths")
+    @classmethod
+    def _lengths(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        # An empty list measures nothing and passes; a repeated length counts the same needles
+        # twice as independent examples (its interval too narrow).
+        if not v:
+            raise ValueError("needs at least one prompt length (tokens), e.g. [1019]")
+        if len(set(v)) != len(v):
+            raise ValueError(f"lists a length twice in {list(v)}; give each length once")
+        short = [n for n in v if n < MIN_NEEDLE_TOKENS]
+        if short:
+            raise ValueError(
+                f"{short} too short: a needle prompt needs at least {MIN_NEEDLE_TOKENS} tokens"
+            )
+        return v
+
 
 class StructuredSpec(_Spec):
     tasks: tuple[
@@ -57,19 +77,37 @@ class StructuredSpec(_Spec):
         "repeat_identifier",
     )
     per_task: int = Field(16, gt=0, description="examples per task")
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        # No task measures nothing (its gate would pass every plan); a task named twice would
+        # count its examples twice as independent ones.
+        if not v:
+            raise ValueError(
+                'needs at least one task, e.g. ["close_line"] (leave [structured] out for none)'
+            )
+        twice = sorted({t for t in v if v.count(t) > 1})
+        if twice:
+            raise ValueError(f"names {twice[0]!r} twice in {list(v)}; give each task once")
+        return v
+
     context_tokens: int = Field(192, ge=16, description="prompt tokens of real code before the cut")
     max_new_tokens: int = Field(12, gt=0, description="greedy tokens generated at most")
 
 
 class GateSpec(_Spec):
     metric: str = Field(description="a summary delta, e.g. 'fidelity.kl_mean'")
-    tolerance: float = Field(ge=0, description="largest acceptable change in the bad direction")
+    tolerance: float = Field(
+        ge=0, allow_inf_nan=False, description="largest acceptable change in the bad direction"
+    )
     higher_is_better: bool = Field(description="accuracy: true; KL, perplexity: false")
 
 
 class Suite(_Spec):
     name: str
-    seed: int = Field(0, description="seeds every example draw and the bootstrap")
+    # numpy's SeedSequence takes non-negative integers only ("expected non-negative integer").
+    seed: int = Field(0, ge=0, description="seeds every example draw and the bootstrap")
     split: Literal["search", "confirm"] = "search"
     resamples: int = Field(10_000, ge=100, description="bootstrap resamples per CI")
     min_baseline_pass_rate: float = Field(
@@ -85,6 +123,50 @@ class Suite(_Spec):
     structured: StructuredSpec | None = None
     gates: tuple[GateSpec, ...] = ()
 
+    @model_validator(mode="after")
+    def _measures_and_gates_once(self) -> Suite:
+        if self.fidelity is None and not self.needles and self.structured is None:
+            raise ValueError(
+                "the suite has no task: add [fidelity], [[needles]] or [structured] (a suite "
+                "that measures nothing would pass every plan)"
+            )
+        measured: dict[str, int] = {}  # needle summary key group -> the [[needles]] entry
+        for i, n in enumerate(self.needles):
+            task = NEEDLE_TASK_NAMES[n.variant]
+            for length in n.lengths:
+                key = f"{task}.acc_delta.len{length}"
+                if key in measured:
+                    raise ValueError(
+                        f"needles.{i}: {n.variant!r} needles of length {length} are already "
+                        f"measured by needles.{measured[key]}: both would report {key!r}; "
+                        "give each (variant, length) once"
+                    )
+                measured[key] = i
+        seen = set()
+        gateable = gate_metrics(self)
+        for i, g in enumerate(self.gates):
+            if g.metric in seen:
+                raise ValueError(
+                    f"gates: {g.metric!r} is gated twice; keep one [[gates]] entry per metric "
+                    "with the tolerance you mean"
+                )
+            seen.add(g.metric)
+            if g.metric not in gateable:
+                close = difflib.get_close_matches(g.metric, gateable, n=2)
+                hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+                raise ValueError(
+                    f"gates.{i}.metric: {g.metric!r} is not a delta this suite measures; "
+                    f"{hint}its deltas: {', '.join(gateable)}"
+                )
+            better = higher_is_better(g.metric)
+            if better is not None and g.higher_is_better != better:
+                raise ValueError(
+                    f"gates.{i}.higher_is_better: {g.metric!r} is better when "
+                    f"{'higher' if better else 'lower'}; set higher_is_better = "
+                    f"{str(better).lower()}"
+                )
+        return self
+
     def with_split(self, split: str) -> Suite:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -92,6 +174,41 @@ class Suite(_Spec):
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+
+
+def check_suite_for_model(suite: Suite, config, where: str = "suite") -> None:
+    """The suite against the model it measures (`config`: a `ModelConfig`): window and prompt
+    lengths within the model's positions, top-k and tail samples within its vocabulary. One
+    ValueError line naming the suite key; called by the evaluator and by `search --check`."""
+    context, vocab = config.max_position_embeddings, config.vocab_size
+    name = f"{where} {suite.name!r}"
+    f = suite.fidelity
+    if f is not None:
+        if f.row_tokens > context:
+            raise ValueError(
+                f"{name}: fidelity.row_tokens = {f.row_tokens} exceeds the model's context "
+                f"of {context} tokens; use row_tokens <= {context}"
+            )
+        if vocab > f.exact_vocab_limit:  # top-k + tail sampling is used: both within vocab
+            for key in ("top_k", "tail_samples"):
+                if getattr(f, key) >= vocab:
+                    raise ValueError(
+                        f"{name}: fidelity.{key} = {getattr(f, key)} is not below the model's "
+                        f"vocabulary of {vocab}; use {key} < {vocab}"
+                    )
+    for i, n in enumerate(suite.needles):
+        over = [length for length in n.lengths if length >= context]
+        if over:
+            raise ValueError(
+                f"{name}: needles.{i}.lengths {over} reach the model's context of {context} "
+                f"tokens (the answer follows the prompt); use lengths < {context}"
+            )
+    s = suite.structured
+    if s is not None and s.context_tokens + s.max_new_tokens > context:
+        raise ValueError(
+            f"{name}: structured.context_tokens + max_new_tokens = "
+            f"{s.context_tokens + s.max_new_tokens} exceeds the model's context of {context}"
+        )
 
 
 # Needle variant -> the task name its summary keys and example ids carry.
@@ -179,6 +296,44 @@ def suite_metrics(suite: Suite) -> list[str]:
     return sorted(names)
 
 
+def gate_metrics(suite: Suite) -> list[str]:
+    """The deltas a gate, objective or constraint compares against its tolerance: the
+    headline fidelity deltas and each pass/fail group's `acc_delta` (the evaluator's
+    `expected_metrics`, read from the suite alone)."""
+    names = []
+    if suite.fidelity is not None:
+        names += ["fidelity.kl_mean", "fidelity.top1_agree_delta", "fidelity.ppl_ratio"]
+    for spec in suite.needles:
+        task = NEEDLE_TASK_NAMES[spec.variant]
+        names += [f"{task}.acc_delta.len{length}" for length in spec.lengths]
+    if suite.structured is not None:
+        names.append("structured.acc_delta")
+        names += [f"structured.acc_delta.{t}" for t in suite.structured.tasks]
+    return sorted(set(names))
+
+
+# Summary figures a quality change makes larger (True) or smaller (False); a bound of one
+# (.ci_low/.ci_high) goes the same way. Counts and baselines have no better direction.
+_LOWER_IS_BETTER = ("fidelity.kl_mean", "fidelity.kl_p99", "fidelity.kl_max", "fidelity.ppl_ratio")
+_HIGHER_IS_BETTER = ("fidelity.top1_agree", "fidelity.top1_agree_delta")
+_PASS_FAIL_HIGHER = ("acc_cand", "acc_delta")
+
+
+def higher_is_better(metric: str) -> bool | None:
+    """True when a larger value of summary key `metric` means better quality, False when a
+    smaller does, None when the key has no such direction (counts, baselines, p-values)."""
+    base = metric.removesuffix(".ci_low").removesuffix(".ci_high")
+    if base in _LOWER_IS_BETTER:
+        return False
+    if base in _HIGHER_IS_BETTER:
+        return True
+    parts = base.split(".")
+    pass_fail = parts[0] in (*NEEDLE_TASK_NAMES.values(), "structured")
+    if len(parts) >= 2 and pass_fail and parts[1] in _PASS_FAIL_HIGHER:
+        return True
+    return None
+
+
 def builtin_suites() -> list[str]:
     return sorted(p.stem for p in SUITES_DIR.glob("*.toml"))
 
@@ -194,13 +349,40 @@ def load_suite(name_or_path: str | Path) -> Suite:
             "or the path of a suite .toml file"
         )
     try:
-        raw = tomllib.loads(path.read_text())
+        # A byte order mark (some Windows editors write one) is not TOML; it is skipped.
+        raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"suite file {path}: cannot parse ({err})") from None
     raw.setdefault("name", path.stem)
+    return parse_suite(raw, f"suite file {path}")
+
+
+def parse_suite(raw: dict, source: str = "suite") -> Suite:
+    """Validate a suite's table; a mistake is one ValueError line naming `source` and the key."""
     try:
         return Suite.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"suite file {path}: {where}: {first['msg']}") from None
+        msg = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            msg = f"unknown key; valid keys here: {', '.join(_fields_at(first['loc'][:-1]))}"
+        elif not isinstance(first.get("input"), dict | list | tuple):
+            msg = f"{msg} (got {first.get('input')!r})"
+        # a whole-suite check names its key in its message itself
+        raise ValueError(f"{source}: {where + ': ' if where else ''}{msg}") from None
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """The keys valid at `loc` (a pydantic error location) of a suite file."""
+    model: type[BaseModel] = Suite
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        ann = model.model_fields[part].annotation
+        inner = [a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type)]
+        inner = [a for a in inner if issubclass(a, BaseModel)]
+        if not inner:
+            return []
+        model = inner[0]
+    return list(model.model_fields)

@@ -314,7 +314,15 @@ class ModelConfig:
             raise ValueError(
                 f"{source}: num_attention_heads must be an integer >= 1, got {num_heads}"
             )
-        head_dim = raw.get("head_dim") or hidden // num_heads
+        head_dim = raw.get("head_dim")  # an explicit 0 is refused below, not replaced
+        if head_dim is None:
+            if hidden % num_heads:
+                raise ValueError(
+                    f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads "
+                    f"{num_heads} and there is no head_dim; give head_dim, or a hidden_size "
+                    "that num_attention_heads divides"
+                )
+            head_dim = hidden // num_heads
         rope_theta, rope_scaling = _rope_fields(raw, source)
         if rope_scaling is not None:
             rtype = rope_scaling.get("rope_type", rope_scaling.get("type"))
@@ -340,8 +348,11 @@ class ModelConfig:
                 intermediate_size=integer("intermediate_size", need("intermediate_size")),
                 num_layers=num_layers,
                 num_heads=num_heads,
-                num_kv_heads=integer(
-                    "num_key_value_heads", raw.get("num_key_value_heads") or num_heads
+                num_kv_heads=integer(  # absent or null: one KV head per query head
+                    "num_key_value_heads",
+                    num_heads
+                    if raw.get("num_key_value_heads") is None
+                    else raw["num_key_value_heads"],
                 ),
                 head_dim=integer("head_dim", head_dim),
                 max_position_embeddings=integer(

@@ -111,6 +111,10 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
                 )
             out[name] = shard
         return out
+    if not folder.is_dir():
+        raise ValueError(
+            f"checkpoint {folder} is not a folder; give a Hugging Face checkpoint folder"
+        )
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in folder.glob("*.bin"))
@@ -121,6 +125,29 @@ def checkpoint_files(folder: Path) -> dict[str, Path]:
         for name in SafetensorsHeader.read(path).entries:
             out[name] = path
     return out
+
+
+def _check_tied_head(folder: Path, where: dict[str, Path]) -> None:
+    """config.json ties the output head to the embedding, yet the checkpoint holds an
+    `lm_head.weight`: fine when it is the embedding's copy (some exports save both), an
+    error when it differs: loading would throw a trained head away without a word."""
+    embed_name, head_name = "model.embed_tokens.weight", "lm_head.weight"
+    if embed_name not in where:
+        return  # reported as a missing tensor by the caller
+    header = {f: SafetensorsHeader.read(f) for f in {where[embed_name], where[head_name]}}
+    embed_entry = header[where[embed_name]].entries[embed_name]
+    head_entry = header[where[head_name]].entries[head_name]
+    same = embed_entry.shape == head_entry.shape and embed_entry.dtype == head_entry.dtype
+    if same and embed_entry.dtype in READABLE_DTYPES:
+        embed = map_tensor(header[where[embed_name]], embed_entry)
+        head = map_tensor(header[where[head_name]], head_entry)
+        same = embed.tobytes() == head.tobytes()
+    if not same:
+        raise ValueError(
+            f"{folder / 'config.json'}: tie_word_embeddings is true, but "
+            f"{where[head_name].name} holds an lm_head.weight that differs from the embedding "
+            "(a trained output head); set tie_word_embeddings to false to use it, or remove it"
+        )
 
 
 # Bit pattern of +inf per float dtype (sign 0, exponent all ones, mantissa 0), IEEE 754.
@@ -157,16 +184,15 @@ def check_finite(array: np.ndarray, what: str) -> None:
     )
 
 
-def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """(engine path, float array in engine layout) per tensor, one at a time, in order.
-
-    Every file's header is validated (`SafetensorsHeader`) and every expected tensor found
-    with its config.json shape before the first tensor is read. Arrays are read-only
-    memory maps, each checked for NaN/inf (`read_tensor`) before it is yielded: the checks
-    run on a worker thread ahead of the consumer (`_checked_stream`), which is joined
-    before the stream ends or fails. A consumer that keeps an array past the next tensor
-    must copy or convert it.
-    """
+def check_checkpoint(
+    folder: str | Path, config: ModelConfig
+) -> tuple[dict[str, Path], dict[Path, SafetensorsHeader]]:
+    """Every check of a checkpoint that reads headers only (no tensor data, except a tied
+    lm_head compared to the embedding): config.json supported, every file's header valid, no
+    tensor the engine does not use, every expected tensor present with a readable dtype and
+    its config.json shape. `iter_checkpoint` runs it before the first tensor is read, and
+    `tenantq search --check` (`search.checks.check_study`) runs it alone; NaN/inf need the
+    data and are left to the load. Returns (HF tensor name -> file, file -> header)."""
     from tenantq.model.compressed import is_compressed_tensors
     from tenantq.model.decoder import check_supported
 
@@ -190,6 +216,8 @@ def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[s
             f"{folder}: tensors the {config.model_type} engine does not use: {extra[:5]} "
             f"({len(extra)} in all); the checkpoint does not match its config.json"
         )
+    if tied_head & set(where):
+        _check_tied_head(folder, where)
     headers: dict[Path, SafetensorsHeader] = {}
     for path, (hf, transpose) in names.items():
         file = where.get(hf)
@@ -215,9 +243,24 @@ def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[s
                 f"tensor {hf} ({path}) in {file.name} has shape {list(entry.shape)}, "
                 f"expected {list(want_hf)} from config.json"
             )
+    return where, headers
+
+
+def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """(engine path, float array in engine layout) per tensor, one at a time, in order.
+
+    Every file's header is validated (`SafetensorsHeader`) and every expected tensor found
+    with its config.json shape before the first tensor is read. Arrays are read-only
+    memory maps, each checked for NaN/inf (`read_tensor`) before it is yielded: the checks
+    run on a worker thread ahead of the consumer (`_checked_stream`), which is joined
+    before the stream ends or fails. A consumer that keeps an array past the next tensor
+    must copy or convert it.
+    """
+    folder = Path(folder)
+    where, headers = check_checkpoint(folder, config)
     yield from _checked_stream(
         (path, headers[where[hf]], hf, f"tensor {hf} ({path}) in {where[hf].name}", transpose)
-        for path, (hf, transpose) in names.items()
+        for path, (hf, transpose) in hf_names(config).items()
     )
 
 

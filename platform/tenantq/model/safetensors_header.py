@@ -69,6 +69,7 @@ class SafetensorsHeader:
     @classmethod
     def read(cls, path: str | Path) -> SafetensorsHeader:
         path = Path(path)
+        check_weight_file(path)
         file_bytes = path.stat().st_size
         with path.open("rb") as f:
             raw_len = f.read(8)
@@ -172,3 +173,18 @@ def _check_layout(path: Path, entries: dict[str, TensorEntry], data_bytes: int) 
             f"{path}: {last} {problem}: the tensors cover {cursor:,} data bytes, the file "
             f"holds {data_bytes:,} after its header; the file is truncated or damaged"
         )
+
+
+def check_weight_file(path: Path) -> None:
+    """A weight file is a regular file (a symlink to one is fine): a folder, a dangling link
+    or a symlink loop under a `.safetensors` name is one ValueError line naming it."""
+    if path.is_file():
+        return
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a safetensors file; rename or remove it")
+    if path.is_symlink():
+        raise ValueError(
+            f"{path} is a symbolic link that leads to no file (a loop or a dangling link); "
+            "point it at the safetensors file or remove it"
+        )
+    raise ValueError(f"{path} is not a readable file; expected a safetensors file")

@@ -58,3 +58,26 @@ def load_tokenizer(folder: str | Path) -> Tokenizer | None:
             stacklevel=2,
         )
         return None
+
+
+def require_tokenizer(folder: str | Path, vocab_size: int | None = None) -> Tokenizer:
+    """The folder's tokenizer, for work that needs text: one ValueError line when it is
+    missing, unreadable (naming why) or has more tokens than the model's vocabulary
+    (`vocab_size`: its ids would index past the embedding)."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} has no tokenizer.json; the quality suite needs text")
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as err:  # the tokenizers library raises bare Exception subclasses
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"{path}: cannot be read as a tokenizer ({first}); give the tokenizer.json of "
+            "this checkpoint (Hugging Face `tokenizers` format)"
+        ) from None
+    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"{path}: {tokenizer.vocab_size} tokens, more than the model's vocab_size of "
+            f"{vocab_size} (config.json); the tokenizer belongs to another model"
+        )
+    return tokenizer

@@ -106,8 +106,9 @@ class _RuleFields(BaseModel):
 class _LayerFormatFields(BaseModel):
     model_config = _STRICT
     layer: StrictInt = Field(description="layer index; negative counts from the end")
-    key_format: Literal[KV_FORMAT_NAMES] = "bf16"
-    value_format: Literal[KV_FORMAT_NAMES] = "bf16"
+    # absent: the plan's kv.key_format / kv.value_format (an entry naming neither is refused)
+    key_format: Literal[KV_FORMAT_NAMES] | None = None
+    value_format: Literal[KV_FORMAT_NAMES] | None = None
 
 
 class _KVFields(BaseModel):
@@ -150,8 +151,9 @@ def _validated(model: type[BaseModel], raw: Any, where: str) -> BaseModel:
             message = f"{inside}: {key!r} is required"
         elif e["type"] == "literal_error":
             valid = e["ctx"]["expected"].replace("'", "").replace(" or ", ", ")
-            noun = "format" if key.endswith("format") else key
-            message = f"{where}.{loc}: unknown {noun} {e['input']!r}; valid {noun}s: {valid}"
+            noun = "format" if key.endswith("format") else key.replace("_", " ")
+            nouns = noun[:-2] + "es" if noun.endswith("is") else noun + "s"  # axis -> axes
+            message = f"{where}.{loc}: unknown {noun} {e['input']!r}; valid {nouns}: {valid}"
             if e["input"] in KV_ONLY_FORMATS:
                 message = (
                     f"{where}.{loc}: {e['input']} is a KV-cache format only (weights in "
@@ -210,11 +212,45 @@ class Rule:
         except re.error as err:
             raise ValueError(f"{where}: invalid regex ({err})") from None
         check_w8a8(self)
+        # Settings of a quantizer a bf16 tensor never meets. (`algorithm` is left alone: a
+        # search space gives every rule the study's calibration algorithm, bf16 ones too, and
+        # plans stored by earlier studies carry it.)
+        if self.format == "bf16":
+            ignored = [
+                f"{name}={getattr(self, name)!r}"
+                for name, default in (("group_size", None), ("symmetric", True))
+                if getattr(self, name) != default
+            ]
+            if ignored:
+                raise ValueError(
+                    f"{where}: {', '.join(ignored)} on a bf16 rule does nothing (bf16 tensors "
+                    "are not quantized) but would change the plan's fingerprint; drop it"
+                )
+        else:  # the quantizer's own check of group and symmetry, on a one-group stand-in
+            from tenantq.numerics.layout import resolve_layout
+
+            try:
+                resolve_layout(
+                    (self.group_size or 32,), self.format, axis=-1, group_size=self.group_size,
+                    symmetric=self.symmetric,
+                )  # fmt: skip
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = "rule") -> Rule:
-        """A rule from its JSON/TOML table (unknown keys, wrong types: one-line errors)."""
-        return cls(**_validated(_RuleFields, raw, where).model_dump())
+        """A rule from its JSON/TOML table (unknown keys, wrong types: one-line errors naming
+        `where`, e.g. `plan rules[0]`, and the rule's pattern)."""
+        fields_ = _validated(_RuleFields, raw, where).model_dump()
+        try:
+            return cls(**fields_)
+        except ValueError as err:
+            message, own = str(err), f"rule {fields_['pattern']!r}"
+            if message.startswith(own):
+                message = f"{where} (pattern {fields_['pattern']!r})" + message[len(own) :]
+            else:
+                message = f"{where}: {message}"
+            raise ValueError(message) from None
 
     def matches(self, path: str) -> bool:
         return self._regex.fullmatch(path) is not None  # type: ignore[attr-defined]
@@ -352,6 +388,45 @@ def _check_scale_dtype(scale_dtype: str, scaled: set[str]) -> None:
         )
 
 
+def _check_bf16_settings(kv: KVPlan, entries: list[tuple[int, str, str]]) -> None:
+    """Sink tokens and bf16 layers keep quantized KV in bf16: with bf16 keys and values in
+    every layer there is nothing to keep, and the setting would only change the plan's
+    fingerprint (as group_size on a bf16 rule; refused the same way)."""
+    formats = {kv.key_format, kv.value_format} | {f for e in entries for f in e[1:]}
+    if formats != {"bf16"}:
+        return
+    ignored = [f"sink_tokens={kv.sink_tokens}"] if kv.sink_tokens else []
+    if kv.bf16_layers:
+        ignored.append(f"bf16_layers={list(kv.bf16_layers)}")
+    if ignored:
+        raise ValueError(
+            f"kv: {', '.join(ignored)} with bf16 keys and values does nothing (every KV "
+            "tensor is bf16 already) but would change the plan's fingerprint; drop it"
+        )
+
+
+def _check_layers_once(bf16: list[int], formats: list[int], num_layers: int | None) -> None:
+    """Each layer named once across `bf16_layers` and `layer_formats` (an index and its negative
+    alias, e.g. 0 and -4 on a 4-layer model, are the same layer once `num_layers` is known):
+    two entries for one layer would leave one silently ignored, and a layer named twice in
+    `bf16_layers` would give one plan two fingerprints."""
+
+    def layer(i: int) -> int:
+        return i + num_layers if num_layers is not None and i < 0 else i
+
+    seen: dict[int, tuple[str, int]] = {}
+    for name, indices in (("layer_formats", formats), ("bf16_layers", bf16)):
+        for i in indices:
+            j = layer(i)
+            if j in seen:
+                first, index = seen[j]
+                raise ValueError(
+                    f"kv.{name}: layer {i} is already given in kv.{first} (as {index}); "
+                    "name each layer once (negative indices count from the end)"
+                )
+            seen.setdefault(j, (name, i))
+
+
 @dataclass(frozen=True)
 class KVPlan:
     """The KV-cache part of a plan (keys per channel, values per token by default, as KIVI)."""
@@ -378,6 +453,24 @@ class KVPlan:
             for e in raw["layer_formats"]
         ] if isinstance(raw["layer_formats"], list) else raw["layer_formats"]  # fmt: skip
         checked = _validated(_KVFields, raw, "kv")
+        entries = []
+        for i, e in enumerate(checked.layer_formats):
+            if e.key_format is None and e.value_format is None:
+                raise ValueError(
+                    f"kv.layer_formats[{i}]: layer {e.layer} names neither key_format nor "
+                    "value_format, so it changes nothing; give one or both, or remove it"
+                )
+            entries.append(
+                (e.layer, e.key_format or self.key_format, e.value_format or self.value_format)
+            )
+        checked = checked.model_copy(
+            update={
+                "layer_formats": [
+                    _LayerFormatFields(layer=i, key_format=k, value_format=v) for i, k, v in entries
+                ]
+            }
+        )
+        _check_bf16_settings(self, entries)
         scaled: set[str] = set()  # formats of tensors with page/token scales
         for fmt_key, axis_key in (("key_format", "key_axis"), ("value_format", "value_axis")):
             formats = {getattr(self, fmt_key)} | {
@@ -388,6 +481,9 @@ class KVPlan:
             if getattr(self, axis_key) not in STATIC_KV_AXES:
                 scaled |= {f for f in formats if FORMATS[f].scale_dtype is not None}
         _check_scale_dtype(self.scale_dtype, scaled)
+        _check_layers_once(
+            list(checked.bf16_layers), [e.layer for e in checked.layer_formats], None
+        )
         object.__setattr__(self, "bf16_layers", tuple(checked.bf16_layers))
         object.__setattr__(
             self,
@@ -406,6 +502,7 @@ class KVPlan:
                     f"kv.{name}: layer {i} is out of range for a model of {n} layers; "
                     f"valid indices are {-n}..{n - 1} (negative counts from the end)"
                 )
+        _check_layers_once(list(self.bf16_layers), [e[0] for e in self.layer_formats], n)
         context = config.max_position_embeddings
         if self.sink_tokens > context:
             raise ValueError(
@@ -481,7 +578,9 @@ class QuantPlan:
         `config` may also be the tensor inventory itself (path -> TensorInfo)."""
 
         out: dict[str, TensorQuant] = {}
-        for path, info in _inventory(config).items():
+        inventory = _inventory(config)
+        self._check_embed_activations(inventory)
+        for path, info in inventory.items():
             if not info.quantizable:
                 continue
             rule = self.match(path)
@@ -501,6 +600,24 @@ class QuantPlan:
             )
         return out
 
+    def _check_embed_activations(self, inventory: Mapping[str, TensorInfo]) -> None:
+        """W8A8 activations on an untied `embed` (a model with its own `lm_head`): the
+        embedding is a row lookup, not a matmul, so a rule giving only embed activations
+        does nothing. A broader rule (".*") keeps them for its matmuls and is accepted."""
+        rule = self.match("embed") if "lm_head" in inventory and "embed" in inventory else None
+        if rule is None or rule.activations is None:
+            return
+        others = [
+            p for p, info in inventory.items()
+            if info.quantizable and p != "embed" and self.match(p) is rule
+        ]  # fmt: skip
+        if not others:
+            raise ValueError(
+                f"rule {rule.pattern!r}: activations={rule.activations!r} on embed does "
+                "nothing: this model's embedding is untied (it has an lm_head), so embed is a "
+                "lookup, not a matmul; drop activations from this rule"
+            )
+
     def unused_rules(self, config: ModelConfig | Mapping[str, TensorInfo]) -> list[Rule]:
         """Rules that are the first match for no tensor of `config` (typos, shadowed rules)."""
         used: set[int] = set()
@@ -512,6 +629,13 @@ class QuantPlan:
                     used.add(idx)
                     break
         return [r for i, r in enumerate(self.rules) if i not in used]
+
+    def check_model(self, config: ModelConfig) -> None:
+        """The whole plan against the model it meets (KV layers and sinks, W8A8 on embed):
+        the checks engine, capacity and tracking each run when they use the plan, run at
+        once by a command before its work."""
+        self.kv.check_model(config)
+        self.resolve(config)
 
     def kv_layers(self, config: ModelConfig) -> list[LayerKV]:
         """Each layer's KV formats, once the KV part is checked against `config`."""
@@ -582,7 +706,9 @@ class QuantPlan:
 
     @classmethod
     def from_json(cls, text: str) -> QuantPlan:
-        return cls.from_dict(json.loads(text))
+        """A plan from JSON; a key given twice in one object is an error (JSON keeps the last
+        silently). TOML refuses a repeated key itself."""
+        return cls.from_dict(json.loads(text, object_pairs_hook=_unique_keys))
 
     def to_toml(self) -> str:
         lines = []
@@ -635,6 +761,14 @@ class QuantPlan:
         """Stable short hash of the canonical JSON (same plan -> same hash, any process)."""
         canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"key {twice[0]!r} is given twice in one object; give each key once")
+    return dict(pairs)
 
 
 def _inventory(config: ModelConfig | Mapping[str, TensorInfo]) -> Mapping[str, TensorInfo]:

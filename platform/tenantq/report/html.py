@@ -30,14 +30,60 @@ class ReportOutcome:
 
 def load_profile(study: StudyRecord, profile: str | Path | None):
     """The sensitivity table (Parquet or Arrow IPC) given, or named by the study's spec."""
-    if profile is None and study.spec_text:
-        space = tomllib.loads(study.spec_text).get("space", {})
+    spec_text = study.spec_text  # downloaded from MLflow: read once
+    if profile is None and spec_text:
+        space = tomllib.loads(spec_text).get("space", {})
         profile = space.get("profile") if space.get("kind") == "sensitivity" else None
     if profile is None:
         return None
     from tenantq.search.space import read_profile_table
 
-    return read_profile_table(profile)
+    return read_profile_table(profile, _study_num_layers(spec_text))
+
+
+def _study_num_layers(spec_text: str) -> int | None:
+    """The layers of the model the study ran on, when its checkpoint is readable here (a
+    profile's KV rows are checked against them); None otherwise."""
+    from tenantq.model.config import ModelConfig
+    from tenantq.search.spec import REFERENCE_MODEL
+
+    try:
+        model = tomllib.loads(spec_text).get("model") if spec_text else None
+    except tomllib.TOMLDecodeError:
+        return None
+    if not isinstance(model, str):
+        return None
+    if model == REFERENCE_MODEL:
+        from tenantq.reference import reference_model_path
+
+        folder = reference_model_path()
+    else:
+        folder = Path(model).expanduser()
+    if not (folder / "config.json").is_file():
+        return None
+    try:
+        return ModelConfig.from_file(folder / "config.json").num_layers
+    except ValueError:
+        return None
+
+
+def _why_no_pareto(study: StudyRecord) -> str:
+    """Why the Pareto figure is absent: no trial completed, or none measured quality."""
+    if not [t for t in study.completed if t.duplicate_of is None]:
+        return "no completed trial"
+    return (
+        "the study has no quality objective (a capacity-only study measures tenants only, "
+        "so there is no tenants-against-quality plane to draw)"
+    )
+
+
+def _why_no_sensitivity(profile) -> str:
+    if profile is None:
+        return "no sensitivity profile (a `sensitivity` space's spec names one; or --profile)"
+    return (
+        "the profile has no per-layer rows to draw (layers/I/... or kv/I tensors), only "
+        "whole-model tensors such as embed or lm_head"
+    )
 
 
 def build_figures(study: StudyRecord, trial: int | None = None, profile=None):
@@ -45,7 +91,7 @@ def build_figures(study: StudyRecord, trial: int | None = None, profile=None):
     chosen = study.choose_trial(trial)
     bf16 = study.bf16
     out = []
-    out.append(("pareto", "Pareto front", figures.pareto_figure(study), "no completed trial"))
+    out.append(("pareto", "Pareto front", figures.pareto_figure(study), _why_no_pareto(study)))
     if chosen is None:
         out += [
             ("capacity", "Capacity waterfall", None, "no completed trial"),
@@ -73,7 +119,7 @@ def build_figures(study: StudyRecord, trial: int | None = None, profile=None):
             "sensitivity",
             "Per-tensor sensitivity",
             figures.sensitivity_figure(profile),
-            "no sensitivity profile (a `sensitivity` space's spec names one; or --profile)",
+            _why_no_sensitivity(profile),
         )
     )
     out.append(

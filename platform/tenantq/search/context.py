@@ -81,6 +81,7 @@ def prepare(spec: Spec, spec_text: str = "") -> StudyContext:
     model, the space, the suites and the stores. Raises ValueError; writes nothing."""
     from tenantq.capacity import get_model_config
     from tenantq.model.config import ModelConfig
+    from tenantq.search.checks import check_study
 
     model_path = spec.model_path()
     if not (model_path / "config.json").is_file():
@@ -104,6 +105,7 @@ def prepare(spec: Spec, spec_text: str = "") -> StudyContext:
     parameter_choices(spec.space, config, profile)  # raises on choices the model cannot take
     check_metrics(spec)
     check_stores(spec)
+    check_study(spec, config, profile)  # tenantq.search.checks: the model-aware checks
     baselines = baseline_params(spec.space, config, profile) if wants_baselines(spec) else []
     return StudyContext(
         spec, spec_text, model_path, config, capacity_config, deployment, profile, baselines

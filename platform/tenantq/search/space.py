@@ -262,9 +262,9 @@ def _allowed(choices: list | range, value: Any) -> bool:
     return value in choices
 
 
-def read_profile_table(path: str | Path):
+def read_profile_table(path: str | Path, num_layers: int | None = None):
     """The table `tenantq sensitivity` writes (Parquet, or Arrow IPC for any other suffix),
-    checked for the columns every reader needs: tensor, format, kl_mean."""
+    checked by `check_profile_table` (the one check every reader of a profile calls)."""
     import pyarrow.feather as feather
     import pyarrow.parquet as pq
 
@@ -282,12 +282,43 @@ def read_profile_table(path: str | Path):
             f"sensitivity profile {p}: cannot read it as {kind} ({err}); give the table "
             "`tenantq sensitivity --out` wrote (.parquet, or Arrow IPC for other suffixes)"
         ) from None
+    check_profile_table(table, p, num_layers)
+    return table
+
+
+def check_profile_table(table, path: str | Path, num_layers: int | None = None) -> None:
+    """A profile's columns (tensor, format, kl_mean), its KL values (finite and >= 0: a NaN
+    would rank a tensor least sensitive and quantize it first) and its KV rows (`kv/{i}`,
+    with 0 <= i < num_layers when the model is known). One ValueError line naming the row."""
+    import math
+
     need = {"tensor", "format", "kl_mean"}
     if not need <= set(table.column_names):
         raise ValueError(
-            f"sensitivity profile {p}: needs columns {sorted(need)}, has {table.column_names}"
+            f"sensitivity profile {path}: needs columns {sorted(need)}, has {table.column_names}"
         )
-    return table
+    tensors = table.column("tensor").to_pylist()
+    for tensor, fmt, kl in zip(
+        tensors, table.column("format").to_pylist(), table.column("kl_mean").to_pylist(),
+        strict=True,
+    ):  # fmt: skip
+        if not isinstance(tensor, str) or not tensor:
+            raise ValueError(f"sensitivity profile {path}: a row has tensor {tensor!r}; "
+                             "expected a tensor path or kv/LAYER")  # fmt: skip
+        if not isinstance(kl, int | float) or not math.isfinite(kl) or kl < 0:
+            raise ValueError(
+                f"sensitivity profile {path}: kl_mean of {tensor} ({fmt}) is {kl!r}; a KL "
+                "is a finite number >= 0 (re-measure it with `tenantq sensitivity`)"
+            )
+        if tensor.startswith("kv/"):
+            index = tensor[3:]
+            if not index.isdigit() or (num_layers is not None and int(index) >= num_layers):
+                valid = f"kv/0..kv/{num_layers - 1}" if num_layers else "kv/LAYER (0, 1, ...)"
+                raise ValueError(
+                    f"sensitivity profile {path}: row {tensor!r} names no KV layer of the "
+                    f"model ({num_layers} layers); valid rows: {valid} (was it measured on "
+                    "another model?)"
+                )
 
 
 # ---------------------------------------------------------------- sensitivity profile
@@ -303,7 +334,7 @@ class SensitivityProfile:
         """Read the table `tenantq sensitivity` writes (Parquet or Arrow IPC) with columns
         tensor, format, kl_mean; a tensor's sensitivity is its largest kl_mean over formats."""
         p = Path(path)
-        table = read_profile_table(p)
+        table = read_profile_table(p, config.num_layers)
         worst: dict[str, float] = {}
         for tensor, kl in zip(
             table.column("tensor").to_pylist(), table.column("kl_mean").to_pylist(), strict=True
@@ -322,5 +353,5 @@ class SensitivityProfile:
         def ranked(rows: dict[str, float]) -> list[str]:
             return sorted(rows, key=lambda t: (-rows[t], t))
 
-        kv_layers = [int(t.split("/", 1)[1]) % config.num_layers for t in ranked(kv_rows)]
+        kv_layers = [int(t.split("/", 1)[1]) for t in ranked(kv_rows)]
         return cls(tuple(ranked(weight_rows)), tuple(kv_layers))

@@ -151,7 +151,11 @@ class ConstraintSpec(_Strict):
     """`metric`'s CI bound must stay within `tolerance` (constraint = bound - tolerance <= 0)."""
 
     metric: str
-    tolerance: float
+    tolerance: float = Field(
+        ge=0,
+        allow_inf_nan=False,
+        description="how far the bound may go in the bad direction (>= 0, finite)",
+    )
     bound: Literal["ci_high", "ci_low", "value"] = "ci_high"
 
 
@@ -248,6 +252,7 @@ class StudySpec(_Strict):
     trial_timeout: float | None = Field(
         None,
         gt=0,
+        allow_inf_nan=False,
         description="seconds a trial may run on a worker before its worker is "
         "killed and replaced and the trial failed with reason 'timeout' (absent: no deadline)",
     )
@@ -294,9 +299,32 @@ class Spec(_Strict):
 
     @model_validator(mode="after")
     def _objectives(self) -> Spec:
+        from tenantq.evals.suite import higher_is_better
+
         names = [o.metric for o in self.objectives]
         if len(set(names)) != len(names):
             raise ValueError(f"objectives: metric listed twice in {names}")
+        bounds = [(c.metric, c.bound) for c in self.constraints or []]
+        for i, b in enumerate(bounds):
+            if b in bounds[:i]:  # two tolerances on one bound: one of them is meaningless
+                raise ValueError(
+                    f"constraints.{i}: {b[0]!r} ({b[1]}) is constrained twice (also "
+                    f"constraints.{bounds.index(b)}); keep one with the tolerance you mean"
+                )
+        for i, o in enumerate(self.objectives):
+            if o.metric == CAPACITY_METRIC and o.direction != "maximize":
+                raise ValueError(
+                    f"objectives.{i}: {CAPACITY_METRIC!r} must be maximized (more tenants per "
+                    "chip is the point of the study); write direction = 'maximize'"
+                )
+            better = higher_is_better(o.metric)
+            want = {True: "maximize", False: "minimize", None: o.direction}[better]
+            if o.direction != want:
+                raise ValueError(
+                    f"objectives.{i}: {o.metric!r} is better when "
+                    f"{'higher' if better else 'lower'}, so direction = {o.direction!r} would "
+                    f"search for worse plans; write direction = {want!r}"
+                )
         return self
 
     @model_validator(mode="after")
@@ -342,6 +370,8 @@ def _one_line(err: ValidationError, source: str) -> str:
     elif not isinstance(first.get("input"), dict | list):
         msg = f"{msg} (got {first.get('input')!r})"
     extra = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    if not first["loc"]:  # a check across keys: its message names them
+        return f"{source}: {msg}{extra}"
     return f"{source}: {loc}: {msg}{extra}"
 
 

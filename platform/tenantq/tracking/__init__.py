@@ -7,6 +7,12 @@ artifacts). Uses `MlflowClient` with explicit run ids, so nothing depends on an 
 """
 
 from tenantq.tracking.flatten import flatten_plan
-from tenantq.tracking.runs import StudyTracker, check_tracking_uri, code_version
+from tenantq.tracking.runs import StudyTracker, check_sqlite_file, check_tracking_uri, code_version
 
-__all__ = ["StudyTracker", "check_tracking_uri", "code_version", "flatten_plan"]
+__all__ = [
+    "StudyTracker",
+    "check_sqlite_file",
+    "check_tracking_uri",
+    "code_version",
+    "flatten_plan",
+]

@@ -47,6 +47,7 @@ def check_tracking_uri(uri: str, key: str = "tracking.uri") -> None:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking._tracking_service.utils import _tracking_store_registry
 
+    check_sqlite_file(uri, key)
     try:
         _tracking_store_registry.get_store_builder(uri)
     except MlflowException:
@@ -55,6 +56,46 @@ def check_tracking_uri(uri: str, key: str = "tracking.uri") -> None:
             f"{key}: MLflow cannot track to {uri!r} (scheme {scheme!r}); write "
             "sqlite:///mlflow.db, a folder, or http://HOST:PORT of an MLflow server"
         ) from None
+
+
+# The first 16 bytes of every SQLite 3 database file (sqlite.org/fileformat.html, 1.3.1).
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file of a `sqlite:///FILE` URL (None for other URLs and in-memory databases)."""
+    if not url.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    try:
+        database = make_url(url).database
+    except Exception:  # a malformed URL is named by the URL checks
+        return None
+    if database in (None, "", ":memory:"):
+        return None
+    return Path(database).expanduser()
+
+
+def check_sqlite_file(url: str, key: str) -> None:
+    """A sqlite store's file (Optuna's or MLflow's), when it exists, is a SQLite database or
+    empty (sqlite initialises an empty file): another file or a folder there would be a
+    traceback from deep in SQLAlchemy. One ValueError line naming `key`."""
+    path = sqlite_file(url)
+    if path is None or not path.exists():
+        return
+    if path.is_dir():
+        raise ValueError(f"{key}: {path} is a folder; give a sqlite:/// path to a database file")
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except OSError as err:
+        raise ValueError(f"{key}: cannot read {path} ({err.strerror or err})") from None
+    if head and head != SQLITE_MAGIC:
+        raise ValueError(
+            f"{key}: {path} is not a SQLite database (it starts with {head[:8]!r}); move it "
+            "away, or point the URL at another file"
+        )
 
 
 class StudyTracker:

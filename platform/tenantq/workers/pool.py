@@ -132,7 +132,7 @@ class WorkerPool:
                 ray.get(ref)
             except ray.exceptions.RayError as err:
                 raise WorkerStartError(
-                    f"worker {self._names[slot]} failed to start: {_cause(err)}"
+                    f"worker {self._names[slot]} failed to start: {_start_error(err)}"
                 ) from None
             self._idle.append(slot)
 
@@ -253,6 +253,19 @@ class WorkerPool:
         with contextlib.suppress(ValueError, ray.exceptions.RayError):  # already gone
             ray.kill(self._actors[slot], no_restart=True)
         self._start(slot)
+
+
+def _start_error(err: BaseException) -> str:
+    """One line for a worker that died in `__init__`: Ray's ActorDiedError keeps only the
+    text of the creation task's error (its traceback, ending with the exception's
+    `Type: message` line), not the exception, so that last line is the one given."""
+    cause = _cause(err)
+    if cause is not err:
+        return str(cause).strip().splitlines()[-1] if str(cause).strip() else repr(cause)
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    if getattr(err, "actor_init_failed", False) and lines:
+        return lines[-1].strip()
+    return lines[0].strip() if lines else type(err).__name__
 
 
 def _cause(err: BaseException) -> BaseException:
