@@ -509,3 +509,62 @@ def test_bootstrap_fills_every_resample_even_with_a_handful() -> None:
     ci = stats.paired_bootstrap(base, cand, resamples=3, seed=1)
     want = _bootstrap_by_definition(base, cand, np.ones(5), 3, 1)
     assert (ci.ci_low, ci.ci_high) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("n", "tolerance", "rule"),
+    [
+        # the built-in suites' needle gates; the first pairs are in docs/guide/statistics.md
+        (16, 0.2, [0, 2, 4, 6, 8, 10, None]),
+        (32, 0.15, [0, 1, 3, 4, 6, 8, 9, 11, 12, 14, 15, 17, 18, None]),
+    ],
+)
+def test_gains_needed_is_the_fewest_gains_each_loss_count_passes_with(n, tolerance, rule) -> None:
+    # brute force: every (losses, gains) outcome through tango_interval and verdict
+    assert stats.gains_needed(n, tolerance) == rule
+    for losses in range(n + 1):
+        passing = [
+            g
+            for g in range(n - losses + 1)
+            if stats.verdict(
+                float(stats.tango_interval(losses, g, n)[0]), 1.0, tolerance, higher_is_better=True
+            )
+            == stats.NON_INFERIOR
+        ]
+        if losses < len(rule) and rule[losses] is not None:
+            # gains only raise the lower bound: every count from the fewest up passes
+            assert passing == list(range(rule[losses], n - losses + 1)), losses
+        else:
+            assert passing == [], losses
+
+
+def test_p_non_inferior_matches_brute_force_enumeration() -> None:
+    # sum of multinomial probabilities of every passing outcome, written out one by one
+    n, tolerance, psi, true_delta = 16, 0.2, 0.25, -0.05
+    p_loss, p_gain = (psi - true_delta) / 2, (psi + true_delta) / 2
+    total = 0.0
+    for losses in range(n + 1):
+        for gains in range(n + 1 - losses):
+            low = float(stats.tango_interval(losses, gains, n)[0])
+            if low >= -tolerance:
+                total += sps.multinomial.pmf(
+                    [losses, gains, n - losses - gains], n, [p_loss, p_gain, 1 - psi]
+                )
+    got = stats.p_non_inferior(n, tolerance, psi, true_delta=true_delta)
+    assert got == pytest.approx(total, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("n", "tolerance", "published"),
+    # docs/guide/statistics.md's table: a harmless plan (no true change) is declared
+    # non-inferior this often at 5 / 10 / 25% discordance (rounded to whole percents)
+    [
+        (16, 0.2, (68, 51, 33)),
+        (32, 0.15, (65, 52, 36)),
+        (64, 0.1, (76, 59, 34)),
+        (96, 0.1, (94, 79, 49)),
+    ],
+)
+def test_harmless_plan_pass_rates_are_the_published_ones(n, tolerance, published) -> None:
+    got = tuple(round(100 * stats.p_non_inferior(n, tolerance, psi)) for psi in (0.05, 0.1, 0.25))
+    assert got == published

@@ -307,6 +307,53 @@ def mcnemar_examples_needed(
     )
 
 
+def gains_needed(n: int, tolerance: float, *, confidence: float = 0.95) -> list[int | None]:
+    """The pass rule of a pass/fail gate, per number of losses: entry L is the fewest gains
+    (wrong -> correct) with which L losses (correct -> wrong) of `n` are `non-inferior` at
+    `tolerance` (Tango's lower bound >= -tolerance), None once no number of gains suffices.
+    Gains raise the lower bound, so every count of gains from that one up passes too.
+    The list stops at the first None."""
+    out: list[int | None] = []
+    for losses in range(n + 1):
+        gains = np.arange(n - losses + 1)
+        low, _ = tango_interval(losses, gains, n, confidence=confidence)
+        ok = np.flatnonzero(low >= -tolerance)
+        out.append(int(gains[ok[0]]) if ok.size else None)
+        if out[-1] is None:
+            break
+    return out
+
+
+def p_non_inferior(
+    n: int,
+    tolerance: float,
+    discordance_rate: float,
+    *,
+    true_delta: float = 0.0,
+    confidence: float = 0.95,
+) -> float:
+    """Probability that a pass/fail gate says `non-inferior`, by exact enumeration of every
+    (losses, gains) outcome of `n` examples: each example is lost with probability
+    (psi - true_delta) / 2 and gained with (psi + true_delta) / 2, psi = `discordance_rate`.
+    At `true_delta` 0 it is the share of harmless plans the gate lets through."""
+    psi, dlt = float(discordance_rate), float(true_delta)
+    if n <= 0 or not 0 < psi <= 1 or abs(dlt) > psi:
+        raise ValueError(
+            f"need n > 0, 0 < discordance_rate <= 1, |true_delta| <= discordance_rate; got "
+            f"n={n}, discordance_rate={psi}, true_delta={dlt}"
+        )
+    losses, gains = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+    keep = losses + gains <= n
+    losses, gains = losses[keep], gains[keep]
+    prob = _sps.multinomial.pmf(
+        np.stack([losses, gains, n - losses - gains], axis=1),
+        n,
+        [(psi - dlt) / 2, (psi + dlt) / 2, 1 - psi],
+    )
+    low, _ = tango_interval(losses, gains, n, confidence=confidence)
+    return float(prob[low >= -tolerance].sum())
+
+
 def clopper_pearson(passed: int, n: int, *, alpha: float = 0.05) -> tuple[float, float]:
     """Exact (Clopper-Pearson 1934) two-sided 1 - alpha CI of a pass rate `passed` / `n`."""
     if not 0 <= passed <= n or n <= 0:

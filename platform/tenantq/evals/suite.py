@@ -145,7 +145,8 @@ def baseline_pass_warnings(suite: Suite, passes: dict[str, tuple[int, int]]) -> 
 def unreachable_gate_warnings(suite: Suite, examples: dict[str, int]) -> dict[str, str]:
     """`warning.gate.<metric>` for each pass/fail gate (`examples`: its metric -> n) whose
     tolerance is tighter than the lower bound Tango's interval gives when nothing flips at
-    all (+-z^2 / (n + z^2): 0.107 at n = 32): such a gate can never say `non-inferior`."""
+    all (+-z^2 / (n + z^2): 0.107 at n = 32): such a gate cannot show non-inferiority unless
+    the candidate gains more than it loses (`stats.gains_needed` gives the exact rule)."""
     from tenantq.evals.stats import tango_interval
 
     out = {}
@@ -157,8 +158,9 @@ def unreachable_gate_warnings(suite: Suite, examples: dict[str, int]) -> dict[st
         if gate.tolerance < bound:
             out[f"warning.gate.{gate.metric}"] = (
                 f"tolerance {gate.tolerance:g} is below {bound:.3f}, the 95% bound of {n} "
-                f"examples with no flip at all: this gate cannot show non-inferiority; use a "
-                f"tolerance >= {math.ceil(bound * 1000) / 1000:g} or more examples"
+                f"examples with no flip at all: this gate cannot show non-inferiority unless "
+                f"the candidate gains more than it loses (no flips -> lower bound -{bound:.3f}); "
+                f"use a tolerance >= {math.ceil(bound * 1000) / 1000:g} or more examples"
             )
     return out
 
