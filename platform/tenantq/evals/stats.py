@@ -298,13 +298,40 @@ def mcnemar_examples_needed(
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     critical = _mcnemar_critical(max_n, alpha)
-    for n in range(1, max_n + 1):
-        if _exact_power(n, d, psi, critical) >= power:
-            return n
-    raise ValueError(
-        f"a drop of {d} at discordance {psi} needs more than max_n={max_n} examples for "
-        f"power {power}"
-    )
+
+    def reaches(n: int) -> bool:
+        return _exact_power(n, d, psi, critical) >= power
+
+    # Doubling, then bisection, finds an n that reaches the power with n - 1 short of it
+    # (O(log n) evaluations of O(n) each, not the O(n^2) of a scan from 1) ...
+    lo, hi = 0, 1  # lo: 0 or an n found short of the power
+    while not reaches(hi):
+        if hi == max_n:
+            raise ValueError(
+                f"a drop of {d} at discordance {psi} needs more than max_n={max_n} examples "
+                f"for power {power}"
+            )
+        lo, hi = hi, min(2 * hi, max_n)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if reaches(mid) else (mid, hi)
+    # ... and since the saw-tooth can make an earlier n reach it too, a scan down from there
+    # takes the first n reaching the power, ending after _SAWTOOTH_WINDOW n in a row short of it.
+    first, short = hi, 0
+    for n in range(hi - 1, 0, -1):
+        if reaches(n):
+            first, short = n, 0
+        else:
+            short += 1
+            if short == _SAWTOOTH_WINDOW:
+                break
+    return first
+
+
+# How many consecutive n short of the power end `mcnemar_examples_needed`'s downward scan. The
+# saw-tooth's dips after the first n reaching the power span at most 2 n in a row in the
+# 71 designs compared with a full scan while writing this (the tests keep 20 of them).
+_SAWTOOTH_WINDOW = 64
 
 
 def gains_needed(n: int, tolerance: float, *, confidence: float = 0.95) -> list[int | None]:
