@@ -110,8 +110,9 @@ def _worst_coverage(n, low, high, c2w, w2c) -> tuple[float, float, float]:
 def test_pass_fail_interval_covers_at_least_93_percent_by_exact_enumeration(n) -> None:
     # Tango's score interval, every outcome of n pairs, 3 discordance rates x 21 true deltas.
     # Measured minima: n=16 95.5%, n=32 93.7%, n=48 93.5% (at 25% discordance), n=100 93.4%
-    # (at 5%). The percentile bootstrap's, same enumeration: n=16 at 5% 45.5% (delta +2.5
-    # points) and 55.3% (+5), n=16 at 10% 69%, n=32 at 5% 68%, n=48 at 5% 83% (next test).
+    # (at 5%). The percentile bootstrap's minima, same enumeration (docs/guide/statistics.md):
+    # n=16 at 5% 36%, n=16 at 10% 59%, n=32 at 5% 58%, n=48 at 5% 72%; at n=16, 5% and a
+    # true delta of +5 points it covers at most 55% (next test).
     c2w, w2c = _outcomes(n)
     low, high = stats.tango_interval(c2w, w2c, n)
     covered, psi, share = _worst_coverage(n, low, high, c2w, w2c)
