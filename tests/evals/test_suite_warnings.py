@@ -68,3 +68,26 @@ def test_built_in_suites_gates_can_all_pass(name) -> None:
             task = "needle" if spec.variant == "single" else f"needle_{spec.variant}"
             examples[f"{task}.acc_delta.len{length}"] = spec.per_length
     assert unreachable_gate_warnings(suite, examples) == {}
+
+
+def test_gate_direction_is_inferred_and_a_contradicting_one_refused(tmp_path) -> None:
+    # the catalogue's direction: KL and the perplexity ratio down, accuracy deltas up
+    gates = [
+        {"metric": "fidelity.ppl_ratio", "tolerance": 0.01},
+        {"metric": "needle.acc_delta.len1019", "tolerance": 0.15},
+    ]
+    assert [g.higher_is_better for g in _suite(gates=gates).gates] == [False, True]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        '[[gates]]\nmetric = "fidelity.kl_mean"\ntolerance = 0.01\nhigher_is_better = false\n'
+        '[[gates]]\nmetric = "fidelity.ppl_ratio"\ntolerance = 0.01\nhigher_is_better = true\n'
+    )
+    with pytest.raises(ValueError) as err:
+        load_suite(bad)
+    assert str(err.value) == (
+        f"suite file {bad}: gates.1: Value error, higher_is_better = true contradicts "
+        "fidelity.ppl_ratio, where lower is better: set false or leave it out"
+    )
+    # a metric outside the catalogue still needs its direction
+    with pytest.raises(ValueError, match="higher_is_better"):
+        _suite(gates=[{"metric": "custom.score", "tolerance": 0.1}])

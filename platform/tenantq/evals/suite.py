@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
 SPLITS = ("search", "confirm")
@@ -64,7 +64,28 @@ class StructuredSpec(_Spec):
 class GateSpec(_Spec):
     metric: str = Field(description="a summary delta, e.g. 'fidelity.kl_mean'")
     tolerance: float = Field(ge=0, description="largest acceptable change in the bad direction")
-    higher_is_better: bool = Field(description="accuracy: true; KL, perplexity: false")
+    higher_is_better: bool = Field(
+        description="accuracy: true; KL, perplexity: false; inferred from a catalogued metric"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _direction_from_metric(cls, data):
+        # a wrong direction silently inverts the verdict (a perplexity ratio gated as if
+        # higher were better passes every damaged plan), so the catalogue's one wins
+        if not isinstance(data, dict):
+            return data
+        metric, given = data.get("metric"), data.get("higher_is_better")
+        known = metric_higher_is_better(metric) if isinstance(metric, str) else None
+        if known is None or given is None:
+            return data if known is None else {**data, "higher_is_better": known}
+        if isinstance(given, bool) and given != known:
+            raise ValueError(
+                f"higher_is_better = {str(given).lower()} contradicts {metric}, where "
+                f"{'higher' if known else 'lower'} is better: set {str(known).lower()} or leave "
+                f"it out"
+            )
+        return data
 
 
 class Suite(_Spec):
@@ -117,6 +138,25 @@ PASS_FAIL_FIGURES = (
     "flips.correct_to_wrong", "flips.wrong_to_correct", "mcnemar_p", "n",
 )  # fmt: skip
 OVERALL_METRICS = ("examples.n", "passed")
+# Which way is better for the gateable deltas: accuracy deltas and agreement up, KL and the
+# perplexity ratio down. A gate's `higher_is_better` is inferred from (and checked against) it.
+_HIGHER_IS_BETTER = {
+    "fidelity.kl_mean": False,
+    "fidelity.kl_p99": False,
+    "fidelity.kl_max": False,
+    "fidelity.ppl_ratio": False,
+    "fidelity.top1_agree": True,
+    "fidelity.top1_agree_delta": True,
+}
+
+
+def metric_higher_is_better(metric: str) -> bool | None:
+    """True / False when higher / lower values of summary delta `metric` are better, None
+    when the catalogue does not know it (`needle.acc_delta.len1019` -> True)."""
+    if metric in _HIGHER_IS_BETTER:
+        return _HIGHER_IS_BETTER[metric]
+    parts = metric.split(".")
+    return True if len(parts) >= 2 and parts[1] in ("acc_delta", "acc_cand") else None
 
 
 def pass_fail_key(task: str, figure: str, group: str) -> str:
