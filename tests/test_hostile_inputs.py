@@ -698,7 +698,7 @@ CASES = [
             FIDELITY + '[[gates]]\nmetric = "fidelity.kl_mean"\ntolerance = 0.1\n'
             "higher_is_better = true\n",
         ),
-        ["gates.0.higher_is_better", "better when lower", "higher_is_better = false"],
+        ["gates.0", "higher_is_better = true contradicts fidelity.kl_mean", "set false"],
     ),
     (
         "suite-structured-no-tasks",

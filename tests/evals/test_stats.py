@@ -110,8 +110,9 @@ def _worst_coverage(n, low, high, c2w, w2c) -> tuple[float, float, float]:
 def test_pass_fail_interval_covers_at_least_93_percent_by_exact_enumeration(n) -> None:
     # Tango's score interval, every outcome of n pairs, 3 discordance rates x 21 true deltas.
     # Measured minima: n=16 95.5%, n=32 93.7%, n=48 93.5% (at 25% discordance), n=100 93.4%
-    # (at 5%). The percentile bootstrap's, same enumeration: n=16 at 5% 45.5% (delta +2.5
-    # points) and 55.3% (+5), n=16 at 10% 69%, n=32 at 5% 68%, n=48 at 5% 83% (next test).
+    # (at 5%). The percentile bootstrap's minima, same enumeration (docs/guide/statistics.md):
+    # n=16 at 5% 36%, n=16 at 10% 59%, n=32 at 5% 58%, n=48 at 5% 72%; at n=16, 5% and a
+    # true delta of +5 points it covers at most 55% (next test).
     c2w, w2c = _outcomes(n)
     low, high = stats.tango_interval(c2w, w2c, n)
     covered, psi, share = _worst_coverage(n, low, high, c2w, w2c)
@@ -258,6 +259,37 @@ def test_examples_needed_is_the_first_n_reaching_the_power() -> None:
         stats.mcnemar_examples_needed(0.2, 0.1)
     with pytest.raises(ValueError, match="max_n"):
         stats.mcnemar_examples_needed(0.01, 0.5, max_n=50)
+
+
+@pytest.mark.parametrize(
+    ("drop", "psi", "alpha", "power"),
+    [
+        (0.5, 1.0, 0.05, 0.8),  # every example flips: the power dips 2 n in a row after 30
+        (0.5, 1.0, 0.05, 0.5),
+        (0.2, 0.25, 0.05, 0.8),
+        (0.1, 0.1, 0.01, 0.9),
+        (0.15, 0.2, 0.05, 0.95),
+        (0.3, 0.5, 0.05, 0.5),
+        (0.1, 0.25, 0.05, 0.5),
+        (0.05, 0.08, 0.05, 0.8),
+    ],
+)
+def test_examples_needed_equals_a_scan_from_one(drop, psi, alpha, power) -> None:
+    # the definition: the first n, counting from 1, whose exact power reaches `power`
+    critical = stats._mcnemar_critical(2000, alpha)
+    first = next(n for n in range(1, 2001) if stats._exact_power(n, drop, psi, critical) >= power)
+    assert stats.mcnemar_examples_needed(drop, psi, alpha=alpha, power=power) == first
+
+
+def test_examples_needed_evaluates_the_power_logarithmically_often(monkeypatch) -> None:
+    # a 2-point drop at 50% discordance needs 9,906 examples (checked against the scan from 1
+    # it replaced, 86 s); doubling + bisection take about 2 log2(9906) = 27 evaluations and the
+    # downward scan _SAWTOOTH_WINDOW more: 92, where the scan from 1 took 9,906
+    calls = []
+    exact = stats._exact_power
+    monkeypatch.setattr(stats, "_exact_power", lambda *a: calls.append(a[0]) or exact(*a))
+    assert stats.mcnemar_examples_needed(0.02, 0.5) == 9906
+    assert len(calls) <= 2 * 14 + stats._SAWTOOTH_WINDOW + 1
 
 
 # ---------------------------------------------------------------- verdicts
@@ -509,3 +541,62 @@ def test_bootstrap_fills_every_resample_even_with_a_handful() -> None:
     ci = stats.paired_bootstrap(base, cand, resamples=3, seed=1)
     want = _bootstrap_by_definition(base, cand, np.ones(5), 3, 1)
     assert (ci.ci_low, ci.ci_high) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("n", "tolerance", "rule"),
+    [
+        # the built-in suites' needle gates; the first pairs are in docs/guide/statistics.md
+        (16, 0.2, [0, 2, 4, 6, 8, 10, None]),
+        (32, 0.15, [0, 1, 3, 4, 6, 8, 9, 11, 12, 14, 15, 17, 18, None]),
+    ],
+)
+def test_gains_needed_is_the_fewest_gains_each_loss_count_passes_with(n, tolerance, rule) -> None:
+    # brute force: every (losses, gains) outcome through tango_interval and verdict
+    assert stats.gains_needed(n, tolerance) == rule
+    for losses in range(n + 1):
+        passing = [
+            g
+            for g in range(n - losses + 1)
+            if stats.verdict(
+                float(stats.tango_interval(losses, g, n)[0]), 1.0, tolerance, higher_is_better=True
+            )
+            == stats.NON_INFERIOR
+        ]
+        if losses < len(rule) and rule[losses] is not None:
+            # gains only raise the lower bound: every count from the fewest up passes
+            assert passing == list(range(rule[losses], n - losses + 1)), losses
+        else:
+            assert passing == [], losses
+
+
+def test_p_non_inferior_matches_brute_force_enumeration() -> None:
+    # sum of multinomial probabilities of every passing outcome, written out one by one
+    n, tolerance, psi, true_delta = 16, 0.2, 0.25, -0.05
+    p_loss, p_gain = (psi - true_delta) / 2, (psi + true_delta) / 2
+    total = 0.0
+    for losses in range(n + 1):
+        for gains in range(n + 1 - losses):
+            low = float(stats.tango_interval(losses, gains, n)[0])
+            if low >= -tolerance:
+                total += sps.multinomial.pmf(
+                    [losses, gains, n - losses - gains], n, [p_loss, p_gain, 1 - psi]
+                )
+    got = stats.p_non_inferior(n, tolerance, psi, true_delta=true_delta)
+    assert got == pytest.approx(total, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("n", "tolerance", "published"),
+    # docs/guide/statistics.md's table: a harmless plan (no true change) is declared
+    # non-inferior this often at 5 / 10 / 25% discordance (rounded to whole percents)
+    [
+        (16, 0.2, (68, 51, 33)),
+        (32, 0.15, (65, 52, 36)),
+        (64, 0.1, (76, 59, 34)),
+        (96, 0.1, (94, 79, 49)),
+    ],
+)
+def test_harmless_plan_pass_rates_are_the_published_ones(n, tolerance, published) -> None:
+    got = tuple(round(100 * stats.p_non_inferior(n, tolerance, psi)) for psi in (0.05, 0.1, 0.25))
+    assert got == published

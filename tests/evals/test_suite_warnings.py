@@ -15,6 +15,8 @@ from tenantq.evals.suite import (
 
 
 def _suite(**kw) -> Suite:
+    # A suite must measure something (a suite with no task is refused): fidelity by default.
+    kw.setdefault("fidelity", {})
     return Suite.model_validate({"name": "t", **kw})
 
 
@@ -43,14 +45,23 @@ def test_the_pass_rate_bar_is_the_suites_own() -> None:
 GATE = {"metric": "needle.acc_delta.len1019", "higher_is_better": True}
 
 
+def _quick(**kw) -> Suite:
+    # The quick suite's own tasks (its needles are 1,019 tokens long) with other gates.
+    return Suite.model_validate({**load_suite("quick").model_dump(), **kw})
+
+
 def test_gate_tighter_than_no_flips_allows_is_named() -> None:
     # 32 examples and no flip: Tango's lower bound is -z^2 / (32 + z^2) = -0.107; a 5-point
-    # tolerance can never be met, a 15-point one can.
-    tight = _suite(gates=[{**GATE, "tolerance": 0.05}])
+    # tolerance is then met only with more gains than losses, a 15-point one with none.
+    tight = _quick(gates=[{**GATE, "tolerance": 0.05}])
     warned = unreachable_gate_warnings(tight, {"needle.acc_delta.len1019": 32})
     assert list(warned) == ["warning.gate.needle.acc_delta.len1019"]
-    assert "0.107" in warned["warning.gate.needle.acc_delta.len1019"]
-    loose = _suite(gates=[{**GATE, "tolerance": 0.15}])
+    assert "no flips -> lower bound -0.107" in warned["warning.gate.needle.acc_delta.len1019"]
+    assert (
+        "unless the candidate gains more than it loses"
+        in warned["warning.gate.needle.acc_delta.len1019"]
+    )
+    loose = _quick(gates=[{**GATE, "tolerance": 0.15}])
     assert unreachable_gate_warnings(loose, {"needle.acc_delta.len1019": 32}) == {}
 
 
@@ -64,3 +75,27 @@ def test_built_in_suites_gates_can_all_pass(name) -> None:
             task = "needle" if spec.variant == "single" else f"needle_{spec.variant}"
             examples[f"{task}.acc_delta.len{length}"] = spec.per_length
     assert unreachable_gate_warnings(suite, examples) == {}
+
+
+def test_gate_direction_is_inferred_and_a_contradicting_one_refused(tmp_path) -> None:
+    # the catalogue's direction: KL and the perplexity ratio down, accuracy deltas up
+    gates = [
+        {"metric": "fidelity.ppl_ratio", "tolerance": 0.01},
+        {"metric": "needle.acc_delta.len1019", "tolerance": 0.15},
+    ]
+    assert [g.higher_is_better for g in _quick(gates=gates).gates] == [False, True]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        "[fidelity]\n"
+        '[[gates]]\nmetric = "fidelity.kl_mean"\ntolerance = 0.01\nhigher_is_better = false\n'
+        '[[gates]]\nmetric = "fidelity.ppl_ratio"\ntolerance = 0.01\nhigher_is_better = true\n'
+    )
+    with pytest.raises(ValueError) as err:
+        load_suite(bad)
+    assert str(err.value) == (
+        f"suite file {bad}: gates.1: higher_is_better = true contradicts "
+        "fidelity.ppl_ratio, where lower is better: set false or leave it out"
+    )
+    # a metric outside the catalogue still needs its direction
+    with pytest.raises(ValueError, match="higher_is_better"):
+        _suite(gates=[{"metric": "custom.score", "tolerance": 0.1}])

@@ -101,7 +101,28 @@ class GateSpec(_Spec):
     tolerance: float = Field(
         ge=0, allow_inf_nan=False, description="largest acceptable change in the bad direction"
     )
-    higher_is_better: bool = Field(description="accuracy: true; KL, perplexity: false")
+    higher_is_better: bool = Field(
+        description="accuracy: true; KL, perplexity: false; inferred from a catalogued metric"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _direction_from_metric(cls, data):
+        # a wrong direction silently inverts the verdict (a perplexity ratio gated as if
+        # higher were better passes every damaged plan), so the catalogue's one wins
+        if not isinstance(data, dict):
+            return data
+        metric, given = data.get("metric"), data.get("higher_is_better")
+        known = higher_is_better(metric) if isinstance(metric, str) else None
+        if known is None or given is None:
+            return data if known is None else {**data, "higher_is_better": known}
+        if isinstance(given, bool) and given != known:
+            raise ValueError(
+                f"higher_is_better = {str(given).lower()} contradicts {metric}, where "
+                f"{'higher' if known else 'lower'} is better: set {str(known).lower()} or leave "
+                f"it out"
+            )
+        return data
 
 
 class Suite(_Spec):
@@ -262,7 +283,8 @@ def baseline_pass_warnings(suite: Suite, passes: dict[str, tuple[int, int]]) -> 
 def unreachable_gate_warnings(suite: Suite, examples: dict[str, int]) -> dict[str, str]:
     """`warning.gate.<metric>` for each pass/fail gate (`examples`: its metric -> n) whose
     tolerance is tighter than the lower bound Tango's interval gives when nothing flips at
-    all (+-z^2 / (n + z^2): 0.107 at n = 32): such a gate can never say `non-inferior`."""
+    all (+-z^2 / (n + z^2): 0.107 at n = 32): such a gate cannot show non-inferiority unless
+    the candidate gains more than it loses (`stats.gains_needed` gives the exact rule)."""
     from tenantq.evals.stats import tango_interval
 
     out = {}
@@ -274,8 +296,9 @@ def unreachable_gate_warnings(suite: Suite, examples: dict[str, int]) -> dict[st
         if gate.tolerance < bound:
             out[f"warning.gate.{gate.metric}"] = (
                 f"tolerance {gate.tolerance:g} is below {bound:.3f}, the 95% bound of {n} "
-                f"examples with no flip at all: this gate cannot show non-inferiority; use a "
-                f"tolerance >= {math.ceil(bound * 1000) / 1000:g} or more examples"
+                f"examples with no flip at all: this gate cannot show non-inferiority unless "
+                f"the candidate gains more than it loses (no flips -> lower bound -{bound:.3f}); "
+                f"use a tolerance >= {math.ceil(bound * 1000) / 1000:g} or more examples"
             )
     return out
 
