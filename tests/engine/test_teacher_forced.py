@@ -145,3 +145,28 @@ def test_a_misaligned_step_the_rule_refuses_does_differ_from_decoding(config, pa
     aligned = teacher_forced_with_margins(eng, prompt, [greedy.tokens], chunk_tokens=16)[0]
     assert np.abs(np.subtract(misaligned.margins, greedy.margins)).max() > 1e-4
     np.testing.assert_allclose(aligned.margins, greedy.margins, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_nvfp4_keys_per_channel_follow_the_residual_rule_and_match_decoding(config, params):
+    # nvfp4 keys scaled per channel wait in the bf16 residual like int8 per channel; the
+    # opening-call rule of token-scaled nvfp4 does not apply. The reviewer's case (20-token
+    # prompt, 3-token answer, page 8): steps 8, 16 and one prefill write whole pages before
+    # decode reads them full, so the rule says exact (the nvfp4 rule refused all three) and
+    # the margins agree with decoding within float32 reassociation (1e-4, module doc).
+    eng = _engine(config, params, QuantPlan(kv=KVPlan("nvfp4", "channel", "bf16", "token")))
+    prompt = [[5, 9, 13, 1, 22, 40, 7, 2, 3, 11] * 2]
+    greedy = generate_with_margins(eng, prompt, 3)[0]
+    assert len(greedy.tokens) == 3
+    for step in (8, 16, None):
+        assert eng.teacher_forcing_exact(20, 3, step), step
+        forced = teacher_forced_with_margins(eng, prompt, [greedy.tokens], chunk_tokens=step)[0]
+        np.testing.assert_allclose(forced.margins, greedy.margins, atol=1e-4, rtol=0)
+    assert not eng.teacher_forcing_exact(20, 3, 4)  # a page read partial by the 4-token step
+
+
+def test_teacher_forcing_exact_refuses_a_zero_step(engine):
+    # 0 is no step (it silently meant "one prefill" before), as continuation_logits says
+    for bad in (0, -8, 2.0, True):
+        with pytest.raises(ValueError, match="step_tokens must be a whole number >= 1"):
+            engine.teacher_forcing_exact(10, 2, bad)

@@ -8,6 +8,8 @@ collected exactly once per (model, calibration set): counted calls of compute_st
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
 
 from tenantq.evals import Evaluator, load_suite
@@ -125,3 +127,37 @@ def test_static_kv_scales_are_calibrated_on_the_folded_params(tmp_path, monkeypa
     )
     evaluator.build_engine(head)  # same folds: the cached scales
     assert len(calls) == 2
+
+
+@pytest.mark.slow
+def test_folded_identity_depends_on_the_fold_scale_values(tmp_path) -> None:
+    # Two calibrators of one model differing only in the calibration windows (16 vs 32 tokens) fold
+    # SmoothQuant scales of the same names and shapes but other values: their folded params
+    # differ, so their identities (the KV-scale cache key) must too. Hashing only the fold
+    # names, or nothing past the model id, fails the inequality; the same calibrator asked
+    # twice must give the same identity (it keys a cache).
+    from tenantq.evals.calibrated import Calibrator
+    from tenantq.model.config import ModelConfig
+    from tenantq.model.loader import load_params
+    from tenantq.model.tokenizer import load_tokenizer
+
+    path = reference_model_path()
+    config = ModelConfig.from_file(path)
+    tokenizer, params = load_tokenizer(path), load_params(path, config)
+    plan = _plan("smoothquant", "int8", None)
+
+    def calibrator(tokens: int) -> Calibrator:
+        return Calibrator(
+            path, config, tokenizer, params, model_id="m" * 64, cache_dir=tmp_path,
+            data=CalibrationData(num_sequences=1, seq_tokens=tokens),
+        )  # fmt: skip
+
+    first, second = calibrator(16), calibrator(32)
+    _, folded_a, id_a = first.prepared(plan)
+    _, folded_b, id_b = second.prepared(plan)
+    assert id_a not in ("m" * 64, id_b)
+    assert any(
+        not np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(folded_a), jax.tree.leaves(folded_b), strict=True)
+    )
+    assert first.prepared(plan)[2] == id_a

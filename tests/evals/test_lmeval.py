@@ -182,3 +182,28 @@ def test_supported_command_line_runs_a_local_task(tmp_path, capsys) -> None:
     cells = [c.strip() for c in row.split("|")]
     metric = cells.index("acc")
     assert float(cells[metric + 2]) in (0.0, 1.0)
+
+
+@pytest.mark.parametrize("arg", ["prefix_token_id", "add_bos_token", "max_length", "revision"])
+def test_an_hf_only_model_arg_is_refused_naming_it(arg) -> None:
+    # lm-eval's hf model options are not tenantq's: one line naming the argument (it was a
+    # TypeError from deep inside Engine.from_checkpoint), before any checkpoint is read
+    with pytest.raises(ValueError, match=rf"^--model_args {arg}=\.\.\.: not an option") as err:
+        TenantqLM(**{arg: 1})
+    assert "\n" not in str(err.value)
+
+
+def test_eot_and_prefix_ids_come_from_the_tokenizer_when_it_defines_them(tmp_path) -> None:
+    # As the HF backend: tokenizer_config.json's eos/bos tokens, not config.json's ids (2, 1).
+    # Here the checkpoint's tokenizer names <|pad|> (id 0) its eos and <|eos|> (2) its bos.
+    from tenantq.reference import reference_model_path
+
+    src = reference_model_path()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    assert TenantqLM(pretrained=str(tmp_path)).eot_token_id == 2  # no tokenizer config: config
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|pad|>", "bos_token": {"content": "<|eos|>"}})
+    )
+    lm = TenantqLM(pretrained=str(tmp_path))
+    assert (lm.eot_token_id, lm.prefix_token_id) == (0, 2)

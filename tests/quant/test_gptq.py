@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tenantq.numerics import compute_scale_zero_point, dequantize, quantize
+from tenantq.quant import gptq
 from tenantq.quant.gptq import gptq_quantize
 
 
@@ -120,3 +121,46 @@ def test_dead_rows_are_zeroed_before_the_scales_are_taken(act_order):
     np.testing.assert_allclose(np.asarray(q.scale), np.asarray(want), rtol=1e-6)
     assert float(np.abs(np.asarray(q.scale)).max()) <= np.abs(live).max() / 127 * (1 + 1e-6)
     np.testing.assert_array_equal(np.asarray(dequantize(q))[2], 0.0)
+
+
+def _indefinite_singular_hessian():
+    # The reviewer's case: 4 tokens over 8 inputs (rank <= 4), two collinear inputs, and one
+    # slightly negative diagonal entry: H + 0·I has no Cholesky factor.
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    x[:, 5] = x[:, 4]
+    h = 2 * x.T @ x / 4
+    h[7, 7] = -1e-3
+    return rng.standard_normal((8, 3)).astype(np.float32), h
+
+
+@pytest.mark.parametrize("damp", [-0.01, float("nan"), float("inf")])
+def test_negative_or_non_finite_damp_is_refused_naming_the_option(damp):
+    # Damping x 10 from a negative start grows more negative: before the check this looped
+    # forever. One line naming the tensor and the option, before any factorisation.
+    w, h = _indefinite_singular_hessian()
+    with pytest.raises(ValueError, match=r"^layers/0/mlp/up_proj: GPTQ option damp=") as err:
+        gptq_quantize(w, h, "int8", damp=damp, name="layers/0/mlp/up_proj")
+    assert "\n" not in str(err.value)
+
+
+def test_zero_damp_is_tried_once_and_fails_at_once(caplog):
+    # 0 x 10 stays 0: an undamped factorisation that fails is not retried (this hung before);
+    # the error says to set damp > 0. No retry means no retry warning.
+    w, h = _indefinite_singular_hessian()
+    failed = r"up_proj: GPTQ's Cholesky .* failed up to damp=0 "
+    with (
+        caplog.at_level("WARNING", logger="tenantq.quant.gptq"),
+        pytest.raises(ValueError, match=failed),
+    ):
+        gptq_quantize(w, h, "int8", damp=0.0, name="layers/0/mlp/up_proj")
+    assert "retrying" not in caplog.text
+
+
+def test_damping_retries_are_capped_however_small_the_start(caplog):
+    # From damp=1e-30 reaching MAX_DAMP takes 31 growths; the cap stops at MAX_RETRIES retries.
+    w, h = _indefinite_singular_hessian()
+    h = h - 20 * np.eye(8) * np.mean(np.diag(h))  # no damping up to MAX_DAMP fixes this
+    with caplog.at_level("WARNING", logger="tenantq.quant.gptq"), pytest.raises(ValueError):
+        gptq_quantize(w, h, "int8", damp=1e-30, name="layers/0/mlp/up_proj")
+    assert caplog.text.count("retrying") == gptq.MAX_RETRIES

@@ -271,16 +271,23 @@ class Engine:
         Per-token, static-scale and bf16 KV are written token by token either way. Keys or
         values scaled per channel wait in a bf16 residual page until their page fills, so a
         position reads its own page quantized iff that page is full when it is computed.
-        Token-scaled nvfp4 fixes a page's tensor scale from the call that opens the page. Both
+        Token-scaled nvfp4 (not nvfp4 per channel, which takes the residual path) fixes a
+        page's tensor scale from the call that opens the page. Both
         are compared position by position between the two schedules: generate prefills the
         prompt in one call and then writes one token per call; teacher forcing writes
         prompt + continuation[:-1] in steps of `step_tokens` from position 0. A step that is
         not a multiple of the page makes a page fill (or open) mid-step, and such rows fall
         back to decoding."""
+        if step_tokens is not None and (
+            isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1
+        ):
+            raise ValueError(f"step_tokens must be a whole number >= 1, got {step_tokens!r}")
         layers = self.plan.kv_layers(self.config) if isinstance(self.cache, PagedPool) else []
         specs = [s for kv in layers for s in (kv.keys, kv.values) if s.quantized]
         channel = any(s.needs_residual for s in specs)
-        nvfp4 = any(s.format == "nvfp4" and not s.static for s in specs)
+        # nvfp4 scaled per channel takes the residual path (PagedPool.write): whole pages are
+        # quantized when full, so only the token-scaled kind fixes a scale at a page's opening
+        nvfp4 = any(s.format == "nvfp4" and not s.static and not s.needs_residual for s in specs)
         if not (channel or nvfp4):
             return True
         page = self.cache.page_tokens

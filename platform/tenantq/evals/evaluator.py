@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ from tenantq.evals.suite import (
     pass_fail_key,
     unreachable_gate_warnings,
 )
+from tenantq.model.files import atomic_path
 
 # Part of every cached baseline's key: bump it whenever the suite's numerics change (version 2:
 # needles teacher-forced in fidelity-width steps, all at one KV window), so baselines cached
@@ -89,9 +89,8 @@ class EvalResult:
         table = self.examples.replace_schema_metadata(
             {**(self.examples.schema.metadata or {}), **meta}
         )
-        tmp = path.with_name(path.name + ".tmp")
-        pq.write_table(table, tmp)
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            pq.write_table(table, tmp)
         return path
 
 
@@ -596,9 +595,8 @@ def _save_generations(gens: list[Generated], items, path: Path) -> None:
         "tokens": pa.array([g.tokens for g in gens], pa.list_(pa.int32())),
         "margins": pa.array([g.margins for g in gens], pa.list_(pa.float64())),
     })  # fmt: skip
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
 
 
 def _load_generations(path: Path, items) -> list[Generated]:

@@ -12,7 +12,6 @@ without bias by sampling. Lumping the tail into one bin instead is a lower bound
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -22,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from tenantq.model.files import atomic_path
 
 
 @dataclass
@@ -200,9 +201,8 @@ def save_baseline(base: FidelityBaseline, path: Path) -> None:
         cols["tail_logp"] = pa.array(np.asarray(base.tail_logp).ravel())
         cols["tail_ids"] = fixed(np.asarray(base.tail_ids))
         cols["tail_sample_logp"] = fixed(np.asarray(base.tail_sample_logp))
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    pq.write_table(pa.table(cols), tmp, compression="zstd")
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        pq.write_table(pa.table(cols), tmp, compression="zstd")
 
 
 def load_baseline(path: Path, rows: np.ndarray) -> FidelityBaseline:

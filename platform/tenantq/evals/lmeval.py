@@ -15,7 +15,9 @@ run `python -m tenantq.evals.lmeval --model tenantq --model_args pretrained=DIR,
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +33,9 @@ from lm_eval.models.utils import (
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HF backend default
+# Options of the engine (Engine.from_checkpoint and its KV pool) a --model_args may set.
+ENGINE_OPTIONS = ("dtype", "tp", "scale_scope", "page_tokens", "num_pages", "pool_bytes")
+ENGINE_OPTIONS += ("max_seqs", "max_seq_tokens")
 
 
 @jax.jit
@@ -39,6 +44,26 @@ def _target_logp_and_hits(logits, targets):
     logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     return picked, jnp.argmax(logits, axis=-1) == targets
+
+
+def _tokenizer_special_ids(folder: Path, tokenizer) -> dict[str, int]:
+    """{"eos_token"/"bos_token": id} as the checkpoint's tokenizer defines them (HF reads
+    tokenizer_config.json, then special_tokens_map.json); tokens the vocabulary lacks skipped."""
+    out: dict[str, int] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            entries = json.loads(file.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{file}: not readable JSON ({err})") from None
+        for key in ("eos_token", "bos_token"):
+            token = entries.get(key)
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str) and tokenizer.token_id(token) is not None:
+                out[key] = tokenizer.token_id(token)
+    return out
 
 
 @register_model("tenantq")
@@ -59,6 +84,13 @@ class TenantqLM(TemplateLM):
         from tenantq.quant.plan import QuantPlan
         from tenantq.reference import reference_model_path
 
+        unknown = sorted(set(engine_options) - set(ENGINE_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"--model_args {unknown[0]}=...: not an option of the tenantq model (an option "
+                f"of lm-eval's hf model is not passed on); tenantq takes pretrained, plan, "
+                f"max_gen_toks, batch_size, device, {', '.join(ENGINE_OPTIONS)}"
+            )
         path = pretrained or str(reference_model_path())
         quant_plan = QuantPlan.load(plan) if plan else QuantPlan()
         self.engine = Engine.from_checkpoint(path, quant_plan, **engine_options)
@@ -67,15 +99,20 @@ class TenantqLM(TemplateLM):
         self.tokenizer = self.engine.tokenizer
         self._max_length = self.engine.config.max_position_embeddings
         self.max_gen_toks = int(max_gen_toks)
+        self._special = _tokenizer_special_ids(Path(path), self.tokenizer)
 
     # ------------------------------------------------------------------ tokens
     @property
     def eot_token_id(self) -> int:
-        return int(self.engine.config.eos_token_ids[0])
+        """The tokenizer's eos token (as the HF backend), else the config's first eos id."""
+        eos = self._special.get("eos_token")
+        return int(eos if eos is not None else self.engine.config.eos_token_ids[0])
 
     @property
     def prefix_token_id(self) -> int:
-        bos = self.engine.config.bos_token_id
+        """The tokenizer's bos token (as the HF backend), else the config's, else eot."""
+        bos = self._special.get("bos_token")
+        bos = bos if bos is not None else self.engine.config.bos_token_id
         return int(bos if bos is not None else self.eot_token_id)
 
     @property

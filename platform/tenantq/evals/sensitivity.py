@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from tenantq.evals import data, fidelity, stats
 from tenantq.evals.identity import cache_key, model_identity
 from tenantq.model.config import ModelConfig
+from tenantq.model.files import atomic_path
 from tenantq.quant.plan import FORMAT_NAMES, KV_FORMAT_NAMES, KVPlan, QuantPlan, Rule
 
 DEFAULT_ROWS = 16  # windows in the fixed set
@@ -248,9 +249,8 @@ def profile(
         bar.close()
     table = pa.Table.from_pylist(records, schema=SCHEMA)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
     return table
 
 

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tenantq.model.config import ModelConfig
+from tenantq.model.files import atomic_path, atomic_write_text
 
 DEFAULT_NUM_SEQUENCES = 128
 DEFAULT_SEQ_TOKENS = 512
@@ -294,9 +295,8 @@ def _write_sites(path: Path, sites: dict[str, InputStats]) -> None:
             ("gram", np.ascontiguousarray(s.gram, np.float64).tobytes()),
         ):  # fmt: skip
             rows[name].append(value)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(pa.table(rows, schema=_SCHEMA), tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        pq.write_table(pa.table(rows, schema=_SCHEMA), tmp)
 
 
 def _read_sites(path: Path) -> dict[str, InputStats]:
@@ -373,7 +373,5 @@ def collect_statistics(
         "windows": list(np.shape(windows)), "files": files, "seconds_per_layer": seconds,
         "version": _STATS_VERSION,
     }  # fmt: skip
-    tmp = meta_path.with_name("meta.json.tmp")
-    tmp.write_text(json.dumps(meta, indent=2))
-    tmp.replace(meta_path)
+    atomic_write_text(meta_path, json.dumps(meta, indent=2))
     return CalibrationStats(model_id, data_hash, sites, False, seconds)

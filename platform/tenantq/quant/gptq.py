@@ -37,6 +37,7 @@ DEFAULT_DAMP = 0.01  # fraction of mean(diag H) added to the diagonal (the paper
 DEFAULT_BLOCK_ROWS = 128  # lazy-update block when the format has no groups
 DAMP_GROWTH = 10.0  # a failed Cholesky is retried with damping x this ...
 MAX_DAMP = 10.0  # ... until λ = MAX_DAMP · mean diag H (the Hessian is then mostly λI)
+MAX_RETRIES = 8  # ... and at most this many times, however small the damping started
 
 log = logging.getLogger(__name__)
 
@@ -65,25 +66,30 @@ def hessian_inverse_factor(hessian, damp: float = DEFAULT_DAMP) -> tuple[jax.Arr
 def damped_inverse_factor(hessian, damp: float = DEFAULT_DAMP, *, name: str = "weight"):
     """`hessian_inverse_factor`, retried with damping x DAMP_GROWTH while the factor is not
     finite (each retry logged, naming `name`); (U, dead mask, damping used). Past MAX_DAMP
-    a ValueError names the tensor."""
+    or MAX_RETRIES retries a ValueError names the tensor; damp < 0 or non-finite is refused,
+    damp = 0 is tried once (nothing to grow)."""
     if not np.all(np.isfinite(np.asarray(hessian))):
         raise ValueError(f"{name}: the calibration Hessian has non-finite entries")
-    tried = damp
-    while True:
+    if not (np.isfinite(damp) and damp >= 0):
+        raise ValueError(f"{name}: GPTQ option damp={damp!r}; it must be a finite number >= 0")
+    tried = float(damp)
+    for retry in range(MAX_RETRIES + 1):
         u, dead = hessian_inverse_factor(hessian, tried)
         if bool(jnp.all(jnp.isfinite(u))):
             return u, dead, tried
-        if tried * DAMP_GROWTH > MAX_DAMP:
-            raise ValueError(
-                f"{name}: GPTQ's Cholesky of H + λI failed up to damp={tried:g} (λ = damp · "
-                "mean diag H); the Hessian is far from positive semi-definite: recollect the "
-                "calibration statistics or use rtn for this tensor"
-            )
+        # damp=0 (GPTQ undamped) cannot grow by multiplying: it is tried once.
+        if tried == 0 or tried * DAMP_GROWTH > MAX_DAMP or retry == MAX_RETRIES:
+            break
         log.warning(
             "%s: GPTQ's Cholesky failed at damp=%g; retrying with damp=%g",
             name, tried, tried * DAMP_GROWTH,
         )  # fmt: skip
         tried *= DAMP_GROWTH
+    raise ValueError(
+        f"{name}: GPTQ's Cholesky of H + λI failed up to damp={tried:g} (λ = damp · "
+        "mean diag H); the Hessian is far from positive semi-definite: set GPTQ option damp "
+        "> 0 (default 0.01), recollect the calibration statistics or use rtn for this tensor"
+    )
 
 
 def _take_group(scale, zero_point, g):

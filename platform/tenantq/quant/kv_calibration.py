@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tenantq.model.config import ModelConfig
+from tenantq.model.files import atomic_path
 from tenantq.quant.calibration import (
     BATCH_SEQUENCES,
     _PrefillKV,
@@ -188,9 +189,8 @@ def _write(path: Path, stats: dict, meta: dict) -> None:
         for name, value in stats[tensor].items():
             columns[f"{tensor}.{name}"] = [np.asarray(value, np.float32).ravel().tolist()]
     table = pa.table(columns).replace_schema_metadata({b"tenantq.kv": json.dumps(meta).encode()})
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
 
 
 def _read(path: Path, layers: int, heads: int) -> tuple[dict, dict]:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pydantic import ValidationError as _PydanticError
 
 from tenantq.model.config import ModelConfig, TensorInfo
+from tenantq.model.files import atomic_write_text
 from tenantq.numerics import FORMATS, get_format
 
 # Formats only the KV cache may use (asymmetric 2-bit: KIVI's cache format; int2 weights
@@ -753,9 +754,7 @@ class QuantPlan:
     def save(self, path: str | Path) -> None:
         p = Path(path)
         text = self.to_toml() if p.suffix.lower() == ".toml" else self.to_json()
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(p)
+        atomic_write_text(p, text)
 
     def fingerprint(self) -> str:
         """Stable short hash of the canonical JSON (same plan -> same hash, any process)."""

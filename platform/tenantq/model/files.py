@@ -1,0 +1,44 @@
+"""Atomic file replacement shared by every cache writer (calibration, KV scales, sensitivity,
+evaluation results): a unique temporary file in the destination's folder, then `os.replace`.
+
+A fixed `<name>.tmp` lets two writers of the same cache file rename each other's file away
+(FileNotFoundError) or publish a half-written one; the temporary name here is unique per call. It
+lives in `model` (pure Python, no JAX) because every package that writes caches imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a fresh temporary path beside `path`; when the block ends without an exception the
+    file written there replaces `path` in one step, otherwise it is removed (`path` untouched)."""
+    path = Path(path)
+    while True:  # like tempfile.mkstemp, but mode 0o666 under the umask (mkstemp's is 0o600)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            break
+        except FileExistsError:
+            continue
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
