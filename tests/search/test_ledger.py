@@ -159,6 +159,55 @@ def test_restore_counts_distinct_plans_and_failures_from_the_study() -> None:
     assert where == "duplicate" and entry.values == [0.1]
 
 
+def test_trials_failed_before_they_had_a_plan_count_no_plan_live_or_restored() -> None:
+    # Killed before their plan existed (no params, no fingerprint), two trials used to settle
+    # one shared key `params:[]`: a study of 3 plans then stopped after 2 measured.
+    study = _study()
+    ledger = Ledger(study, trials=3, failure_budget=2)
+    for _ in range(2):
+        entry = ledger.ask()  # no suggest: the driver died right after ask
+        ledger.fail(entry, "driver_died", "the driver died")
+    bad = ledger.ask()
+    bad.trial.suggest_categorical("plan", PLANS)
+    ledger.fail(bad, "plan", "plan: no such tenant")  # params, but no plan came of them
+    assert ledger.done == 0 and not ledger.settled and not ledger.failures
+    again = Ledger(study, trials=3, failure_budget=2)
+    again.restore(study.get_trials(deepcopy=False))
+    assert again.done == 0 and not again.settled and not again.failures
+
+
+def test_a_trial_stopped_with_the_driver_settles_nothing_on_restore() -> None:
+    # Live, `driver_stopped` blames no plan; restore settled it, so after Ctrl-C + --resume
+    # the plan was refused for good (`failed_before`) and counted toward the budget.
+    study = _study()
+    ledger = Ledger(study, trials=3, failure_budget=2)
+    entry, _ = _ask(ledger, "a")
+    ledger.dispatched(entry, "w0")
+    ledger.fail(entry, "driver_stopped", "the driver stopped before this finished")
+    assert ledger.done == 0
+    again = Ledger(study, trials=3, failure_budget=2)
+    again.restore(study.get_trials(deepcopy=False))
+    assert again.done == 0 and "a" not in again.settled
+    _, where = _ask(again, "a")
+    assert where == "run"
+
+
+def test_values_optuna_refuses_on_tell_fail_the_trial_in_the_ledger() -> None:
+    # Optuna fails (does not raise on) a tell whose values do not match the directions; the
+    # ledger counted such a trial measured and answered duplicates with it.
+    study = _study()
+    ledger = Ledger(study, trials=3, failure_budget=2)
+    entry, _ = _ask(ledger, "a")
+    ledger.dispatched(entry, "w0")
+    with pytest.warns(UserWarning, match="did not match"):
+        ledger.complete(entry, [1.0, 2.0])  # two values, one direction
+    assert entry.outcome == "failed" and "a" not in ledger.measured
+    assert ledger.counts["complete"] == 0 and ledger.counts["failed"] == 1
+    assert study.get_trials()[0].state == optuna.trial.TrialState.FAIL
+    _, where = _ask(ledger, "a")
+    assert where == "refused"  # the plan's own error settles it: never measured
+
+
 class LedgerMachine(RuleBasedStateMachine):
     """Random sequences of asks (the sampler's proposal is drawn by hypothesis), results,
     non-finite values, trial errors, worker deaths, deadlines and driver restarts (a new

@@ -141,9 +141,12 @@ class Ledger:
                 reason = t.user_attrs.get(REASON_ATTR, "driver_died")
                 if "failed_trial" in t.system_attrs or "retry_of" in t.user_attrs:
                     self.counts["retries"] += 1
-                if reason == "duplicate":
+                # As live: a duplicate or a trial stopped with the driver blames no plan, and
+                # a trial with no fingerprint (killed before it had a plan, or its parameters
+                # made none) has no plan to count.
+                if reason in ("duplicate", "driver_stopped") or not fp:
                     continue
-                key = fp or _params_key(t.params)
+                key = fp
                 if reason in RETRYABLE:
                     self.failures[key] = self.failures.get(key, 0) + 1
                     if self.failures[key] >= self.failure_budget:
@@ -230,7 +233,12 @@ class Ledger:
         entry.summary = dict(summary or {})
         for key, value in entry.constraints.items():
             entry.trial.set_constraint(key, value)
-        self._tell(entry, "complete", values=entry.values)
+        if self._tell(entry, "complete", values=entry.values) != "complete":
+            # Optuna refused the values (it told FAIL): the plan's own error, settled.
+            entry.reason = "error"
+            entry.error = "Optuna failed the trial on tell (values it could not take)"
+            self._failed(entry, "error", was_running=True)
+            return
         fp = entry.fingerprint
         if fp is not None:
             self.measured[fp] = entry.number
@@ -249,19 +257,23 @@ class Ledger:
         entry.trial.set_user_attr("error", error[:2000])
         was_running = entry.state in (State.ASKED, State.DISPATCHED)
         self._tell(entry, "failed")
+        self._failed(entry, reason, was_running)
+
+    def _failed(self, entry: Entry, reason: str, was_running: bool) -> None:
+        """The budget after a FAIL was told: a parked trial, a duplicate, a trial stopped
+        with the driver or one with no fingerprint (no plan yet) count nothing."""
         fp = entry.fingerprint
-        key = fp or _params_key(entry.params or _safe_params(entry.trial))
-        if reason == "duplicate" or not was_running:  # a parked trial: the plan is not at fault
+        if reason == "duplicate" or not was_running or fp is None:
             return
         if reason in RETRYABLE:
-            self.failures[key] = self.failures.get(key, 0) + 1
-            if self.failures[key] < self.failure_budget:
+            self.failures[fp] = self.failures.get(fp, 0) + 1
+            if self.failures[fp] < self.failure_budget:
                 self._retry(entry)
             else:
-                self.settled.add(key)
+                self.settled.add(fp)
         elif reason != "driver_stopped":
-            self.settled.add(key)
-        if fp is not None and self.in_flight.get(fp) == entry.number:
+            self.settled.add(fp)
+        if self.in_flight.get(fp) == entry.number:
             self._release(fp)
 
     def logged(self, entry: Entry) -> None:
@@ -284,8 +296,8 @@ class Ledger:
             entry.trial.set_constraint(key, value)
         entry.trial.set_user_attr("duplicate_of", original)
         entry.trial.set_user_attr("summary", summary)
-        self.counts["duplicates"] += 1
-        self._tell(entry, "complete", values=entry.values)
+        if self._tell(entry, "complete", values=entry.values) == "complete":
+            self.counts["duplicates"] += 1
 
     def _release(self, fp: str) -> None:
         """The trial measuring `fp` was told: answer or fail the trials parked on it."""
@@ -319,7 +331,8 @@ class Ledger:
         )
         self.counts["retries"] += 1
 
-    def _tell(self, entry: Entry, outcome: str, values: list[float] | None = None) -> None:
+    def _tell(self, entry: Entry, outcome: str, values: list[float] | None = None) -> str:
+        """Tell Optuna once; returns the outcome Optuna recorded ("complete" | "failed")."""
         import optuna
 
         if entry.outcome is not None:
@@ -327,13 +340,19 @@ class Ledger:
         self._move(entry, State.TOLD)
         entry.outcome = outcome
         if outcome == "complete":
-            self.study.tell(entry.trial, values)
-            self.counts["complete"] += 1
+            told = self.study.tell(entry.trial, values)
+            # Optuna fails a trial whose values it cannot take (a count that does not match
+            # the directions, a value it cannot convert) and returns it FAIL, not raising.
+            if getattr(told, "state", optuna.trial.TrialState.COMPLETE) != (
+                optuna.trial.TrialState.COMPLETE
+            ):
+                entry.outcome = outcome = "failed"
         else:
             self.study.tell(entry.trial, state=optuna.trial.TrialState.FAIL)
-            self.counts["failed"] += 1
+        self.counts[outcome] += 1
         if self.on_told is not None:
             self.on_told(entry)
+        return outcome
 
     def _check_untold(self, entry: Entry) -> None:
         if entry.outcome is not None or State.TOLD not in _NEXT[entry.state]:
@@ -349,17 +368,6 @@ class Ledger:
     def _expect(self, entry: Entry, state: State) -> None:
         if entry.state != state:
             raise LedgerError(f"trial {entry.number} is {entry.state.value}, not {state.value}")
-
-
-def _params_key(params: dict[str, Any]) -> str:
-    return "params:" + repr(sorted(params.items()))
-
-
-def _safe_params(trial: Any) -> dict[str, Any]:
-    try:
-        return dict(trial.params)
-    except Exception:  # a trial whose parameters could not even be read
-        return {"trial": trial.number}
 
 
 def _constraints_of(frozen: Any) -> dict[str, float]:
