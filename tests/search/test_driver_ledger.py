@@ -335,3 +335,55 @@ def test_a_plan_that_kills_its_worker_is_tried_at_most_its_budget(tmp_path) -> N
             died[fp] = died.get(fp, 0) + 1
     assert list(died.values()) == [2]  # the killer plan: its budget, then settled
     assert outcome.counts["done"] == 5
+
+
+# ---------------------------------------------------------------- stopping
+
+
+class _Tracker:
+    """What `_stop` calls on the MLflow tracker (a unit test: no MLflow needed)."""
+
+    def __init__(self) -> None:
+        self.logged: list[int] = []
+        self.ended: list[str] = []
+
+    def log_trial(self, number, **kw) -> str:
+        self.logged.append(number)
+        return f"run-{number}"
+
+    def end_study(self, status, metrics=None) -> None:
+        self.ended.append(status)
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.shut = 0
+
+    def shutdown(self) -> None:
+        self.shut += 1
+
+
+def test_stopping_with_a_parked_duplicate_fails_each_trial_once_and_ends_the_run() -> None:
+    # `_stop` failed a dispatched trial (which fails its parked duplicate with it), then its
+    # snapshot loop failed the duplicate again: LedgerError, and the pool, Ray and the parent
+    # MLflow run (left RUNNING) were never shut or ended.
+    from tenantq.search.driver import Heartbeats
+    from tenantq.search.ledger import Ledger
+    from tenantq.search.metrics import StudyMetrics
+
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
+    driver = SearchDriver.__new__(SearchDriver)
+    driver.ledger = ledger = Ledger(study, trials=3, failure_budget=2)
+    driver.tracker, driver.study, driver._started_ray = _Tracker(), study, False
+    driver.metrics = StudyMetrics("s", enabled=False)
+    driver.heartbeats = Heartbeats(study._storage, study.study_name)
+    driver.context = type("Ctx", (), {"config": None})()
+    first, second = ledger.ask(), ledger.ask()
+    assert ledger.route(first, "p") == "run"
+    ledger.dispatched(first, "w0")
+    assert ledger.route(second, "p") == "parked"
+    pool = _Pool()
+    driver._stop(pool, "FAILED")
+    assert [t.state for t in study.trials] == [S.FAIL, S.FAIL]
+    assert pool.shut == 1 and driver.tracker.ended == ["FAILED"]
+    assert sorted(driver.tracker.logged) == [first.number, second.number]

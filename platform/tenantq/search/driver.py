@@ -373,20 +373,35 @@ class SearchDriver:
         return pool
 
     def _stop(self, pool, status: str) -> None:
+        """Fail what is still in flight, then shut the pool and Ray down, reconcile and end
+        the parent run, each even when an earlier step raised."""
         ledger = getattr(self, "ledger", None)
-        if status != "FINISHED" and ledger is not None:
-            for entry in ledger.unfinished():
-                ledger.fail(entry, "driver_stopped", "the driver stopped before this finished")
-            self._log_told()
-        if pool is not None:
-            pool.shutdown()
-        if self._started_ray:
-            import ray
+        try:
+            if status != "FINISHED" and ledger is not None:
+                for entry in ledger.unfinished():
+                    # failing a dispatched trial fails its parked duplicates with it: skip
+                    # those already told in this loop
+                    if entry.outcome is None:
+                        ledger.fail(
+                            entry, "driver_stopped", "the driver stopped before this finished"
+                        )
+                self._log_told()
+        finally:
+            try:
+                if pool is not None:
+                    pool.shutdown()
+            finally:
+                try:
+                    if self._started_ray:
+                        import ray
 
-            ray.shutdown()
-        if ledger is not None and ledger.deferred:
-            reconcile(self.tracker, self.study, self.context.config)
-        self.tracker.end_study(status, metrics=self._study_metrics())
+                        ray.shutdown()
+                finally:
+                    try:
+                        if ledger is not None and ledger.deferred:
+                            reconcile(self.tracker, self.study, self.context.config)
+                    finally:
+                        self.tracker.end_study(status, metrics=self._study_metrics())
 
     def _finish(self, pool) -> StudyOutcome:
         reconcile(self.tracker, self.study, self.context.config)
