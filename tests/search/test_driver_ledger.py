@@ -218,9 +218,35 @@ def test_resume_refuses_a_changed_model_and_continue_as_copies_it(tmp_path) -> N
     renamed, text_r = _capacity(tmp_path, trials=3, model=model, name="cap2")
     _run(renamed, text_r, tmp_path, continue_from="cap")
     assert len(_trials(tmp_path, "cap")) == 2  # the old study is untouched
-    assert len(_distinct_plans(_trials(tmp_path, "cap2"))) == 3
+    copied = [t for t in _trials(tmp_path, "cap2") if "tenantq.copied_from" in t.user_attrs]
+    assert len(copied) == 2  # kept as history, marked
+    own = [t for t in _trials(tmp_path, "cap2") if t not in copied]
+    assert len(_distinct_plans(own)) == 3  # the budget is measured afresh
     _, runs = _runs(tmp_path, "cap2")
     assert len(runs) == len(_trials(tmp_path, "cap2"))  # copied trials logged in the new run
+
+
+@pytest.mark.slow
+def test_trials_continue_as_copied_answer_no_duplicate_and_join_no_front(tmp_path) -> None:
+    # Copied trials were measured on the old inputs: the ledger answered duplicates with
+    # their figures and they entered the new front. The space holds 3 plans (3 uniform
+    # weight formats); the old study measured 2, so the new one must measure all 3 itself.
+    spec, text = _capacity(tmp_path, trials=2)
+    _run(spec, text, tmp_path)
+    renamed, text_r = _capacity(tmp_path, trials=3, name="cap2")
+    outcome = _run(renamed, text_r, tmp_path, continue_from="cap")
+    trials = _trials(tmp_path, "cap2")
+    copied = {t.number for t in trials if t.user_attrs.get("tenantq.copied_from") == "cap"}
+    assert len(copied) == len(_trials(tmp_path, "cap"))
+    own = [t for t in trials if t.number not in copied]
+    assert all(t.user_attrs.get("duplicate_of") not in copied for t in own)
+    measured = {
+        t.user_attrs["plan_fingerprint"]
+        for t in own
+        if t.state == S.COMPLETE and "duplicate_of" not in t.user_attrs
+    }
+    assert len(measured) == 3
+    assert outcome.front and not {r.trial for r in outcome.front} & copied
 
 
 # ---------------------------------------------------------------- in-process workers

@@ -34,6 +34,9 @@ RETRYABLE = frozenset({"worker_died", "timeout", "driver_died"})
 REASONS = RETRYABLE | {"error", "nan", "plan", "failed_before", "duplicate", "driver_stopped"}
 REASON_ATTR = "failure_reason"
 FINGERPRINT_ATTR = "plan_fingerprint"
+# a trial `--continue-as` copied from the old study (its value: the old study's name): its
+# figures are of the old inputs, so it answers no duplicate and counts toward no budget
+COPIED_ATTR = "tenantq.copied_from"
 
 
 class State(enum.Enum):
@@ -119,7 +122,7 @@ class Ledger:
         from optuna.trial import TrialState
 
         for t in trials:
-            if t.state == TrialState.WAITING:
+            if t.state == TrialState.WAITING or COPIED_ATTR in t.user_attrs:
                 continue
             self.asks += 1
             fp = t.user_attrs.get(FINGERPRINT_ATTR)

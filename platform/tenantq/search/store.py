@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic_core import to_jsonable_python
 
+from tenantq.search.ledger import COPIED_ATTR
 from tenantq.search.spec import Spec
 
 HEARTBEAT_INTERVAL_S = 5  # Optuna RDB heartbeat of every trial this driver has in flight
@@ -89,11 +90,7 @@ def open_study(
                 f"--continue-as: study {name!r} already exists in {spec.study.storage}; "
                 "choose a new name"
             )
-        optuna.copy_study(
-            from_study_name=continue_from, from_storage=storage, to_storage=storage,
-            to_study_name=name,
-        )  # fmt: skip
-        study = optuna.load_study(study_name=name, storage=storage)
+        study = _copy_marked(storage, continue_from, name)
         study.set_user_attr(PARENT_RUN_ATTR, "")  # a new MLflow parent run for the new name
         study.set_user_attr(CONTINUED_ATTR, continue_from)
         _record(study, spec, identity)
@@ -130,6 +127,28 @@ def open_study(
     for params in context.baselines:  # every start: a study begun without them gets them
         study.enqueue_trial(params, user_attrs={"baseline": True}, skip_if_exists=True)
     return storage, study
+
+
+def _copy_marked(storage, old_name: str, name: str):
+    """The old study's finished trials copied under `name`, each marked `COPIED_ATTR`: their
+    figures were measured on the old inputs, so they are history for the sampler and the
+    report, never a duplicate's answer or a member of the new front. Trials it left waiting
+    or running are not copied (the new study would run them as its own under the mark)."""
+    import copy
+
+    import optuna
+
+    old = optuna.load_study(study_name=old_name, storage=storage)
+    study = optuna.create_study(study_name=name, storage=storage, directions=old.directions)
+    for key, value in old.user_attrs.items():
+        study.set_user_attr(key, value)
+    for t in old.get_trials(deepcopy=False):
+        if not t.state.is_finished():
+            continue
+        t = copy.deepcopy(t)
+        t.set_user_attr(COPIED_ATTR, old_name)
+        study.add_trial(t)
+    return study
 
 
 def _record(study, spec: Spec, identity: dict[str, str]) -> None:
