@@ -202,7 +202,12 @@ class WorkersSpec(_Strict):
         None, description="Ray's accelerator type, e.g. 'TPU-V6E' (tpu workers)"
     )
     max_restarts: int = Field(2, ge=0, description="Ray actor restarts per worker")
-    max_task_retries: int = Field(2, ge=0, description="Ray retries of a trial on a restart")
+    max_task_retries: int = Field(
+        0,
+        ge=0,
+        description="Ray retries of a trial on a restart; 0: the study's ledger owns retries "
+        "(study.max_trial_retries), so a plan that kills its worker is not run again by Ray",
+    )
 
     @model_validator(mode="after")
     def _tpu_fields(self) -> WorkersSpec:

@@ -31,8 +31,15 @@ SPEC_ATTR = "tenantq.spec"
 IDENTITY_ATTR = "tenantq.identity"
 PARENT_RUN_ATTR = "tenantq.mlflow_parent_run_id"
 CONTINUED_ATTR = "tenantq.continued_from"
-# Spec keys a resumed study may change: how many trials, and how many workers run them.
-RESUMABLE_CHANGES = {("study", "trials"), ("workers", "count")}
+# Spec keys a resumed study may change: how many trials, how many workers run them, and
+# Ray's restarts and retries of them (none changes a measurement; the default of
+# max_task_retries went from 2 to 0, and a study begun before must still resume).
+RESUMABLE_CHANGES = {
+    ("study", "trials"),
+    ("workers", "count"),
+    ("workers", "max_restarts"),
+    ("workers", "max_task_retries"),
+}
 _IDENTITY_WORDS = {
     "model": "the model folder's content (config.json or safetensors)",
     "eval.suite": "the content of eval.suite",
@@ -210,7 +217,8 @@ def check_same_spec(stored: dict | None, spec: Spec) -> None:
     if changed:
         raise ValueError(
             f"--resume: the spec changed since the study began ({', '.join(changed)}); "
-            "only study.trials and workers.count may change"
+            "only study.trials, workers.count, workers.max_restarts and "
+            "workers.max_task_retries may change"
         )
 
 
