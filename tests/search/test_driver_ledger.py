@@ -211,9 +211,10 @@ def test_resume_refuses_a_changed_model_and_continue_as_copies_it(tmp_path) -> N
     spec, text = _capacity(tmp_path, trials=2, model=model)
     _run(spec, text, tmp_path)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps(config, indent=1))  # same values, new bytes
+    (model / "config.json").write_text(json.dumps(config | {"note": 1}))  # a key added
     spec3, text3 = _capacity(tmp_path, trials=3, model=model)
-    with pytest.raises(ValueError, match=r"model folder's content .* changed.*--continue-as"):
+    refusal = r"model/config.json changed \(keys: note\).*--continue-as"
+    with pytest.raises(ValueError, match=refusal):
         _run(spec3, text3, tmp_path, resume=True)
     renamed, text_r = _capacity(tmp_path, trials=3, model=model, name="cap2")
     _run(renamed, text_r, tmp_path, continue_from="cap")
@@ -224,6 +225,31 @@ def test_resume_refuses_a_changed_model_and_continue_as_copies_it(tmp_path) -> N
     assert len(_distinct_plans(own)) == 3  # the budget is measured afresh
     _, runs = _runs(tmp_path, "cap2")
     assert len(runs) == len(_trials(tmp_path, "cap2"))  # copied trials logged in the new run
+
+
+@pytest.mark.slow
+def test_resume_compares_the_model_by_content_and_names_the_changed_file(tmp_path) -> None:
+    # Identity hashed config.json's bytes (a reformatted file refused the resume) and the
+    # model's path (a copy elsewhere refused as a changed spec), and skipped the tokenizer;
+    # the refusal named no file. Now: canonical JSON, by content, one digest per file.
+    from tenantq.reference import reference_model_path
+
+    first = tmp_path / "model"
+    shutil.copytree(reference_model_path(), first)
+    spec, text = _capacity(tmp_path, trials=2, model=first)
+    _run(spec, text, tmp_path)
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(first, moved)
+    config = json.loads((moved / "config.json").read_text())
+    reordered = dict(reversed(list(config.items())))
+    (moved / "config.json").write_text(json.dumps(reordered, indent=4))  # same values
+    spec3, text3 = _capacity(tmp_path, trials=3, model=moved)
+    _run(spec3, text3, tmp_path, resume=True)  # accepted: the same model, by content
+    tokenizer = next(p for p in sorted(moved.iterdir()) if p.name.startswith("tokenizer"))
+    tokenizer.write_bytes(tokenizer.read_bytes() + b" ")
+    spec4, text4 = _capacity(tmp_path, trials=4, model=moved)
+    with pytest.raises(ValueError, match=rf"model/{tokenizer.name} changed"):
+        _run(spec4, text4, tmp_path, resume=True)
 
 
 @pytest.mark.slow

@@ -116,8 +116,12 @@ def open_study(
     if exists:
         study = optuna.load_study(study_name=name, storage=storage)
         if continue_from is None:
-            check_same_spec(study.user_attrs.get(SPEC_ATTR), spec)
-            check_identity(study.user_attrs.get(IDENTITY_ATTR), identity, name)
+            stored_identity = study.user_attrs.get(IDENTITY_ATTR) or {}
+            # with per-file digests the model is compared by content: a copy elsewhere is
+            # the same model
+            by_content = isinstance(stored_identity.get("files"), dict)
+            check_same_spec(study.user_attrs.get(SPEC_ATTR), spec, ignore=("model",) * by_content)
+            check_identity(stored_identity, identity, name)
         held = len(study.get_trials(deepcopy=False))
         study.sampler = sampler_for(held)
     else:
@@ -168,14 +172,21 @@ def check_identity(stored: dict | None, now: dict[str, str], name: str) -> None:
     from before identities were stored is accepted. A new code version is reported only."""
     if not stored:
         return
-    changed = [k for k in now if k not in ("code", "spec") and stored.get(k) != now[k]]
-    if changed:
+    if isinstance(stored.get("files"), dict):  # per-file digests: name the file and key
+        what = "; ".join(_changed_files(stored, now))
+    else:  # a study begun before per-file digests: the folder's digest as then
+        changed = [
+            k
+            for k in now
+            if k not in ("code", "spec", "files", "config_keys") and stored.get(k) != now[k]
+        ]
         what = "; ".join(
-            f"{_IDENTITY_WORDS.get(k, k)} ({str(stored.get(k))[:12]} -> {now[k][:12]})"
+            f"{_IDENTITY_WORDS.get(k, k)} ({str(stored.get(k))[:12]} -> {now[k][:12]}) changed"
             for k in changed
         )
+    if what:
         raise ValueError(
-            f"--resume: study {name!r} was measured on other inputs: {what} changed; its trials "
+            f"--resume: study {name!r} was measured on other inputs: {what}; its trials "
             "would mix with new ones. Restore the inputs, or pass --continue-as NEW_NAME to "
             "copy it and go on under a new name"
         )
@@ -187,6 +198,29 @@ def check_identity(stored: dict | None, now: dict[str, str], name: str) -> None:
         )
 
 
+def _changed_files(stored: dict, now: dict) -> list[str]:
+    """'FILE changed' per input file whose content differs (config.json: which keys)."""
+    old, new = stored["files"], now.get("files", {})
+    out = []
+    for name in sorted(set(old) | set(new)):
+        if old.get(name) == new.get(name):
+            continue
+        if name not in new:
+            out.append(f"{name} removed")
+        elif name not in old:
+            out.append(f"{name} added")
+        elif name == "model/config.json":
+            ok, nk = stored.get("config_keys", {}), now.get("config_keys", {})
+            keys = sorted(k for k in set(ok) | set(nk) if ok.get(k) != nk.get(k))
+            out.append(f"{name} changed (keys: {', '.join(keys) or '?'})")
+        else:
+            out.append(f"{name} changed")
+    for key in ("eval.suite", "eval.confirm_suite"):  # a suite's own settings
+        if key in stored and stored.get(key) != now.get(key):
+            out.append(f"{_IDENTITY_WORDS[key]} changed")
+    return out
+
+
 def _is_default(field, value) -> bool:
     """True when `value` (JSON form) is the default of the pydantic `field`."""
     if field is None or field.is_required():
@@ -194,7 +228,7 @@ def _is_default(field, value) -> bool:
     return value == to_jsonable_python(field.get_default(call_default_factory=True))
 
 
-def check_same_spec(stored: dict | None, spec: Spec) -> None:
+def check_same_spec(stored: dict | None, spec: Spec, ignore: tuple[str, ...] = ()) -> None:
     """Refuse --resume when the spec changed, except for the resumable fields. A field that
     a later tenantq added (absent from the stored spec) is unchanged while it holds its
     default, so a study begun before an upgrade resumes."""
@@ -203,6 +237,8 @@ def check_same_spec(stored: dict | None, spec: Spec) -> None:
     now = spec.model_dump(mode="json")
     changed = []
     for section, value in now.items():
+        if section in ignore:
+            continue
         old = stored.get(section)
         if isinstance(value, dict) and isinstance(old, dict):
             fields = type(getattr(spec, section)).model_fields
