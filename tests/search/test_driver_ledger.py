@@ -439,3 +439,26 @@ def test_stopping_with_a_parked_duplicate_fails_each_trial_once_and_ends_the_run
     assert [t.state for t in study.trials] == [S.FAIL, S.FAIL]
     assert pool.shut == 1 and driver.tracker.ended == ["FAILED"]
     assert sorted(driver.tracker.logged) == [first.number, second.number]
+
+
+@pytest.mark.parametrize("value", ["true", "inf", "1e308", '"90"'])
+def test_trial_timeout_that_is_not_a_number_of_seconds_is_refused(tmp_path, value) -> None:
+    # `true` was read as a 1 s deadline; inf and 1e308 meant "no deadline" without saying so.
+    text = CAPACITY_SPEC.format(tmp=tmp_path, trials=2, seed=0, name="t", model="reference")
+    text = text.replace("[study]", f"[study]\ntrial_timeout = {value}")
+    with pytest.raises(ValueError, match="study.trial_timeout"):
+        parse_spec(tomllib.loads(text))
+
+
+def test_trial_timeout_on_a_capacity_only_study_is_named_as_having_no_effect(
+    tmp_path, capsys
+) -> None:
+    from tenantq.search.context import prepare
+
+    spec, text = _capacity(tmp_path, trials=2)
+    prepare(spec, text)
+    assert "trial_timeout" not in capsys.readouterr().err
+    text = text.replace("[study]", "[study]\ntrial_timeout = 60")
+    spec = parse_spec(tomllib.loads(text))
+    prepare(spec, text)
+    assert "study.trial_timeout = 60 has no effect" in capsys.readouterr().err

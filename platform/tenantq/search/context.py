@@ -7,6 +7,7 @@ content identity), so that samplers and the driver never re-check or import each
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,14 @@ def prepare(spec: Spec, spec_text: str = "") -> StudyContext:
     parameter_choices(spec.space, config, profile)  # raises on choices the model cannot take
     check_metrics(spec)
     check_stores(spec)
+    if spec.study.trial_timeout is not None and not (
+        spec.quality_objectives() or spec.eval.confirm_suite
+    ):
+        print(
+            f"tenantq search: study.trial_timeout = {spec.study.trial_timeout:g} has no effect: "
+            "a capacity-only study runs no worker (every figure is arithmetic in the driver)",
+            file=sys.stderr,
+        )
     baselines = baseline_params(spec.space, config, profile) if wants_baselines(spec) else []
     return StudyContext(
         spec, spec_text, model_path, config, capacity_config, deployment, profile, baselines

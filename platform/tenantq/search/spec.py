@@ -224,6 +224,9 @@ class WorkersSpec(_Strict):
 STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
 
 
+MAX_TRIAL_TIMEOUT_S = 30 * 24 * 3600  # a larger deadline is none: leave trial_timeout out
+
+
 class StudySpec(_Strict):
     name: str = Field(description="Optuna study name")
 
@@ -253,8 +256,12 @@ class StudySpec(_Strict):
     trial_timeout: float | None = Field(
         None,
         gt=0,
+        le=MAX_TRIAL_TIMEOUT_S,
+        strict=True,  # a number of seconds: `true` or "90" is refused, not read as 1 or 90
+        allow_inf_nan=False,  # no deadline is said by leaving the key out
         description="seconds a trial may run on a worker before its worker is "
-        "killed and replaced and the trial failed with reason 'timeout' (absent: no deadline)",
+        "killed and replaced and the trial failed with reason 'timeout' (absent: no deadline; "
+        "at most 30 days)",
     )
 
 
