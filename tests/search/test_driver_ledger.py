@@ -462,3 +462,26 @@ def test_trial_timeout_on_a_capacity_only_study_is_named_as_having_no_effect(
     spec = parse_spec(tomllib.loads(text))
     prepare(spec, text)
     assert "study.trial_timeout = 60 has no effect" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_resume_refused_for_a_live_driver_leaves_the_parent_run_alone(
+    tmp_path, monkeypatch
+) -> None:
+    # The parent MLflow run was reopened (RUNNING) before the refusal and never ended. The
+    # refusal itself is Optuna's fresh heartbeats (a 25 s wait): stood in for here.
+    import tenantq.search.driver as driver_mod
+
+    spec, text = _capacity(tmp_path, trials=2)
+    outcome = _run(spec, text, tmp_path)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert client.get_run(outcome.mlflow_parent_run_id).info.status == "FINISHED"
+
+    def live(study, storage, name):
+        raise ValueError(f"study {name!r} has trials [2] still running: another driver")
+
+    monkeypatch.setattr(driver_mod, "requeue_dead_driver_trials", live)
+    spec3, text3 = _capacity(tmp_path, trials=3)
+    with pytest.raises(ValueError, match="another driver"):
+        _run(spec3, text3, tmp_path, resume=True)
+    assert client.get_run(outcome.mlflow_parent_run_id).info.status == "FINISHED"

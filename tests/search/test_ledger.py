@@ -208,6 +208,27 @@ def test_values_optuna_refuses_on_tell_fail_the_trial_in_the_ledger() -> None:
     assert where == "refused"  # the plan's own error settles it: never measured
 
 
+def test_retries_still_waiting_when_the_budget_fills_are_closed_and_count_nothing() -> None:
+    # A retry queued (WAITING) when other plans then filled the budget stayed WAITING in the
+    # study for ever: a trial that would never run.
+    study = _study()
+    ledger = Ledger(study, trials=1, failure_budget=2)
+    dying, _ = _ask(ledger, "a")
+    other, _ = _ask(ledger, "b")  # two workers: both in flight
+    ledger.dispatched(dying, "w0")
+    ledger.dispatched(other, "w1")
+    ledger.fail(dying, "worker_died", "ActorDiedError")  # a retry is queued
+    ledger.complete(other, [0.5])
+    assert not ledger.wants_more() and ledger.done == 1
+    waiting = optuna.trial.TrialState.WAITING
+    assert len(study.get_trials(states=(waiting,))) == 1
+    assert ledger.close_waiting_retries() == 1
+    assert not study.get_trials(states=(waiting,))
+    assert ledger.done == 1 and ledger.failures == {"a": 1}
+    closed = study.get_trials()[-1]
+    assert closed.user_attrs["failure_reason"] == "not_run" and "retry_of" in closed.user_attrs
+
+
 class LedgerMachine(RuleBasedStateMachine):
     """Random sequences of asks (the sampler's proposal is drawn by hypothesis), results,
     non-finite values, trial errors, worker deaths, deadlines and driver restarts (a new

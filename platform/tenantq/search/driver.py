@@ -156,8 +156,10 @@ class SearchDriver:
             storage=self.storage_override,
             sampler_for=lambda n: make_sampler(spec, self.context, trials_so_far=n),
         )
-        open_parent(tracker, self.study, self.context, self.workers)
+        # before the parent run is reopened: a study another driver is running is refused
+        # here, and its parent run must stay as that driver has it
         requeue_dead_driver_trials(self.study, self.storage, spec.study.name)
+        open_parent(tracker, self.study, self.context, self.workers)
         reconcile(tracker, self.study, self.context.config)
         self.ledger = Ledger(
             self.study,
@@ -217,6 +219,8 @@ class SearchDriver:
                     bar.refresh()
         finally:
             bar.close()
+        if ledger.close_waiting_retries():  # the budget filled before they ran
+            self._log_told()
         if ledger.exhausted():
             print(
                 f"tenantq search: {ledger.done} distinct plans in {ledger.asks} asks, fewer "

@@ -31,7 +31,15 @@ ASKS_PER_TRIAL = 10  # the cap on asks, per trial of the budget
 
 # Failure reasons. Retryable ones may not be the plan's fault; the others settle the plan.
 RETRYABLE = frozenset({"worker_died", "timeout", "driver_died"})
-REASONS = RETRYABLE | {"error", "nan", "plan", "failed_before", "duplicate", "driver_stopped"}
+REASONS = RETRYABLE | {
+    "error",
+    "nan",
+    "plan",
+    "failed_before",
+    "duplicate",
+    "driver_stopped",
+    "not_run",  # a retry still waiting when the budget filled: closed, counts nothing
+}
 REASON_ATTR = "failure_reason"
 FINGERPRINT_ATTR = "plan_fingerprint"
 # a trial `--continue-as` copied from the old study (its value: the old study's name): its
@@ -278,6 +286,22 @@ class Ledger:
             self.settled.add(fp)
         if self.in_flight.get(fp) == entry.number:
             self._release(fp)
+
+    def close_waiting_retries(self) -> int:
+        """Retries still WAITING once the budget is full: each asked and told FAIL
+        (`not_run`), so that the study holds no trial that will never run. Only retries
+        (`retry_of`); enqueued baselines wait for a larger budget. Returns how many."""
+        from optuna.trial import TrialState
+
+        closed = 0
+        waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        if not waiting or any("retry_of" not in t.user_attrs for t in waiting):
+            return 0  # Optuna asks WAITING trials oldest first: retries only, or none
+        for _ in waiting:
+            entry = self.ask()
+            self.fail(entry, "not_run", "a retry left waiting when the study's budget filled")
+            closed += 1
+        return closed
 
     def logged(self, entry: Entry) -> None:
         self._move(entry, State.LOGGED)
