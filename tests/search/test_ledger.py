@@ -9,6 +9,7 @@ its failure budget)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import optuna
 import pytest
@@ -229,6 +230,19 @@ def test_retries_still_waiting_when_the_budget_fills_are_closed_and_count_nothin
     assert closed.user_attrs["failure_reason"] == "not_run" and "retry_of" in closed.user_attrs
 
 
+def test_logged_moves_a_told_trial_out_of_the_live_set() -> None:
+    # A no-op `logged()` left every trial live: `untold_logs` grew for ever.
+    ledger = Ledger(_study(), trials=2, failure_budget=2)
+    entry, _ = _ask(ledger, "a")
+    ledger.dispatched(entry, "w0")
+    ledger.complete(entry, [0.5])
+    assert ledger.untold_logs() == [entry]
+    ledger.logged(entry)
+    assert entry.state == State.LOGGED and not ledger.live and not ledger.untold_logs()
+    with pytest.raises(LedgerError):
+        ledger.logged(entry)  # only forward
+
+
 class LedgerMachine(RuleBasedStateMachine):
     """Random sequences of asks (the sampler's proposal is drawn by hypothesis), results,
     non-finite values, trial errors, worker deaths, deadlines and driver restarts (a new
@@ -247,14 +261,15 @@ class LedgerMachine(RuleBasedStateMachine):
         self.rerun_settled: list[str] = []
         self.model_measured: dict[str, float] = {}  # plan -> its first finite value
         self.wrong_answers: list[tuple] = []
+        self.logged: list = []
 
     @precondition(lambda self: self.ledger.wants_more())
     @rule(plan=st.sampled_from(PLANS[:3]))  # few plans: duplicates and exhaustion are common
     def ask(self, plan: str) -> None:
         entry = self.ledger.ask()
-        entry.trial.suggest_categorical("plan", PLANS)  # a WAITING retry keeps its plan
-        fixed = entry.trial.params["plan"]
-        plan = fixed if "retry_of" in entry.trial.user_attrs else plan
+        retry_of_a_plan = "plan" in entry.trial.params  # a WAITING retry keeps its plan
+        entry.trial.suggest_categorical("plan", PLANS)
+        plan = entry.trial.params["plan"] if retry_of_a_plan else plan
         where = self.ledger.route(entry, plan)
         if plan in self.model_measured and entry.values != [self.model_measured[plan]]:
             self.wrong_answers.append((plan, where, entry.values))
@@ -290,26 +305,62 @@ class LedgerMachine(RuleBasedStateMachine):
                 self.model_settled.add(fp)
             self.ledger.fail(entry, reason, reason)
 
+    @rule(index=st.integers(0, 5))
+    def driver_stopped(self, index: int) -> None:
+        # Ctrl-C or an error in the driver: the plan is not blamed (no attempt, not settled).
+        entry = self._take(index)
+        if entry is not None:
+            self.ledger.fail(entry, "driver_stopped", "the driver stopped")
+
     @rule()
     def log_everything(self) -> None:
         for entry in self.ledger.untold_logs():
             self.ledger.logged(entry)
+            self.logged.append(entry)
+
+    @precondition(lambda self: self.ledger.wants_more())
+    @rule()
+    def killed_right_after_ask(self) -> None:
+        # The driver dies inside ask: a trial with no parameters and no plan.
+        self.ledger.ask()
+        self.driver_killed_and_resumed()
 
     @rule()
     def driver_killed_and_resumed(self) -> None:
         # The dead driver's trials are failed as Optuna's stale-trial check does (no reason
-        # recorded: "driver_died", retryable); a new ledger reads the study once.
+        # recorded: "driver_died", retryable) and re-queued by its retry callback (at most
+        # budget - 1 retries, as `RetryHeartbeatStaleTrialCallback(max_trial_retries)`);
+        # a new ledger reads the study once.
+        with warnings.catch_warnings():  # experimental in Optuna 5
+            warnings.simplefilter("ignore")
+            retry = optuna.storages.RetryFailedTrialCallback(max_retry=self.budget - 1)
         for entry in self.ledger.unfinished():
             if entry.state == State.DISPATCHED:
                 fp = entry.fingerprint
                 self.attempts[fp] = self.attempts.get(fp, 0) + 1
                 if self.attempts[fp] >= self.budget:
                     self.model_settled.add(fp)
-            self.study.tell(entry.trial, state=optuna.trial.TrialState.FAIL)
+            frozen = self.study.tell(entry.trial, state=optuna.trial.TrialState.FAIL)
+            retry(self.study._study, frozen)
         self.measured_before_restart |= set(self.ledger.measured)
         self.ledger = Ledger(self.study, trials=self.trials, failure_budget=self.budget)
         self.ledger.restore(self.study.get_trials(deepcopy=False))
         self.dispatched = []
+
+    @invariant()
+    def a_logged_trial_leaves_the_live_set(self) -> None:
+        for entry in self.logged:
+            assert entry.state == State.LOGGED and entry.number not in self.ledger.live
+
+    @invariant()
+    def the_study_holds_no_more_measured_plans_than_the_budget(self) -> None:
+        # counted from Optuna's record, not from the ledger's own `done`
+        measured = {
+            t.user_attrs["plan_fingerprint"]
+            for t in self.study.get_trials(deepcopy=False)
+            if t.state == optuna.trial.TrialState.COMPLETE and "duplicate_of" not in t.user_attrs
+        }
+        assert len(measured) <= self.trials, (measured, self.trials)
 
     @invariant()
     def told_at_most_once(self) -> None:
@@ -364,10 +415,20 @@ class LedgerMachine(RuleBasedStateMachine):
         assert set(self.study.tells) == asked
         assert all(n == 1 for n in self.study.tells.values())
         assert self.ledger.done == self.trials or self.ledger.exhausted()
+        # the budget as Optuna's record and the model see it: plans measured in the study,
+        # and plans the model failed for good (a plan-less kill settles none)
+        measured = {
+            t.user_attrs["plan_fingerprint"]
+            for t in self.study.get_trials(deepcopy=False)
+            if t.state == optuna.trial.TrialState.COMPLETE and "duplicate_of" not in t.user_attrs
+        }
+        settled = measured | self.model_settled
+        assert len(settled) == self.trials or self.ledger.exhausted(), (settled, self.trials)
 
 
 TestLedgerMachine = LedgerMachine.TestCase
 TestLedgerMachine.settings = settings(
+    derandomize=True,  # the same sequences on every run: a failure is reproducible
     max_examples=150,
     stateful_step_count=40,
     deadline=None,

@@ -42,6 +42,10 @@ REASONS = RETRYABLE | {
 }
 REASON_ATTR = "failure_reason"
 FINGERPRINT_ATTR = "plan_fingerprint"
+# the trial's own number, set when it is dispatched: Optuna's retry callbacks copy user
+# attributes (the fingerprint too) onto the WAITING copy, so only this says that the trial
+# itself ran its plan (a retry killed right after ask did not)
+DISPATCHED_ATTR = "dispatched_trial"
 # a trial `--continue-as` copied from the old study (its value: the old study's name): its
 # figures are of the old inputs, so it answers no duplicate and counts toward no budget
 COPIED_ATTR = "tenantq.copied_from"
@@ -159,6 +163,8 @@ class Ledger:
                     continue
                 key = fp
                 if reason in RETRYABLE:
+                    if t.user_attrs.get(DISPATCHED_ATTR) != t.number:
+                        continue  # killed before its plan ran: the plan is not blamed
                     self.failures[key] = self.failures.get(key, 0) + 1
                     if self.failures[key] >= self.failure_budget:
                         self.settled.add(key)
@@ -221,6 +227,7 @@ class Ledger:
 
     def dispatched(self, entry: Entry, worker: str | None) -> None:
         self._move(entry, State.DISPATCHED)
+        entry.trial.set_user_attr(DISPATCHED_ATTR, entry.number)
         entry.worker = worker
         if worker:
             entry.trial.set_user_attr("worker", worker)
