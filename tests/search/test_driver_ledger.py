@@ -114,7 +114,9 @@ def test_trials_counts_distinct_plans_not_duplicates(tmp_path) -> None:
     assert outcome.counts["done"] == 12 and outcome.counts["duplicates"] == len(dups)
     study = optuna.load_study(study_name="cap", storage=spec.study.storage)
     assert study.metric_names == ["tenants"]  # optuna-dashboard labels the objective
-    assert set(study.user_attrs["tenantq.identity"]) == {"spec", "model", "eval.suite", "code"}
+    identity = study.user_attrs["tenantq.identity"]
+    assert set(identity) == {"spec", "model", "eval.suite", "code", "files", "config_keys"}
+    assert {"model/config.json", "model/tokenizer.json"} <= set(identity["files"])
 
 
 @pytest.mark.slow
