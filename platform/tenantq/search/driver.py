@@ -442,7 +442,7 @@ class SearchDriver:
         out = {"study.complete": c["complete"], "study.failed": c["failed"]}
         out["study.plans"] = c["done"]
         with contextlib.suppress(Exception):  # the study could not be read: nothing to add
-            out["study.front_size"] = len(self.study.best_trials)
+            out["study.front_size"] = len(front_.own_best_trials(self.study))
         return out
 
 
