@@ -114,7 +114,9 @@ def test_trials_counts_distinct_plans_not_duplicates(tmp_path) -> None:
     assert outcome.counts["done"] == 12 and outcome.counts["duplicates"] == len(dups)
     study = optuna.load_study(study_name="cap", storage=spec.study.storage)
     assert study.metric_names == ["tenants"]  # optuna-dashboard labels the objective
-    assert set(study.user_attrs["tenantq.identity"]) == {"spec", "model", "eval.suite", "code"}
+    identity = study.user_attrs["tenantq.identity"]
+    assert set(identity) == {"spec", "model", "eval.suite", "code", "files", "config_keys"}
+    assert {"model/config.json", "model/tokenizer.json"} <= set(identity["files"])
 
 
 @pytest.mark.slow
@@ -211,16 +213,68 @@ def test_resume_refuses_a_changed_model_and_continue_as_copies_it(tmp_path) -> N
     spec, text = _capacity(tmp_path, trials=2, model=model)
     _run(spec, text, tmp_path)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps(config, indent=1))  # same values, new bytes
+    (model / "config.json").write_text(json.dumps(config | {"note": 1}))  # a key added
     spec3, text3 = _capacity(tmp_path, trials=3, model=model)
-    with pytest.raises(ValueError, match=r"model folder's content .* changed.*--continue-as"):
+    refusal = r"model/config.json changed \(keys: note\).*--continue-as"
+    with pytest.raises(ValueError, match=refusal):
         _run(spec3, text3, tmp_path, resume=True)
     renamed, text_r = _capacity(tmp_path, trials=3, model=model, name="cap2")
     _run(renamed, text_r, tmp_path, continue_from="cap")
     assert len(_trials(tmp_path, "cap")) == 2  # the old study is untouched
-    assert len(_distinct_plans(_trials(tmp_path, "cap2"))) == 3
+    copied = [t for t in _trials(tmp_path, "cap2") if "tenantq.copied_from" in t.user_attrs]
+    assert len(copied) == 2  # kept as history, marked
+    own = [t for t in _trials(tmp_path, "cap2") if t not in copied]
+    assert len(_distinct_plans(own)) == 3  # the budget is measured afresh
     _, runs = _runs(tmp_path, "cap2")
     assert len(runs) == len(_trials(tmp_path, "cap2"))  # copied trials logged in the new run
+
+
+@pytest.mark.slow
+def test_resume_compares_the_model_by_content_and_names_the_changed_file(tmp_path) -> None:
+    # Identity hashed config.json's bytes (a reformatted file refused the resume) and the
+    # model's path (a copy elsewhere refused as a changed spec), and skipped the tokenizer;
+    # the refusal named no file. Now: canonical JSON, by content, one digest per file.
+    from tenantq.reference import reference_model_path
+
+    first = tmp_path / "model"
+    shutil.copytree(reference_model_path(), first)
+    spec, text = _capacity(tmp_path, trials=2, model=first)
+    _run(spec, text, tmp_path)
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(first, moved)
+    config = json.loads((moved / "config.json").read_text())
+    reordered = dict(reversed(list(config.items())))
+    (moved / "config.json").write_text(json.dumps(reordered, indent=4))  # same values
+    spec3, text3 = _capacity(tmp_path, trials=3, model=moved)
+    _run(spec3, text3, tmp_path, resume=True)  # accepted: the same model, by content
+    tokenizer = next(p for p in sorted(moved.iterdir()) if p.name.startswith("tokenizer"))
+    tokenizer.write_bytes(tokenizer.read_bytes() + b" ")
+    spec4, text4 = _capacity(tmp_path, trials=4, model=moved)
+    with pytest.raises(ValueError, match=rf"model/{tokenizer.name} changed"):
+        _run(spec4, text4, tmp_path, resume=True)
+
+
+@pytest.mark.slow
+def test_trials_continue_as_copied_answer_no_duplicate_and_join_no_front(tmp_path) -> None:
+    # Copied trials were measured on the old inputs: the ledger answered duplicates with
+    # their figures and they entered the new front. The space holds 3 plans (3 uniform
+    # weight formats); the old study measured 2, so the new one must measure all 3 itself.
+    spec, text = _capacity(tmp_path, trials=2)
+    _run(spec, text, tmp_path)
+    renamed, text_r = _capacity(tmp_path, trials=3, name="cap2")
+    outcome = _run(renamed, text_r, tmp_path, continue_from="cap")
+    trials = _trials(tmp_path, "cap2")
+    copied = {t.number for t in trials if t.user_attrs.get("tenantq.copied_from") == "cap"}
+    assert len(copied) == len(_trials(tmp_path, "cap"))
+    own = [t for t in trials if t.number not in copied]
+    assert all(t.user_attrs.get("duplicate_of") not in copied for t in own)
+    measured = {
+        t.user_attrs["plan_fingerprint"]
+        for t in own
+        if t.state == S.COMPLETE and "duplicate_of" not in t.user_attrs
+    }
+    assert len(measured) == 3
+    assert outcome.front and not {r.trial for r in outcome.front} & copied
 
 
 # ---------------------------------------------------------------- in-process workers
@@ -335,3 +389,101 @@ def test_a_plan_that_kills_its_worker_is_tried_at_most_its_budget(tmp_path) -> N
             died[fp] = died.get(fp, 0) + 1
     assert list(died.values()) == [2]  # the killer plan: its budget, then settled
     assert outcome.counts["done"] == 5
+
+
+# ---------------------------------------------------------------- stopping
+
+
+class _Tracker:
+    """What `_stop` calls on the MLflow tracker (a unit test: no MLflow needed)."""
+
+    def __init__(self) -> None:
+        self.logged: list[int] = []
+        self.ended: list[str] = []
+
+    def log_trial(self, number, **kw) -> str:
+        self.logged.append(number)
+        return f"run-{number}"
+
+    def end_study(self, status, metrics=None) -> None:
+        self.ended.append(status)
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.shut = 0
+
+    def shutdown(self) -> None:
+        self.shut += 1
+
+
+def test_stopping_with_a_parked_duplicate_fails_each_trial_once_and_ends_the_run() -> None:
+    # `_stop` failed a dispatched trial (which fails its parked duplicate with it), then its
+    # snapshot loop failed the duplicate again: LedgerError, and the pool, Ray and the parent
+    # MLflow run (left RUNNING) were never shut or ended.
+    from tenantq.search.driver import Heartbeats
+    from tenantq.search.ledger import Ledger
+    from tenantq.search.metrics import StudyMetrics
+
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
+    driver = SearchDriver.__new__(SearchDriver)
+    driver.ledger = ledger = Ledger(study, trials=3, failure_budget=2)
+    driver.tracker, driver.study, driver._started_ray = _Tracker(), study, False
+    driver.metrics = StudyMetrics("s", enabled=False)
+    driver.heartbeats = Heartbeats(study._storage, study.study_name)
+    driver.context = type("Ctx", (), {"config": None})()
+    first, second = ledger.ask(), ledger.ask()
+    assert ledger.route(first, "p") == "run"
+    ledger.dispatched(first, "w0")
+    assert ledger.route(second, "p") == "parked"
+    pool = _Pool()
+    driver._stop(pool, "FAILED")
+    assert [t.state for t in study.trials] == [S.FAIL, S.FAIL]
+    assert pool.shut == 1 and driver.tracker.ended == ["FAILED"]
+    assert sorted(driver.tracker.logged) == [first.number, second.number]
+
+
+@pytest.mark.parametrize("value", ["true", "inf", "1e308", '"90"'])
+def test_trial_timeout_that_is_not_a_number_of_seconds_is_refused(tmp_path, value) -> None:
+    # `true` was read as a 1 s deadline; inf and 1e308 meant "no deadline" without saying so.
+    text = CAPACITY_SPEC.format(tmp=tmp_path, trials=2, seed=0, name="t", model="reference")
+    text = text.replace("[study]", f"[study]\ntrial_timeout = {value}")
+    with pytest.raises(ValueError, match="study.trial_timeout"):
+        parse_spec(tomllib.loads(text))
+
+
+def test_trial_timeout_on_a_capacity_only_study_is_named_as_having_no_effect(
+    tmp_path, capsys
+) -> None:
+    from tenantq.search.context import prepare
+
+    spec, text = _capacity(tmp_path, trials=2)
+    prepare(spec, text)
+    assert "trial_timeout" not in capsys.readouterr().err
+    text = text.replace("[study]", "[study]\ntrial_timeout = 60")
+    spec = parse_spec(tomllib.loads(text))
+    prepare(spec, text)
+    assert "study.trial_timeout = 60 has no effect" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_resume_refused_for_a_live_driver_leaves_the_parent_run_alone(
+    tmp_path, monkeypatch
+) -> None:
+    # The parent MLflow run was reopened (RUNNING) before the refusal and never ended. The
+    # refusal itself is Optuna's fresh heartbeats (a 25 s wait): stood in for here.
+    import tenantq.search.driver as driver_mod
+
+    spec, text = _capacity(tmp_path, trials=2)
+    outcome = _run(spec, text, tmp_path)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert client.get_run(outcome.mlflow_parent_run_id).info.status == "FINISHED"
+
+    def live(study, storage, name):
+        raise ValueError(f"study {name!r} has trials [2] still running: another driver")
+
+    monkeypatch.setattr(driver_mod, "requeue_dead_driver_trials", live)
+    spec3, text3 = _capacity(tmp_path, trials=3)
+    with pytest.raises(ValueError, match="another driver"):
+        _run(spec3, text3, tmp_path, resume=True)
+    assert client.get_run(outcome.mlflow_parent_run_id).info.status == "FINISHED"

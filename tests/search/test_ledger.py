@@ -9,6 +9,7 @@ its failure budget)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import optuna
 import pytest
@@ -159,6 +160,89 @@ def test_restore_counts_distinct_plans_and_failures_from_the_study() -> None:
     assert where == "duplicate" and entry.values == [0.1]
 
 
+def test_trials_failed_before_they_had_a_plan_count_no_plan_live_or_restored() -> None:
+    # Killed before their plan existed (no params, no fingerprint), two trials used to settle
+    # one shared key `params:[]`: a study of 3 plans then stopped after 2 measured.
+    study = _study()
+    ledger = Ledger(study, trials=3, failure_budget=2)
+    for _ in range(2):
+        entry = ledger.ask()  # no suggest: the driver died right after ask
+        ledger.fail(entry, "driver_died", "the driver died")
+    bad = ledger.ask()
+    bad.trial.suggest_categorical("plan", PLANS)
+    ledger.fail(bad, "plan", "plan: no such tenant")  # params, but no plan came of them
+    assert ledger.done == 0 and not ledger.settled and not ledger.failures
+    again = Ledger(study, trials=3, failure_budget=2)
+    again.restore(study.get_trials(deepcopy=False))
+    assert again.done == 0 and not again.settled and not again.failures
+
+
+def test_a_trial_stopped_with_the_driver_settles_nothing_on_restore() -> None:
+    # Live, `driver_stopped` blames no plan; restore settled it, so after Ctrl-C + --resume
+    # the plan was refused for good (`failed_before`) and counted toward the budget.
+    study = _study()
+    ledger = Ledger(study, trials=3, failure_budget=2)
+    entry, _ = _ask(ledger, "a")
+    ledger.dispatched(entry, "w0")
+    ledger.fail(entry, "driver_stopped", "the driver stopped before this finished")
+    assert ledger.done == 0
+    again = Ledger(study, trials=3, failure_budget=2)
+    again.restore(study.get_trials(deepcopy=False))
+    assert again.done == 0 and "a" not in again.settled
+    _, where = _ask(again, "a")
+    assert where == "run"
+
+
+def test_values_optuna_refuses_on_tell_fail_the_trial_in_the_ledger() -> None:
+    # Optuna fails (does not raise on) a tell whose values do not match the directions; the
+    # ledger counted such a trial measured and answered duplicates with it.
+    study = _study()
+    ledger = Ledger(study, trials=3, failure_budget=2)
+    entry, _ = _ask(ledger, "a")
+    ledger.dispatched(entry, "w0")
+    with pytest.warns(UserWarning, match="did not match"):
+        ledger.complete(entry, [1.0, 2.0])  # two values, one direction
+    assert entry.outcome == "failed" and "a" not in ledger.measured
+    assert ledger.counts["complete"] == 0 and ledger.counts["failed"] == 1
+    assert study.get_trials()[0].state == optuna.trial.TrialState.FAIL
+    _, where = _ask(ledger, "a")
+    assert where == "refused"  # the plan's own error settles it: never measured
+
+
+def test_retries_still_waiting_when_the_budget_fills_are_closed_and_count_nothing() -> None:
+    # A retry queued (WAITING) when other plans then filled the budget stayed WAITING in the
+    # study for ever: a trial that would never run.
+    study = _study()
+    ledger = Ledger(study, trials=1, failure_budget=2)
+    dying, _ = _ask(ledger, "a")
+    other, _ = _ask(ledger, "b")  # two workers: both in flight
+    ledger.dispatched(dying, "w0")
+    ledger.dispatched(other, "w1")
+    ledger.fail(dying, "worker_died", "ActorDiedError")  # a retry is queued
+    ledger.complete(other, [0.5])
+    assert not ledger.wants_more() and ledger.done == 1
+    waiting = optuna.trial.TrialState.WAITING
+    assert len(study.get_trials(states=(waiting,))) == 1
+    assert ledger.close_waiting_retries() == 1
+    assert not study.get_trials(states=(waiting,))
+    assert ledger.done == 1 and ledger.failures == {"a": 1}
+    closed = study.get_trials()[-1]
+    assert closed.user_attrs["failure_reason"] == "not_run" and "retry_of" in closed.user_attrs
+
+
+def test_logged_moves_a_told_trial_out_of_the_live_set() -> None:
+    # A no-op `logged()` left every trial live: `untold_logs` grew for ever.
+    ledger = Ledger(_study(), trials=2, failure_budget=2)
+    entry, _ = _ask(ledger, "a")
+    ledger.dispatched(entry, "w0")
+    ledger.complete(entry, [0.5])
+    assert ledger.untold_logs() == [entry]
+    ledger.logged(entry)
+    assert entry.state == State.LOGGED and not ledger.live and not ledger.untold_logs()
+    with pytest.raises(LedgerError):
+        ledger.logged(entry)  # only forward
+
+
 class LedgerMachine(RuleBasedStateMachine):
     """Random sequences of asks (the sampler's proposal is drawn by hypothesis), results,
     non-finite values, trial errors, worker deaths, deadlines and driver restarts (a new
@@ -177,14 +261,15 @@ class LedgerMachine(RuleBasedStateMachine):
         self.rerun_settled: list[str] = []
         self.model_measured: dict[str, float] = {}  # plan -> its first finite value
         self.wrong_answers: list[tuple] = []
+        self.logged: list = []
 
     @precondition(lambda self: self.ledger.wants_more())
     @rule(plan=st.sampled_from(PLANS[:3]))  # few plans: duplicates and exhaustion are common
     def ask(self, plan: str) -> None:
         entry = self.ledger.ask()
-        entry.trial.suggest_categorical("plan", PLANS)  # a WAITING retry keeps its plan
-        fixed = entry.trial.params["plan"]
-        plan = fixed if "retry_of" in entry.trial.user_attrs else plan
+        retry_of_a_plan = "plan" in entry.trial.params  # a WAITING retry keeps its plan
+        entry.trial.suggest_categorical("plan", PLANS)
+        plan = entry.trial.params["plan"] if retry_of_a_plan else plan
         where = self.ledger.route(entry, plan)
         if plan in self.model_measured and entry.values != [self.model_measured[plan]]:
             self.wrong_answers.append((plan, where, entry.values))
@@ -220,26 +305,62 @@ class LedgerMachine(RuleBasedStateMachine):
                 self.model_settled.add(fp)
             self.ledger.fail(entry, reason, reason)
 
+    @rule(index=st.integers(0, 5))
+    def driver_stopped(self, index: int) -> None:
+        # Ctrl-C or an error in the driver: the plan is not blamed (no attempt, not settled).
+        entry = self._take(index)
+        if entry is not None:
+            self.ledger.fail(entry, "driver_stopped", "the driver stopped")
+
     @rule()
     def log_everything(self) -> None:
         for entry in self.ledger.untold_logs():
             self.ledger.logged(entry)
+            self.logged.append(entry)
+
+    @precondition(lambda self: self.ledger.wants_more())
+    @rule()
+    def killed_right_after_ask(self) -> None:
+        # The driver dies inside ask: a trial with no parameters and no plan.
+        self.ledger.ask()
+        self.driver_killed_and_resumed()
 
     @rule()
     def driver_killed_and_resumed(self) -> None:
         # The dead driver's trials are failed as Optuna's stale-trial check does (no reason
-        # recorded: "driver_died", retryable); a new ledger reads the study once.
+        # recorded: "driver_died", retryable) and re-queued by its retry callback (at most
+        # budget - 1 retries, as `RetryHeartbeatStaleTrialCallback(max_trial_retries)`);
+        # a new ledger reads the study once.
+        with warnings.catch_warnings():  # experimental in Optuna 5
+            warnings.simplefilter("ignore")
+            retry = optuna.storages.RetryFailedTrialCallback(max_retry=self.budget - 1)
         for entry in self.ledger.unfinished():
             if entry.state == State.DISPATCHED:
                 fp = entry.fingerprint
                 self.attempts[fp] = self.attempts.get(fp, 0) + 1
                 if self.attempts[fp] >= self.budget:
                     self.model_settled.add(fp)
-            self.study.tell(entry.trial, state=optuna.trial.TrialState.FAIL)
+            frozen = self.study.tell(entry.trial, state=optuna.trial.TrialState.FAIL)
+            retry(self.study._study, frozen)
         self.measured_before_restart |= set(self.ledger.measured)
         self.ledger = Ledger(self.study, trials=self.trials, failure_budget=self.budget)
         self.ledger.restore(self.study.get_trials(deepcopy=False))
         self.dispatched = []
+
+    @invariant()
+    def a_logged_trial_leaves_the_live_set(self) -> None:
+        for entry in self.logged:
+            assert entry.state == State.LOGGED and entry.number not in self.ledger.live
+
+    @invariant()
+    def the_study_holds_no_more_measured_plans_than_the_budget(self) -> None:
+        # counted from Optuna's record, not from the ledger's own `done`
+        measured = {
+            t.user_attrs["plan_fingerprint"]
+            for t in self.study.get_trials(deepcopy=False)
+            if t.state == optuna.trial.TrialState.COMPLETE and "duplicate_of" not in t.user_attrs
+        }
+        assert len(measured) <= self.trials, (measured, self.trials)
 
     @invariant()
     def told_at_most_once(self) -> None:
@@ -294,10 +415,20 @@ class LedgerMachine(RuleBasedStateMachine):
         assert set(self.study.tells) == asked
         assert all(n == 1 for n in self.study.tells.values())
         assert self.ledger.done == self.trials or self.ledger.exhausted()
+        # the budget as Optuna's record and the model see it: plans measured in the study,
+        # and plans the model failed for good (a plan-less kill settles none)
+        measured = {
+            t.user_attrs["plan_fingerprint"]
+            for t in self.study.get_trials(deepcopy=False)
+            if t.state == optuna.trial.TrialState.COMPLETE and "duplicate_of" not in t.user_attrs
+        }
+        settled = measured | self.model_settled
+        assert len(settled) == self.trials or self.ledger.exhausted(), (settled, self.trials)
 
 
 TestLedgerMachine = LedgerMachine.TestCase
 TestLedgerMachine.settings = settings(
+    derandomize=True,  # the same sequences on every run: a failure is reproducible
     max_examples=150,
     stateful_step_count=40,
     deadline=None,

@@ -64,9 +64,12 @@ def test_a_plan_that_kills_its_worker_is_tried_at_most_its_budget_with_one_worke
     tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
-    # Ray's own restarts and retries off: the driver's budget is what is under test.
-    spec, text = _spec(tmp_path, extra_workers="max_restarts = 0\nmax_task_retries = 0")
-    assert spec.workers.count == 1
+    # The spec's defaults (max_restarts = 2, max_task_retries = 0): Ray's task retries used
+    # to default to 2, so each of the ledger's 2 attempts ran up to 3 times (6 deaths).
+    deaths = tmp_path / "deaths.log"
+    monkeypatch.setenv("TENANTQ_FAULT_LOG", str(deaths))  # Ray's workers inherit it
+    spec, text = _spec(tmp_path)
+    assert spec.workers.count == 1 and spec.workers.max_task_retries == 0
     outcome = SearchDriver(
         spec, text, progress=False, out_dir=tmp_path / "out", worker_class=DieOnInt4Weights
     ).run()
@@ -74,3 +77,5 @@ def test_a_plan_that_kills_its_worker_is_tried_at_most_its_budget_with_one_worke
     assert outcome.counts["done"] == 3
     assert list(per_plan.values()) == [2]
     assert {t.user_attrs["failure_reason"] for t in trials if t.state == S.FAIL} == {"worker_died"}
+    # the plan ran (and killed a worker) exactly its 2 attempts, not 2 x (1 + Ray's retries)
+    assert len(deaths.read_text().splitlines()) == 2

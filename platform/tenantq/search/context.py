@@ -7,6 +7,7 @@ content identity), so that samplers and the driver never re-check or import each
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ class StudyContext:
         """What the study measures, by content: the spec (less the fields a resume may
         change), the model folder, the suites; and the code version (recorded, not compared:
         see `store.check_identity`)."""
-        from tenantq.evals.identity import cache_key, model_identity
+        from tenantq.evals.identity import cache_key, config_key_digests, model_identity
         from tenantq.evals.suite import load_suite
         from tenantq.tracking import code_version
 
@@ -63,14 +64,33 @@ class StudyContext:
         suites = {"eval.suite": self.spec.eval.suite}
         if self.spec.eval.confirm_suite:
             suites["eval.confirm_suite"] = self.spec.eval.confirm_suite
+        loaded = {k: load_suite(v) for k, v in suites.items()}
         return {
             "spec": cache_key(spec=spec),
             "model": model_identity(self.model_path),
-            **{
-                k: cache_key(suite=load_suite(v).model_dump(mode="json")) for k, v in suites.items()
-            },
+            **{k: cache_key(suite=s.model_dump(mode="json")) for k, s in loaded.items()},
             "code": code_version(),
+            "files": self._file_digests(loaded),
+            "config_keys": config_key_digests(self.model_path / "config.json"),
         }
+
+    def _file_digests(self, suites: dict[str, Any]) -> dict[str, str]:
+        """One content digest per input file: the model folder's files (by name, not path),
+        the suites' fidelity text files, calibration.data and space.profile."""
+        from tenantq.evals.identity import file_digest, model_file_digests
+
+        out = {f"model/{k}": v for k, v in model_file_digests(self.model_path).items()}
+        for key, suite in suites.items():
+            source = suite.fidelity.source if suite.fidelity is not None else None
+            if source and Path(source).is_file():
+                out[f"{key} fidelity.source"] = file_digest(source)
+        for key, path in (
+            ("calibration.data", self.spec.calibration.data),
+            ("space.profile", getattr(self.spec.space, "profile", None)),
+        ):
+            if path and Path(path).is_file():
+                out[key] = file_digest(path)
+        return out
 
 
 _Prepared = StudyContext  # the name before the split
@@ -106,6 +126,14 @@ def prepare(spec: Spec, spec_text: str = "") -> StudyContext:
     check_metrics(spec)
     check_stores(spec)
     check_study(spec, config, profile)  # tenantq.search.checks: the model-aware checks
+    if spec.study.trial_timeout is not None and not (
+        spec.quality_objectives() or spec.eval.confirm_suite
+    ):
+        print(
+            f"tenantq search: study.trial_timeout = {spec.study.trial_timeout:g} has no effect: "
+            "a capacity-only study runs no worker (every figure is arithmetic in the driver)",
+            file=sys.stderr,
+        )
     baselines = baseline_params(spec.space, config, profile) if wants_baselines(spec) else []
     return StudyContext(
         spec, spec_text, model_path, config, capacity_config, deployment, profile, baselines

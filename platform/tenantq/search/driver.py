@@ -156,8 +156,10 @@ class SearchDriver:
             storage=self.storage_override,
             sampler_for=lambda n: make_sampler(spec, self.context, trials_so_far=n),
         )
-        open_parent(tracker, self.study, self.context, self.workers)
+        # before the parent run is reopened: a study another driver is running is refused
+        # here, and its parent run must stay as that driver has it
         requeue_dead_driver_trials(self.study, self.storage, spec.study.name)
+        open_parent(tracker, self.study, self.context, self.workers)
         reconcile(tracker, self.study, self.context.config)
         self.ledger = Ledger(
             self.study,
@@ -217,6 +219,8 @@ class SearchDriver:
                     bar.refresh()
         finally:
             bar.close()
+        if ledger.close_waiting_retries():  # the budget filled before they ran
+            self._log_told()
         if ledger.exhausted():
             print(
                 f"tenantq search: {ledger.done} distinct plans in {ledger.asks} asks, fewer "
@@ -373,20 +377,35 @@ class SearchDriver:
         return pool
 
     def _stop(self, pool, status: str) -> None:
+        """Fail what is still in flight, then shut the pool and Ray down, reconcile and end
+        the parent run, each even when an earlier step raised."""
         ledger = getattr(self, "ledger", None)
-        if status != "FINISHED" and ledger is not None:
-            for entry in ledger.unfinished():
-                ledger.fail(entry, "driver_stopped", "the driver stopped before this finished")
-            self._log_told()
-        if pool is not None:
-            pool.shutdown()
-        if self._started_ray:
-            import ray
+        try:
+            if status != "FINISHED" and ledger is not None:
+                for entry in ledger.unfinished():
+                    # failing a dispatched trial fails its parked duplicates with it: skip
+                    # those already told in this loop
+                    if entry.outcome is None:
+                        ledger.fail(
+                            entry, "driver_stopped", "the driver stopped before this finished"
+                        )
+                self._log_told()
+        finally:
+            try:
+                if pool is not None:
+                    pool.shutdown()
+            finally:
+                try:
+                    if self._started_ray:
+                        import ray
 
-            ray.shutdown()
-        if ledger is not None and ledger.deferred:
-            reconcile(self.tracker, self.study, self.context.config)
-        self.tracker.end_study(status, metrics=self._study_metrics())
+                        ray.shutdown()
+                finally:
+                    try:
+                        if ledger is not None and ledger.deferred:
+                            reconcile(self.tracker, self.study, self.context.config)
+                    finally:
+                        self.tracker.end_study(status, metrics=self._study_metrics())
 
     def _finish(self, pool) -> StudyOutcome:
         reconcile(self.tracker, self.study, self.context.config)
@@ -423,7 +442,7 @@ class SearchDriver:
         out = {"study.complete": c["complete"], "study.failed": c["failed"]}
         out["study.plans"] = c["done"]
         with contextlib.suppress(Exception):  # the study could not be read: nothing to add
-            out["study.front_size"] = len(self.study.best_trials)
+            out["study.front_size"] = len(front_.own_best_trials(self.study))
         return out
 
 

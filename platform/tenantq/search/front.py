@@ -21,10 +21,34 @@ POLL_S = 0.5
 
 
 def front(study, spec: Spec, pool) -> list[FrontRow]:
-    rows = front_rows(study.best_trials, spec.objectives)
+    rows = front_rows(own_best_trials(study), spec.objectives)
     if spec.eval.confirm_suite and rows and pool is not None:
         rows = confirm(study, spec, pool, rows)
     return rows
+
+
+def own_best_trials(study) -> list[Any]:
+    """`study.best_trials` (complete, feasible, non-dominated) among the study's own trials:
+    those `--continue-as` copied (measured on the old inputs) are left out."""
+    from optuna.study import StudyDirection
+    from optuna.trial import TrialState
+
+    from tenantq.search.ledger import COPIED_ATTR
+
+    trials = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if COPIED_ATTR not in t.user_attrs and all(v <= 0 for v in (t.constraints or {}).values())
+    ]
+    if not any(COPIED_ATTR in t.user_attrs for t in study.get_trials(deepcopy=False)):
+        return study.best_trials  # Optuna's own, when nothing was copied
+    signs = [1.0 if d == StudyDirection.MINIMIZE else -1.0 for d in study.directions]
+    keyed = [(t, [s * v for s, v in zip(signs, t.values, strict=True)]) for t in trials]
+
+    def dominated(b: list[float]) -> bool:
+        return any(all(x <= y for x, y in zip(a, b, strict=True)) and a != b for _, a in keyed)
+
+    return [t for t, k in keyed if not dominated(k)]
 
 
 def tag_front(tracker, rows: list[FrontRow]) -> None:

@@ -31,9 +31,24 @@ ASKS_PER_TRIAL = 10  # the cap on asks, per trial of the budget
 
 # Failure reasons. Retryable ones may not be the plan's fault; the others settle the plan.
 RETRYABLE = frozenset({"worker_died", "timeout", "driver_died"})
-REASONS = RETRYABLE | {"error", "nan", "plan", "failed_before", "duplicate", "driver_stopped"}
+REASONS = RETRYABLE | {
+    "error",
+    "nan",
+    "plan",
+    "failed_before",
+    "duplicate",
+    "driver_stopped",
+    "not_run",  # a retry still waiting when the budget filled: closed, counts nothing
+}
 REASON_ATTR = "failure_reason"
 FINGERPRINT_ATTR = "plan_fingerprint"
+# the trial's own number, set when it is dispatched: Optuna's retry callbacks copy user
+# attributes (the fingerprint too) onto the WAITING copy, so only this says that the trial
+# itself ran its plan (a retry killed right after ask did not)
+DISPATCHED_ATTR = "dispatched_trial"
+# a trial `--continue-as` copied from the old study (its value: the old study's name): its
+# figures are of the old inputs, so it answers no duplicate and counts toward no budget
+COPIED_ATTR = "tenantq.copied_from"
 
 
 class State(enum.Enum):
@@ -119,7 +134,7 @@ class Ledger:
         from optuna.trial import TrialState
 
         for t in trials:
-            if t.state == TrialState.WAITING:
+            if t.state == TrialState.WAITING or COPIED_ATTR in t.user_attrs:
                 continue
             self.asks += 1
             fp = t.user_attrs.get(FINGERPRINT_ATTR)
@@ -141,10 +156,15 @@ class Ledger:
                 reason = t.user_attrs.get(REASON_ATTR, "driver_died")
                 if "failed_trial" in t.system_attrs or "retry_of" in t.user_attrs:
                     self.counts["retries"] += 1
-                if reason == "duplicate":
+                # As live: a duplicate or a trial stopped with the driver blames no plan, and
+                # a trial with no fingerprint (killed before it had a plan, or its parameters
+                # made none) has no plan to count.
+                if reason in ("duplicate", "driver_stopped") or not fp:
                     continue
-                key = fp or _params_key(t.params)
+                key = fp
                 if reason in RETRYABLE:
+                    if t.user_attrs.get(DISPATCHED_ATTR) != t.number:
+                        continue  # killed before its plan ran: the plan is not blamed
                     self.failures[key] = self.failures.get(key, 0) + 1
                     if self.failures[key] >= self.failure_budget:
                         self.settled.add(key)
@@ -207,6 +227,7 @@ class Ledger:
 
     def dispatched(self, entry: Entry, worker: str | None) -> None:
         self._move(entry, State.DISPATCHED)
+        entry.trial.set_user_attr(DISPATCHED_ATTR, entry.number)
         entry.worker = worker
         if worker:
             entry.trial.set_user_attr("worker", worker)
@@ -230,7 +251,12 @@ class Ledger:
         entry.summary = dict(summary or {})
         for key, value in entry.constraints.items():
             entry.trial.set_constraint(key, value)
-        self._tell(entry, "complete", values=entry.values)
+        if self._tell(entry, "complete", values=entry.values) != "complete":
+            # Optuna refused the values (it told FAIL): the plan's own error, settled.
+            entry.reason = "error"
+            entry.error = "Optuna failed the trial on tell (values it could not take)"
+            self._failed(entry, "error", was_running=True)
+            return
         fp = entry.fingerprint
         if fp is not None:
             self.measured[fp] = entry.number
@@ -249,20 +275,40 @@ class Ledger:
         entry.trial.set_user_attr("error", error[:2000])
         was_running = entry.state in (State.ASKED, State.DISPATCHED)
         self._tell(entry, "failed")
+        self._failed(entry, reason, was_running)
+
+    def _failed(self, entry: Entry, reason: str, was_running: bool) -> None:
+        """The budget after a FAIL was told: a parked trial, a duplicate, a trial stopped
+        with the driver or one with no fingerprint (no plan yet) count nothing."""
         fp = entry.fingerprint
-        key = fp or _params_key(entry.params or _safe_params(entry.trial))
-        if reason == "duplicate" or not was_running:  # a parked trial: the plan is not at fault
+        if reason == "duplicate" or not was_running or fp is None:
             return
         if reason in RETRYABLE:
-            self.failures[key] = self.failures.get(key, 0) + 1
-            if self.failures[key] < self.failure_budget:
+            self.failures[fp] = self.failures.get(fp, 0) + 1
+            if self.failures[fp] < self.failure_budget:
                 self._retry(entry)
             else:
-                self.settled.add(key)
+                self.settled.add(fp)
         elif reason != "driver_stopped":
-            self.settled.add(key)
-        if fp is not None and self.in_flight.get(fp) == entry.number:
+            self.settled.add(fp)
+        if self.in_flight.get(fp) == entry.number:
             self._release(fp)
+
+    def close_waiting_retries(self) -> int:
+        """Retries still WAITING once the budget is full: each asked and told FAIL
+        (`not_run`), so that the study holds no trial that will never run. Only retries
+        (`retry_of`); enqueued baselines wait for a larger budget. Returns how many."""
+        from optuna.trial import TrialState
+
+        closed = 0
+        waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        if not waiting or any("retry_of" not in t.user_attrs for t in waiting):
+            return 0  # Optuna asks WAITING trials oldest first: retries only, or none
+        for _ in waiting:
+            entry = self.ask()
+            self.fail(entry, "not_run", "a retry left waiting when the study's budget filled")
+            closed += 1
+        return closed
 
     def logged(self, entry: Entry) -> None:
         self._move(entry, State.LOGGED)
@@ -284,8 +330,8 @@ class Ledger:
             entry.trial.set_constraint(key, value)
         entry.trial.set_user_attr("duplicate_of", original)
         entry.trial.set_user_attr("summary", summary)
-        self.counts["duplicates"] += 1
-        self._tell(entry, "complete", values=entry.values)
+        if self._tell(entry, "complete", values=entry.values) == "complete":
+            self.counts["duplicates"] += 1
 
     def _release(self, fp: str) -> None:
         """The trial measuring `fp` was told: answer or fail the trials parked on it."""
@@ -319,7 +365,8 @@ class Ledger:
         )
         self.counts["retries"] += 1
 
-    def _tell(self, entry: Entry, outcome: str, values: list[float] | None = None) -> None:
+    def _tell(self, entry: Entry, outcome: str, values: list[float] | None = None) -> str:
+        """Tell Optuna once; returns the outcome Optuna recorded ("complete" | "failed")."""
         import optuna
 
         if entry.outcome is not None:
@@ -327,13 +374,19 @@ class Ledger:
         self._move(entry, State.TOLD)
         entry.outcome = outcome
         if outcome == "complete":
-            self.study.tell(entry.trial, values)
-            self.counts["complete"] += 1
+            told = self.study.tell(entry.trial, values)
+            # Optuna fails a trial whose values it cannot take (a count that does not match
+            # the directions, a value it cannot convert) and returns it FAIL, not raising.
+            if getattr(told, "state", optuna.trial.TrialState.COMPLETE) != (
+                optuna.trial.TrialState.COMPLETE
+            ):
+                entry.outcome = outcome = "failed"
         else:
             self.study.tell(entry.trial, state=optuna.trial.TrialState.FAIL)
-            self.counts["failed"] += 1
+        self.counts[outcome] += 1
         if self.on_told is not None:
             self.on_told(entry)
+        return outcome
 
     def _check_untold(self, entry: Entry) -> None:
         if entry.outcome is not None or State.TOLD not in _NEXT[entry.state]:
@@ -349,17 +402,6 @@ class Ledger:
     def _expect(self, entry: Entry, state: State) -> None:
         if entry.state != state:
             raise LedgerError(f"trial {entry.number} is {entry.state.value}, not {state.value}")
-
-
-def _params_key(params: dict[str, Any]) -> str:
-    return "params:" + repr(sorted(params.items()))
-
-
-def _safe_params(trial: Any) -> dict[str, Any]:
-    try:
-        return dict(trial.params)
-    except Exception:  # a trial whose parameters could not even be read
-        return {"trial": trial.number}
 
 
 def _constraints_of(frozen: Any) -> dict[str, float]:

@@ -206,7 +206,12 @@ class WorkersSpec(_Strict):
         None, description="Ray's accelerator type, e.g. 'TPU-V6E' (tpu workers)"
     )
     max_restarts: int = Field(2, ge=0, description="Ray actor restarts per worker")
-    max_task_retries: int = Field(2, ge=0, description="Ray retries of a trial on a restart")
+    max_task_retries: int = Field(
+        0,
+        ge=0,
+        description="Ray retries of a trial on a restart; 0: the study's ledger owns retries "
+        "(study.max_trial_retries), so a plan that kills its worker is not run again by Ray",
+    )
 
     @model_validator(mode="after")
     def _tpu_fields(self) -> WorkersSpec:
@@ -221,6 +226,9 @@ class WorkersSpec(_Strict):
 # A study name is also a folder name (runs/NAME, the front's plans) and the default MLflow
 # experiment: one path component, no separators, no leading dot.
 STUDY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
+
+
+MAX_TRIAL_TIMEOUT_S = 30 * 24 * 3600  # a larger deadline is none: leave trial_timeout out
 
 
 class StudySpec(_Strict):
@@ -252,9 +260,12 @@ class StudySpec(_Strict):
     trial_timeout: float | None = Field(
         None,
         gt=0,
-        allow_inf_nan=False,
+        le=MAX_TRIAL_TIMEOUT_S,
+        strict=True,  # a number of seconds: `true` or "90" is refused, not read as 1 or 90
+        allow_inf_nan=False,  # no deadline is said by leaving the key out
         description="seconds a trial may run on a worker before its worker is "
-        "killed and replaced and the trial failed with reason 'timeout' (absent: no deadline)",
+        "killed and replaced and the trial failed with reason 'timeout' (absent: no deadline; "
+        "at most 30 days)",
     )
 
 

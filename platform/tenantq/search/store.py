@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic_core import to_jsonable_python
 
+from tenantq.search.ledger import COPIED_ATTR
 from tenantq.search.spec import Spec
 
 HEARTBEAT_INTERVAL_S = 5  # Optuna RDB heartbeat of every trial this driver has in flight
@@ -30,8 +31,15 @@ SPEC_ATTR = "tenantq.spec"
 IDENTITY_ATTR = "tenantq.identity"
 PARENT_RUN_ATTR = "tenantq.mlflow_parent_run_id"
 CONTINUED_ATTR = "tenantq.continued_from"
-# Spec keys a resumed study may change: how many trials, and how many workers run them.
-RESUMABLE_CHANGES = {("study", "trials"), ("workers", "count")}
+# Spec keys a resumed study may change: how many trials, how many workers run them, and
+# Ray's restarts and retries of them (none changes a measurement; the default of
+# max_task_retries went from 2 to 0, and a study begun before must still resume).
+RESUMABLE_CHANGES = {
+    ("study", "trials"),
+    ("workers", "count"),
+    ("workers", "max_restarts"),
+    ("workers", "max_task_retries"),
+}
 _IDENTITY_WORDS = {
     "model": "the model folder's content (config.json or safetensors)",
     "eval.suite": "the content of eval.suite",
@@ -89,11 +97,7 @@ def open_study(
                 f"--continue-as: study {name!r} already exists in {spec.study.storage}; "
                 "choose a new name"
             )
-        optuna.copy_study(
-            from_study_name=continue_from, from_storage=storage, to_storage=storage,
-            to_study_name=name,
-        )  # fmt: skip
-        study = optuna.load_study(study_name=name, storage=storage)
+        study = _copy_marked(storage, continue_from, name)
         study.set_user_attr(PARENT_RUN_ATTR, "")  # a new MLflow parent run for the new name
         study.set_user_attr(CONTINUED_ATTR, continue_from)
         _record(study, spec, identity)
@@ -112,8 +116,12 @@ def open_study(
     if exists:
         study = optuna.load_study(study_name=name, storage=storage)
         if continue_from is None:
-            check_same_spec(study.user_attrs.get(SPEC_ATTR), spec)
-            check_identity(study.user_attrs.get(IDENTITY_ATTR), identity, name)
+            stored_identity = study.user_attrs.get(IDENTITY_ATTR) or {}
+            # with per-file digests the model is compared by content: a copy elsewhere is
+            # the same model
+            by_content = isinstance(stored_identity.get("files"), dict)
+            check_same_spec(study.user_attrs.get(SPEC_ATTR), spec, ignore=("model",) * by_content)
+            check_identity(stored_identity, identity, name)
         held = len(study.get_trials(deepcopy=False))
         study.sampler = sampler_for(held)
     else:
@@ -132,6 +140,28 @@ def open_study(
     return storage, study
 
 
+def _copy_marked(storage, old_name: str, name: str):
+    """The old study's finished trials copied under `name`, each marked `COPIED_ATTR`: their
+    figures were measured on the old inputs, so they are history for the sampler and the
+    report, never a duplicate's answer or a member of the new front. Trials it left waiting
+    or running are not copied (the new study would run them as its own under the mark)."""
+    import copy
+
+    import optuna
+
+    old = optuna.load_study(study_name=old_name, storage=storage)
+    study = optuna.create_study(study_name=name, storage=storage, directions=old.directions)
+    for key, value in old.user_attrs.items():
+        study.set_user_attr(key, value)
+    for t in old.get_trials(deepcopy=False):
+        if not t.state.is_finished():
+            continue
+        t = copy.deepcopy(t)
+        t.set_user_attr(COPIED_ATTR, old_name)
+        study.add_trial(t)
+    return study
+
+
 def _record(study, spec: Spec, identity: dict[str, str]) -> None:
     study.set_user_attr(SPEC_ATTR, spec.model_dump(mode="json"))
     study.set_user_attr(IDENTITY_ATTR, identity)
@@ -142,14 +172,21 @@ def check_identity(stored: dict | None, now: dict[str, str], name: str) -> None:
     from before identities were stored is accepted. A new code version is reported only."""
     if not stored:
         return
-    changed = [k for k in now if k not in ("code", "spec") and stored.get(k) != now[k]]
-    if changed:
+    if isinstance(stored.get("files"), dict):  # per-file digests: name the file and key
+        what = "; ".join(_changed_files(stored, now))
+    else:  # a study begun before per-file digests: the folder's digest as then
+        changed = [
+            k
+            for k in now
+            if k not in ("code", "spec", "files", "config_keys") and stored.get(k) != now[k]
+        ]
         what = "; ".join(
-            f"{_IDENTITY_WORDS.get(k, k)} ({str(stored.get(k))[:12]} -> {now[k][:12]})"
+            f"{_IDENTITY_WORDS.get(k, k)} ({str(stored.get(k))[:12]} -> {now[k][:12]}) changed"
             for k in changed
         )
+    if what:
         raise ValueError(
-            f"--resume: study {name!r} was measured on other inputs: {what} changed; its trials "
+            f"--resume: study {name!r} was measured on other inputs: {what}; its trials "
             "would mix with new ones. Restore the inputs, or pass --continue-as NEW_NAME to "
             "copy it and go on under a new name"
         )
@@ -161,6 +198,29 @@ def check_identity(stored: dict | None, now: dict[str, str], name: str) -> None:
         )
 
 
+def _changed_files(stored: dict, now: dict) -> list[str]:
+    """'FILE changed' per input file whose content differs (config.json: which keys)."""
+    old, new = stored["files"], now.get("files", {})
+    out = []
+    for name in sorted(set(old) | set(new)):
+        if old.get(name) == new.get(name):
+            continue
+        if name not in new:
+            out.append(f"{name} removed")
+        elif name not in old:
+            out.append(f"{name} added")
+        elif name == "model/config.json":
+            ok, nk = stored.get("config_keys", {}), now.get("config_keys", {})
+            keys = sorted(k for k in set(ok) | set(nk) if ok.get(k) != nk.get(k))
+            out.append(f"{name} changed (keys: {', '.join(keys) or '?'})")
+        else:
+            out.append(f"{name} changed")
+    for key in ("eval.suite", "eval.confirm_suite"):  # a suite's own settings
+        if key in stored and stored.get(key) != now.get(key):
+            out.append(f"{_IDENTITY_WORDS[key]} changed")
+    return out
+
+
 def _is_default(field, value) -> bool:
     """True when `value` (JSON form) is the default of the pydantic `field`."""
     if field is None or field.is_required():
@@ -168,7 +228,7 @@ def _is_default(field, value) -> bool:
     return value == to_jsonable_python(field.get_default(call_default_factory=True))
 
 
-def check_same_spec(stored: dict | None, spec: Spec) -> None:
+def check_same_spec(stored: dict | None, spec: Spec, ignore: tuple[str, ...] = ()) -> None:
     """Refuse --resume when the spec changed, except for the resumable fields. A field that
     a later tenantq added (absent from the stored spec) is unchanged while it holds its
     default, so a study begun before an upgrade resumes."""
@@ -177,6 +237,8 @@ def check_same_spec(stored: dict | None, spec: Spec) -> None:
     now = spec.model_dump(mode="json")
     changed = []
     for section, value in now.items():
+        if section in ignore:
+            continue
         old = stored.get(section)
         if isinstance(value, dict) and isinstance(old, dict):
             fields = type(getattr(spec, section)).model_fields
@@ -191,7 +253,8 @@ def check_same_spec(stored: dict | None, spec: Spec) -> None:
     if changed:
         raise ValueError(
             f"--resume: the spec changed since the study began ({', '.join(changed)}); "
-            "only study.trials and workers.count may change"
+            "only study.trials, workers.count, workers.max_restarts and "
+            "workers.max_task_retries may change"
         )
 
 

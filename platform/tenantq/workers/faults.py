@@ -56,5 +56,9 @@ class DieOnInt4Weights(HostWorker):
         import os
 
         if _is_int4_weights(plan_json):
+            log = os.environ.get("TENANTQ_FAULT_LOG")  # tests count the deaths here
+            if log:
+                with open(log, "a") as f:
+                    f.write(f"{os.getpid()}\n")
             os._exit(1)
         return super().evaluate(plan_json, suite, split)
