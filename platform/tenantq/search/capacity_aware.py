@@ -322,11 +322,13 @@ class KnapsackSampler(BaseSampler):
         inc_v = np.minimum.accumulate(
             np.array([sum(lam[j] * m[1][j] for j in range(len(fits))) for m in order])
         )
+        self._solved: dict[int, knapsack.Solved] = {}
         cands = []  # (gain, tenants, -pred, section, kv, width)
         kv_cost = [cost(self.features(k.params)) for k in self.problem.kv]
         for si, sec in enumerate(self.problem.sections):
             costs = [np.array([cost(self.features(o.params)) for o in g]) for g in sec.groups]
             solved = knapsack.solve(self.problem, si, costs)
+            self._solved[si] = solved
             c_sec = cost(self.features(sec.params))
             for ki, kv in enumerate(self.problem.kv):
                 ts, ws = knapsack.levels(self.problem, solved, kv)
@@ -357,7 +359,7 @@ class KnapsackSampler(BaseSampler):
             if len(tried) > MAX_TRIES:
                 break
             sec = self.problem.sections[si]
-            solved_opts = self._options(si, w, lam, fits, cost)
+            solved_opts = self._solved[si].options_at(w)
             params = dict(sec.params)
             for grp, o in zip(sec.groups, solved_opts, strict=True):
                 params.update(grp[o].params)
@@ -371,15 +373,6 @@ class KnapsackSampler(BaseSampler):
                               "predicted": -negp, "params": params}  # fmt: skip
             return params, fits
         return None
-
-    def _options(self, si, w, lam, fits, cost):
-        sec = self.problem.sections[si]
-        key = (si, tuple(lam))
-        cached = getattr(self, "_solved", None)
-        if cached is None or cached[0] != key or cached[2] is not fits:
-            costs = [np.array([cost(self.features(o.params)) for o in g]) for g in sec.groups]
-            self._solved = (key, knapsack.solve(self.problem, si, costs), fits)
-        return self._solved[1].options_at(w)
 
     def _weights(self, n: int) -> list[float]:
         if len(self.quality) == 1:
@@ -599,7 +592,6 @@ def _kv_options(context, choices, kv_names, weight_params) -> list[knapsack.KVOp
     share one), with the static-scale and per-tenant bytes `capacity.budget` counts."""
     import itertools
 
-    from tenantq.capacity import budget
     from tenantq.quant.plan import QuantPlan
     from tenantq.search.space import KV_BF16_LAYERS, _canonical_kv
 
@@ -614,9 +606,20 @@ def _kv_options(context, choices, kv_names, weight_params) -> list[knapsack.KVOp
         kv = _canonical_kv(params, layers, config)
         if kv in seen:
             continue
-        b = budget(
-            context.capacity_config, QuantPlan(kv=kv), context.deployment,
-            context.spec.deployment.context_tokens,
-        )  # fmt: skip
-        seen[kv] = knapsack.KVOption(params, b.kv_static_bytes_per_chip, b.tenant_bytes_per_chip)
+        seen[kv] = knapsack.KVOption(params, *_kv_bytes(context, QuantPlan(kv=kv)))
     return list(seen.values())
+
+
+def _kv_bytes(context, plan) -> tuple[int, int]:
+    """(static-scale bytes, bytes per tenant) per chip of `plan`'s KV, by the functions
+    `capacity.budget` counts them with (`kv_layers`, `tenant_pages`, `pool_bytes_from_layers`),
+    without its longest-context search."""
+    from tenantq.capacity.kv import kv_layers, pool_bytes_from_layers, tenant_pages
+
+    dep = context.deployment
+    layers = kv_layers(context.capacity_config, plan, dep.page_tokens, dep.chips)
+    pages = tenant_pages(
+        context.capacity_config, context.spec.deployment.context_tokens, dep.page_tokens
+    )
+    tenant = pool_bytes_from_layers(layers, pages, 1)
+    return sum(lay.static_bytes for lay in layers), tenant["total_bytes"] - tenant["static_bytes"]

@@ -149,13 +149,13 @@ def solve(problem: Problem, section: int, costs: Sequence[np.ndarray]) -> Solved
     for ticks, cost in zip(sz.ticks, costs, strict=True):
         new = np.full(n, np.inf)
         pick = np.zeros(n, dtype=np.int16)
-        pairs = zip(ticks.tolist(), np.asarray(cost, float).tolist(), strict=True)
-        for o, (t, c) in enumerate(pairs):
-            cand = np.full(n, np.inf)
-            cand[t:] = best[: n - t] + c
-            better = cand < new
-            new[better] = cand[better]
-            pick[better] = o
+        for o, (t, c) in enumerate(
+            zip(ticks.tolist(), np.asarray(cost, float).tolist(), strict=True)
+        ):
+            cand = best[: n - t] + c
+            better = cand < new[t:]
+            np.copyto(new[t:], cand, where=better)
+            np.copyto(pick[t:], o, where=better)
         best = new
         choices.append(pick)
     return Solved(section, sz, best, tuple(choices))
