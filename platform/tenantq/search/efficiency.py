@@ -206,6 +206,7 @@ def exhaustive_pass(
 COVERAGE_SLACK = 0.25  # the issue's definition: quality within 25% of the best at that level
 KL_FLOOR = 1e-4  # hypervolume axis is log10(max(KL, floor)); bf16's KL is exactly 0
 SAMPLERS = ("random", "nsga2", "tpe", "capacity_aware")  # capacity_aware_finite on request
+NSGA2_POPULATION = 6  # issue 12's comparison: the quickstart spec's NSGA-II population then
 MAX_ASKS_PER_EVALUATION = 50  # a sampler that only repeats measured plans is stopped here
 
 
@@ -305,7 +306,10 @@ def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: Sp
             Candidate(axis_params(p.choice), p.tenants, p.fingerprint) for p in landscape.points
         ]
         return CapacityAwareSampler(candidates, quality_index=1, seed=seed)
-    sampler = spec.sampler.model_copy(update={"kind": kind, "seed": seed})
+    update: dict[str, Any] = {"kind": kind, "seed": seed}
+    if kind == "nsga2":  # the population the quickstart spec had while it named NSGA-II
+        update["population_size"] = spec.sampler.population_size or NSGA2_POPULATION
+    sampler = spec.sampler.model_copy(update=update)
     return make_sampler(spec.model_copy(update={"sampler": sampler}))
 
 

@@ -183,10 +183,11 @@ class CalibrationSpec(_Strict):
 
 
 class SamplerSpec(_Strict):
-    """capacity_aware: enumerates a finite space (tenants exact per plan) and measures the plan
-    predicted to improve the front most (tenantq.search.capacity_aware)."""
+    """capacity_aware: solves the capacity side exactly (a knapsack over weight bytes) and
+    measures the plan predicted to improve the front most (tenantq.search.capacity_aware).
+    Absent kind: capacity_aware when the study has a quality objective, else nsga2."""
 
-    kind: Literal[SAMPLERS] = "nsga2"  # type: ignore[valid-type]
+    kind: Literal[SAMPLERS] | None = None  # type: ignore[valid-type]
     # Optuna's samplers seed numpy, which takes 0 .. 2^32 - 1 ("Seed must be between ...").
     seed: int = Field(0, ge=0, le=2**32 - 1)
     population_size: int | None = Field(None, ge=2, description="NSGA-II population")
@@ -253,6 +254,12 @@ class StudySpec(_Strict):
     )
 
 
+def default_sampler_kind(spec: Spec) -> str:
+    """The sampler of a spec that names none: capacity_aware wherever a quality objective
+    exists (issue 25), NSGA-II for a capacity-only study."""
+    return "capacity_aware" if spec.quality_objectives() else "nsga2"
+
+
 def wants_baselines(spec: Spec) -> bool:
     """Whether the study enqueues the three baselines (see StudySpec.baselines): on the
     168-plan space, counting them cost capacity_aware 12.5 points of front coverage at 25
@@ -297,6 +304,13 @@ class Spec(_Strict):
         names = [o.metric for o in self.objectives]
         if len(set(names)) != len(names):
             raise ValueError(f"objectives: metric listed twice in {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _default_sampler(self) -> Spec:
+        if self.sampler.kind is None:  # frozen model: set once, while validating
+            kind = default_sampler_kind(self)
+            object.__setattr__(self, "sampler", self.sampler.model_copy(update={"kind": kind}))
         return self
 
     @model_validator(mode="after")
