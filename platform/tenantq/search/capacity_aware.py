@@ -337,7 +337,9 @@ class KnapsackSampler(BaseSampler):
                 pred = const + c_sec + kv_cost[ki] + solved.best[ws]
                 # incumbent at >= t: the last of the measured sorted by tenants desc with >= t
                 n_ge = np.searchsorted(-inc_t, -ts, side="right")
-                inc = np.where(n_ge > 0, inc_v[np.maximum(n_ge - 1, 0)], np.inf)
+                inc = np.full(len(ts), np.inf)
+                if len(inc_v):
+                    inc = np.where(n_ge > 0, inc_v[np.maximum(n_ge - 1, 0)], np.inf)
                 with np.errstate(invalid="ignore", divide="ignore"):
                     if multi:
                         gain = inc - pred
