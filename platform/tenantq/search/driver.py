@@ -117,11 +117,14 @@ class SearchDriver:
         worker_class: type | None = None,
         pool_factory=None,
         continue_from: str | None = None,
+        storage=None,
     ) -> None:
         """`worker_class`: a `HostWorker` subclass for the Ray pool (tests inject faults with
         `tenantq.workers.faults`); `pool_factory(driver)`: another pool with the `WorkerPool`
         surface (the driver bench's in-process workers); `continue_from`: copy that study to
-        `spec.study.name` and go on there (`--continue-as`)."""
+        `spec.study.name` and go on there (`--continue-as`); `storage`: an Optuna storage
+        to use instead of `study.storage`'s (the driver bench's in-memory one)."""
+        self.storage_override = storage
         self.prep = self.context = prepare(spec, spec_text)
         self.worker_class = worker_class
         self.pool_factory = pool_factory
@@ -149,6 +152,7 @@ class SearchDriver:
             self.context,
             resume=self.resume,
             continue_from=self.continue_from,
+            storage=self.storage_override,
             sampler_for=lambda n: make_sampler(spec, self.context, trials_so_far=n),
         )
         open_parent(tracker, self.study, self.context, self.workers)
@@ -233,9 +237,10 @@ class SearchDriver:
             ledger.fail(entry, "plan", f"plan: {err}")
             return
         entry.plan, entry.budget, entry.capacity = plan, b, capacity_metrics(b)
+        plan_json = plan.to_json()
         entry.params = flatten_plan(plan, ctx.config) | {f"space.{k}": v for k, v in params.items()}
         for key, value in (
-            ("plan", plan.to_json()),
+            ("plan", plan_json),
             ("capacity", entry.capacity),
             ("weights_summary", b.weights_summary),
             ("kv_summary", b.kv_summary),
@@ -246,7 +251,7 @@ class SearchDriver:
         if pool is None:  # capacity only: the exact figures are the whole measurement
             ledger.complete(entry, objective_values(self.spec.objectives, b.tenants, {}))
             return
-        ledger.dispatched(entry, pool.submit(entry.number, plan.to_json()))
+        ledger.dispatched(entry, pool.submit(entry.number, plan_json))
         self.metrics.workers_busy(pool.in_flight)
 
     def _record(self, finished) -> None:

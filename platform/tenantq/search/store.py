@@ -64,7 +64,7 @@ def make_storage(url: str, max_retry: int):
 
 
 def open_study(
-    context, *, resume: bool, sampler_for, continue_from: str | None = None
+    context, *, resume: bool, sampler_for, continue_from: str | None = None, storage=None
 ) -> tuple[Any, Any]:
     """(storage, study) for the context's spec; `sampler_for(trials_so_far)` builds the
     sampler. Raises a one-line ValueError for a missing or present study, or a changed one."""
@@ -74,7 +74,8 @@ def open_study(
     spec: Spec = context.spec
     name = spec.study.name
     try:
-        storage = make_storage(spec.study.storage, spec.study.max_trial_retries)
+        if storage is None:
+            storage = make_storage(spec.study.storage, spec.study.max_trial_retries)
     except SQLAlchemyError as err:  # OperationalError and kin: the server or the file
         first = str(err).strip().splitlines()[0]
         raise ValueError(f"study.storage: cannot open {spec.study.storage!r}: {first}") from None

@@ -25,3 +25,36 @@ class FailQuantizedTrials(HostWorker):
         if plan.fingerprint() != QuantPlan().fingerprint():  # anything but all bf16
             raise RuntimeError(INJECTED_ERROR)
         return super().evaluate(plan_json, suite, split)
+
+
+HANG_S = 3600.0  # longer than any test's deadline: only the driver's trial_timeout ends it
+
+
+def _is_int4_weights(plan_json: str) -> bool:
+    import json
+
+    return any(r.get("format") == "int4" for r in json.loads(plan_json).get("rules", []))
+
+
+class HangOnInt4Weights(HostWorker):
+    """A HostWorker that never returns for a plan with int4 weights (a hung compile or
+    collective); the rest evaluate as usual."""
+
+    def evaluate(self, plan_json: str, suite: str | None = None, split: str = "search"):
+        import time
+
+        if _is_int4_weights(plan_json):
+            time.sleep(HANG_S)
+        return super().evaluate(plan_json, suite, split)
+
+
+class DieOnInt4Weights(HostWorker):
+    """A HostWorker whose process exits on a plan with int4 weights (a segfault, the kernel's
+    OOM killer): the worker dies every time that plan is tried."""
+
+    def evaluate(self, plan_json: str, suite: str | None = None, split: str = "search"):
+        import os
+
+        if _is_int4_weights(plan_json):
+            os._exit(1)
+        return super().evaluate(plan_json, suite, split)
