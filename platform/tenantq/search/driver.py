@@ -418,11 +418,14 @@ class SearchDriver:
     def _study_metrics(self) -> dict[str, float]:
         if getattr(self, "ledger", None) is None:
             return {}
+        from tenantq.search.quality_model import prediction_metrics
+
         c = self.counts()
         return {
             "study.complete": c["complete"],
             "study.failed": c["failed"],
             "study.plans": c["done"],
+            **prediction_metrics(self.study),  # capacity_aware's predictions vs measurements
         }
 
 
