@@ -221,7 +221,7 @@ def test_bench_efficiency_reads_the_cache(tmp_path, capsys):
         write_record(tmp_path, {"fingerprint": p.fingerprint, "choice": list(p.choice),
                                 "summary": {"fidelity.kl_mean": p.tenants / 1000}})  # fmt: skip
     argv = ["--efficiency", "--cache-dir", str(tmp_path), "--budgets", "10", "--seeds", "0",
-            "--json"]  # fmt: skip
+            "--ask-cost", "0", "--json"]  # fmt: skip
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["front"]) == len({p.tenants for p in points}) == 54

@@ -104,10 +104,25 @@ def efficiency_main(argv: list[str]) -> int:
         default="fidelity.kl_mean",
         help="cached lower-is-better metric, or -KEY for higher-is-better",
     )
+    p.add_argument(
+        "--ask-cost",
+        type=int,
+        default=10,
+        help="asks timed on Llama-3.1-8B's 32-layer per-tensor space (capacity preset); 0: skip",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tenantq.search import efficiency as eff
+
+    cost = eff.ask_cost(eff.preset_context(), args.ask_cost) if args.ask_cost else None
+    if cost and not args.json:
+        print(
+            f"capacity_aware on llama-3.1-8b per-tensor (tpu-v6e, 8192 tokens): "
+            f"{float(cost['plans']):.3g} plans, build {cost['build_s']:.2f} s, "
+            f"{cost['ask_s_mean']:.3f} s per ask (max {cost['ask_s_max']:.3f} s, "
+            f"{cost['asks']} asks; bytes exact: {cost['exact_bytes']})"
+        )
 
     points, prep = eff.build_points(args.spec)
     if args.measure:
@@ -121,7 +136,10 @@ def efficiency_main(argv: list[str]) -> int:
     summary = eff.summarize(rows)
     front = eff.pareto_front(land.all_points())
     if args.json:
-        print(json.dumps({"front": front, "summary": summary, "runs": rows}, indent=2))
+        if cost:
+            cost["plans"] = float(cost["plans"])
+        out = {"front": front, "summary": summary, "runs": rows, "ask_cost": cost}
+        print(json.dumps(out, indent=2))
         return 0
     print(
         f"search efficiency: {len(points)} plans ({len(land.loss)} distinct fingerprints), "
