@@ -263,8 +263,8 @@ class KnapsackSampler(BaseSampler):
         return measured, held, held_params
 
     def sample_relative(self, study, trial, search_space) -> dict[str, Any]:
-        if not search_space:
-            return {}
+        if not search_space or trial.system_attrs.get("fixed_params"):
+            return {}  # an enqueued trial (baseline, retry): its parameters are fixed
         measured, held, held_params = self._state(study, trial)
         ref_fp, _ = self.locate(self.reference)
         if ref_fp not in measured and ref_fp not in held:
