@@ -1,13 +1,12 @@
 """The capacity-aware sampler: spend quality evaluations only where they can move the front.
 
 Capacity is exact and costs about a millisecond, quality costs seconds, and generic samplers
-ignore that asymmetry. This Optuna sampler knows every candidate plan of a finite space and its
-tenant count up front. It measures the most precise plan first, then predicts quality
-additively from what has been measured (the reference's loss plus a non-negative fitted loss
-per parameter value that departs from it; a value never measured is predicted free, i.e.
-optimistically), and each trial goes to the unmeasured plan whose predicted loss improves most
-on the best measured loss at its tenant count or above. A plan whose
-tenants and prediction cannot improve the front is never chosen while one that can remains.
+ignore that asymmetry. `KnapsackSampler` (the `capacity_aware` kind, any space size) solves
+the capacity side exactly as a knapsack over weight bytes (tenantq.search.knapsack) against an
+additive quality model with a prior (tenantq.search.quality_model), and measures the plan
+predicted to improve the front most; `build_problem` turns a study's space into that knapsack.
+`CapacityAwareSampler` is issue 12's enumerating form over an explicit candidate list, kept
+for synthetic landscapes and comparison (`choose`, `additive_fit`).
 """
 
 from __future__ import annotations
