@@ -237,6 +237,7 @@ class KnapsackSampler(BaseSampler):
 
     # -- the study's state
     def _state(self, study, trial):
+        self._believed: dict[str, tuple[int, list[float]]] = {}  # in flight: predicted losses
         measured: dict[str, tuple[int, list[float], tuple]] = {}
         held: set[str] = set()
         held_params: set[tuple] = set()
@@ -258,7 +259,12 @@ class KnapsackSampler(BaseSampler):
                     measured[fp] = (tenants, losses, self.features(params))
             elif t.state in (TrialState.FAIL, TrialState.RUNNING, TrialState.WAITING):
                 held_params.add(_params_key(params))
-                held.add(self.locate(params)[0])
+                fp, tenants = self.locate(params)
+                held.add(fp)
+                predicted = t.system_attrs.get(PREDICTED_ATTR)
+                if t.state == TrialState.RUNNING and predicted:
+                    losses = [sign * predicted[str(i)] for i, sign in self.quality]
+                    self._believed[fp] = (tenants, losses)
         return measured, held, held_params
 
     def sample_relative(self, study, trial, search_space) -> dict[str, Any]:
@@ -315,9 +321,12 @@ class KnapsackSampler(BaseSampler):
             return sum(lam[j] * fits[j].lcb(f) for j in range(len(fits)) for f in feats)
 
         const = sum(lam[j] * base[j] for j in range(len(fits)))
-        # incumbents: the best measured (scalarised) loss at >= t tenants
-        inc_t = np.array(sorted((m[0] for m in measured.values()), reverse=True), dtype=np.int64)
-        order = sorted(measured.values(), key=lambda m: -m[0])
+        # incumbents: the best measured (scalarised) loss at >= t tenants; a plan in flight
+        # counts at its predicted loss, so parallel workers do not all go to one tenant level
+        known = [m[:2] for m in measured.values()]
+        known += [b for fp, b in self._believed.items() if fp not in measured]
+        inc_t = np.array(sorted((m[0] for m in known), reverse=True), dtype=np.int64)
+        order = sorted(known, key=lambda m: -m[0])
         inc_v = np.minimum.accumulate(
             np.array([sum(lam[j] * m[1][j] for j in range(len(fits))) for m in order])
         )
