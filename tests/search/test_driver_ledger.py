@@ -112,6 +112,9 @@ def test_trials_counts_distinct_plans_not_duplicates(tmp_path) -> None:
     assert len(_distinct_plans(trials)) == 12
     dups = [t for t in trials if "duplicate_of" in t.user_attrs]
     assert outcome.counts["done"] == 12 and outcome.counts["duplicates"] == len(dups)
+    study = optuna.load_study(study_name="cap", storage=spec.study.storage)
+    assert study.metric_names == ["tenants"]  # optuna-dashboard labels the objective
+    assert set(study.user_attrs["tenantq.identity"]) == {"spec", "model", "eval.suite", "code"}
 
 
 @pytest.mark.slow

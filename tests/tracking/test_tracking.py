@@ -81,3 +81,11 @@ def test_study_and_trial_runs(tmp_path) -> None:
     again = StudyTracker(uri, "exp")
     again.resume_study(parent)
     assert client.get_run(parent).info.status == "RUNNING" and again.trial_runs() == {0: ok, 1: bad}
+    # MLflow 3.17's UI opens an experiment without mlflow.experimentKind on the GenAI traces
+    # overview; ours is tagged for the runs table, and an experiment made before is tagged
+    # when a study opens it.
+    exp = client.get_experiment_by_name("exp")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    old = client.create_experiment("untagged")
+    StudyTracker(uri, "untagged")
+    assert client.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"

@@ -9,6 +9,7 @@ logs every told trial; a background thread keeps the heartbeats of trials in fli
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -421,12 +422,12 @@ class SearchDriver:
         from tenantq.search.quality_model import prediction_metrics
 
         c = self.counts()
-        return {
-            "study.complete": c["complete"],
-            "study.failed": c["failed"],
-            "study.plans": c["done"],
-            **prediction_metrics(self.study),  # capacity_aware's predictions vs measurements
-        }
+        out = {"study.complete": c["complete"], "study.failed": c["failed"]}
+        out["study.plans"] = c["done"]
+        with contextlib.suppress(Exception):  # the study could not be read: nothing to add
+            out["study.front_size"] = len(self.study.best_trials)
+        out.update(prediction_metrics(self.study))  # capacity_aware's predictions vs measured
+        return out
 
 
 def _verdict_tags(summary: dict[str, Any], constraints: dict[str, float]) -> dict[str, str]:

@@ -124,7 +124,9 @@ def open_study(
             directions=[o.direction for o in spec.objectives],
         )
         _record(study, spec, identity)
-    study.set_metric_names([o.metric for o in spec.objectives])
+    with warnings.catch_warnings():  # experimental since Optuna 3.2, still in 5.0
+        warnings.simplefilter("ignore")
+        study.set_metric_names([o.metric for o in spec.objectives])
     for params in context.baselines:  # every start: a study begun without them gets them
         study.enqueue_trial(params, user_attrs={"baseline": True}, skip_if_exists=True)
     return storage, study
