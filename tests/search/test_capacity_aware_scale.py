@@ -283,3 +283,19 @@ def test_a_wrong_prior_is_corrected_by_measurement():
     # an unmeasured value keeps its (scaled) prior, explored at its lower confidence bound
     fresh = quality_model.fit(rows[:1], [1.0], 0.0, {**prior, ("d", "int4"): 2.0})
     assert fresh.lcb(("d", "int4")) <= fresh.weight(("d", "int4"))
+
+
+def test_prediction_metrics_by_hand():
+    # predicted 0.1, 0.2, 0.4 for measured 0.1, 0.25, 0.5 (same order: rank correlation 1);
+    # relative errors 0, 0.2, 0.2 -> median 0.2. A measured 0 is left out of the error.
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    for pred, meas in [(0.1, 0.1), (0.2, 0.25), (0.4, 0.5), (0.05, 0.0)]:
+        trial = study.ask()
+        study._storage.set_trial_system_attr(
+            trial._trial_id, quality_model.PREDICTED_ATTR, {"1": pred}
+        )
+        study.tell(trial, [1.0, meas])
+    m = quality_model.prediction_metrics(study)
+    assert m["capacity_aware.obj1.rank_corr"] == pytest.approx(1.0)
+    assert m["capacity_aware.obj1.median_rel_error"] == pytest.approx(0.2)
+    assert m["capacity_aware.obj1.predicted_plans"] == 4

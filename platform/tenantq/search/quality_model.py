@@ -79,7 +79,7 @@ def fit(
     scale = float(xp @ y / (xp @ xp)) if xp @ xp > 0 else 1.0
     scale = max(scale, 0.0)
     unit = max(float(np.max(np.abs(y))), 1e-12)
-    lam = RIDGE * unit**2 if prior else RIDGE * unit**2
+    lam = RIDGE * unit**2
     r = y - x @ (scale * p)
     alpha = np.linalg.solve(x @ x.T + lam * np.eye(len(rows)), r)
     w = np.maximum(scale * p + x.T @ alpha, 0.0)
@@ -91,7 +91,8 @@ def fit(
 def prediction_metrics(study, prefix: str = "capacity_aware") -> dict[str, float]:
     """How well the model predicted each measured plan, from the predictions the sampler
     stored on its trials: Spearman rank correlation and median relative error per quality
-    objective (index in the study's values). Empty when fewer than 3 plans carry one."""
+    objective (index in the study's values; the relative error over plans measured non-zero).
+    Empty when fewer than 3 plans carry one."""
     from optuna.trial import TrialState
     from scipy.stats import spearmanr
 
@@ -113,7 +114,9 @@ def prediction_metrics(study, prefix: str = "capacity_aware") -> dict[str, float
         rho = spearmanr(pred, meas).statistic
         if np.isfinite(rho):
             out[f"{tag}.rank_corr"] = float(rho)
-        rel = np.abs(pred - meas) / np.maximum(np.abs(meas), 1e-12)
-        out[f"{tag}.median_rel_error"] = float(np.median(rel))
+        nonzero = meas != 0  # a relative error of a measured 0 is undefined: left out
+        if nonzero.any():
+            rel = np.abs(pred[nonzero] - meas[nonzero]) / np.abs(meas[nonzero])
+            out[f"{tag}.median_rel_error"] = float(np.median(rel))
         out[f"{tag}.predicted_plans"] = float(len(ps))
     return out
