@@ -561,3 +561,28 @@ def ask_cost(context, asks: int = 10, seed: int = 0) -> dict[str, Any]:
         "asks": asks,
         "exact_bytes": all(s.exact for s in sampler.problem.sizing.values()),
     }
+
+
+# ---------------------------------------------------------------- a synthetic landscape
+SYNTHETIC_WEIGHT_KL = {"bf16": 0.0, "fp8_e4m3": 2e-4, "int8": 1e-4, "int4": 4e-3, "nvfp4": 3e-3,
+                       "mxfp4": 6e-3}  # fmt: skip
+SYNTHETIC_KV_KL = {"bf16": 0.0, "fp8_e4m3/channel": 7e-4, "fp8_e4m3/token": 7.5e-4,
+                   "int4/channel": 4.7e-3, "int4/token": 7.4e-3, "nvfp4/token": 5e-3,
+                   "mxfp4/token": 1.5e-2}  # fmt: skip
+
+
+def synthetic_landscape(points: list[SpacePoint], seed: int) -> Landscape:
+    """The 168-plan space's real tenants with a made-up KL (no evaluation): per-choice costs of
+    the order the reference model shows, +30% when both weights and KV are quantized (an
+    interaction the additive model cannot fit), and +-15% noise per plan from `seed`. For
+    developing samplers only: figures on it are not measurements of the model."""
+    import random
+
+    rng = random.Random(seed)
+    loss = {}
+    for p in points:
+        mlp, attn, kv = p.choice
+        w = 1.6 * SYNTHETIC_WEIGHT_KL[mlp] + 0.8 * SYNTHETIC_WEIGHT_KL[attn]
+        both = 1.3 if (mlp != "bf16" and SYNTHETIC_KV_KL[kv] > 0) else 1.0
+        loss[p.fingerprint] = (w + SYNTHETIC_KV_KL[kv]) * both * rng.uniform(0.85, 1.15)
+    return Landscape(tuple(points), loss)

@@ -4,11 +4,12 @@ A plan's loss is predicted as the reference plan's measured loss plus a non-nega
 (parameter, value) where the plan departs from the reference. Each value's loss starts at its
 prior (the per-tensor sensitivity profile's KL for that tensor and format, times a scale fitted
 to the measurements; 0, i.e. optimistic, without a profile) and is pulled toward the measured
-plans by ridge regression toward the prior, clipped at 0. Exploration rule: the sampler plans
-with each value's lower confidence bound max(0, w - BETA * s / sqrt(1 + n)), s the fit's
-residual RMS and n the measured plans holding that value, so a value whose prior is wrong is
-still tried until measurements contradict it; it can never get stuck since measured plans are
-never proposed again. `prediction_metrics` says how well the model predicted each plan.
+plans by ridge regression toward the prior, clipped at 0. Exploration rule: a value with a
+prior is planned with at its lower confidence bound max(0, w - BETA * s / sqrt(1 + n)), s the
+fit's residual RMS and n the measured plans holding that value, so a value whose prior is too
+pessimistic is still tried until measurements confirm it; a value without a prior is free
+until measured. It cannot get stuck: measured plans are never proposed again.
+`prediction_metrics` says how well the model predicted each plan.
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ class Fit:
         return self.prior_scale * self.prior.get(f, 0.0) if w is None else w
 
     def lcb(self, f: Feature) -> float:
-        """The feature's loss at its lower confidence bound (the exploration rule)."""
+        """The loss the sampler plans with (the exploration rule): for a value with a prior,
+        its lower confidence bound; for one without, the fit (0, optimistic, until measured:
+        on synthetic 168-plan landscapes a bound there cost coverage, 62% vs 72% at 25)."""
+        if f not in self.prior:
+            return max(0.0, self.weight(f))
         return max(0.0, self.weight(f) - BETA * self.sigma / math.sqrt(1 + self.counts.get(f, 0)))
 
     def predict(self, features: Sequence[Feature]) -> float:
