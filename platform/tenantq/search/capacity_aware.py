@@ -201,6 +201,7 @@ class KnapsackSampler(BaseSampler):
         distributions: dict[str, Any],
         prior: dict | None = None,
         seed: int | None = None,
+        weight_seed: int | None = None,
     ):
         knapsack.check_problem(problem)
         if not quality:
@@ -211,7 +212,9 @@ class KnapsackSampler(BaseSampler):
         self._located: dict[tuple, tuple[str, int]] = {}
         self._space = dict(distributions)
         self.prior = prior or {}
-        self.seed = 0 if seed is None else seed
+        # the scalarisation's draws: the spec's seed, not this start's, so a resumed study
+        # draws what an uninterrupted one would
+        self.seed = weight_seed if weight_seed is not None else (0 if seed is None else seed)
         self._fallback = RandomSampler(seed=seed)
         self.reference = _reference(problem)
         self.last_pick: dict[str, Any] | None = None  # what the last ask chose and why
@@ -448,6 +451,7 @@ def sampler_for_context(context, seed: int | None = None) -> KnapsackSampler:
         distributions=distributions(choices),
         prior=profile_prior(spec.space, choices),
         seed=spec.sampler.seed if seed is None else seed,
+        weight_seed=spec.sampler.seed,
     )
 
 
