@@ -188,7 +188,8 @@ class KnapsackSampler(BaseSampler):
     tenants; the pick is the level whose prediction improves most on the best measured loss at
     >= t tenants (infinite where none is measured; ties to more tenants), skipping plans the
     study holds (measured, in flight, failed: the driver re-enqueues a failed plan within its
-    retry budget). The most precise plan is measured first. Several quality objectives are
+    retry budget). The most precise plan is measured first. A space of at most
+    ENUMERATE_LIMIT parameter sets is scored plan by plan with the same model and rule. Several quality objectives are
     scalarised: a weight vector drawn per ask from (seed, completed trials) on the simplex,
     each objective scaled by its measured range. Everything is decided from the study's
     trials, so a resumed study picks up where it stopped.
