@@ -189,8 +189,8 @@ class KnapsackSampler(BaseSampler):
     >= t tenants (infinite where none is measured; ties to more tenants), skipping plans the
     study holds (measured, in flight, failed: the driver re-enqueues a failed plan within its
     retry budget). The most precise plan is measured first. A space of at most
-    ENUMERATE_LIMIT parameter sets is scored plan by plan with the same model and rule. Several quality objectives are
-    scalarised: a weight vector drawn per ask from (seed, completed trials) on the simplex,
+    ENUMERATE_LIMIT parameter sets is scored plan by plan with the same model and rule.
+    Several quality objectives are scalarised: a weight vector drawn per ask from (seed, completed trials) on the simplex,
     each objective scaled by its measured range. Everything is decided from the study's
     trials, so a resumed study picks up where it stopped.
 
