@@ -190,8 +190,8 @@ class KnapsackSampler(BaseSampler):
     study holds (measured, in flight, failed: the driver re-enqueues a failed plan within its
     retry budget). The most precise plan is measured first. A space of at most
     ENUMERATE_LIMIT parameter sets is scored plan by plan with the same model and rule.
-    Several quality objectives are scalarised: a weight vector drawn per ask from (seed, completed trials) on the simplex,
-    each objective scaled by its measured range. Everything is decided from the study's
+    Several quality objectives are scalarised: a weight vector drawn per ask from (seed,
+    completed trials) on the simplex, each objective scaled by its measured range. Everything is decided from the study's
     trials, so a resumed study picks up where it stopped.
 
     `locate(params)` -> (plan fingerprint, exact tenants) is the study's own count
