@@ -183,16 +183,16 @@ class KnapsackSampler(BaseSampler):
     """The capacity-aware sampler for a space of any size (tenantq.search.knapsack).
 
     Each ask: fit the quality model (tenantq.search.quality_model) to the study's measured
-    plans, solve the weight knapsack per section with each value at its lower confidence
-    bound, and for every KV plan and tenant level t take the least predicted loss at >= t
+    plans, solve the weight knapsack per section with each value at its planning loss
+    (`Fit.lcb`), and for every KV plan and tenant level t take the least predicted loss at >= t
     tenants; the pick is the level whose prediction improves most on the best measured loss at
     >= t tenants (infinite where none is measured; ties to more tenants), skipping plans the
     study holds (measured, in flight, failed: the driver re-enqueues a failed plan within its
     retry budget). The most precise plan is measured first. A space of at most
     ENUMERATE_LIMIT parameter sets is scored plan by plan with the same model and rule.
     Several quality objectives are scalarised: a weight vector drawn per ask from (seed,
-    completed trials) on the simplex, each objective scaled by its measured range. Everything is decided from the study's
-    trials, so a resumed study picks up where it stopped.
+    completed trials) on the simplex, each objective scaled by its measured range. Everything
+    is decided from the study's trials, so a resumed study picks up where it stopped.
 
     `locate(params)` -> (plan fingerprint, exact tenants) is the study's own count
     (`StudyContext.plan_and_budget`); `quality` lists (objective index, +1 minimize / -1
