@@ -1,17 +1,17 @@
 # Two commands do everything on a fresh machine with Python 3.11+ and make:
 #   make demo   -- create .venv, install, run the main job on the embedded defaults
-#   make test   -- create .venv, install with test extras, run the whole suite
+#   make test   -- create .venv, install with test extras (and docs: the site is built), run the whole suite
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench clean mutation
+.PHONY: demo test test-fast lint docs bench clean mutation
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --quiet -e '.[test,parity]'
+	$(PY) -m pip install --quiet -e '.[test,parity,docs,lmeval]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -33,6 +33,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow and not e2e"
+
+# The docs site (mkdocs.yml, docs/) into site/; --strict fails on any warning, as tests/test_docs.py does.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check platform tests

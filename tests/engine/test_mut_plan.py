@@ -185,18 +185,19 @@ def test_w8a8_checks_name_the_tensor_or_rule():
         return TensorQuant("layers/0/mlp/up_proj", fmt, 0, group_size, symmetric, "rtn", "int8")
 
     with pytest.raises(ValueError) as err:
-        check_w8a8(tensor("int4"))
+        check_w8a8(tensor("mxfp4"))
     assert str(err.value) == (
-        "layers/0/mlp/up_proj: W8A8 with int8 activations needs weights in int8, got int4"
+        "layers/0/mlp/up_proj: W8A8 with int8 activations needs weights in int8 or int4, got mxfp4"
     )
     with pytest.raises(ValueError) as err:
         check_w8a8(tensor("int8", symmetric=False))  # no group, but asymmetric
     assert str(err.value) == (
         "layers/0/mlp/up_proj: W8A8 (int8 activations) needs symmetric per-channel weight "
-        "scales (no group_size), got group_size=None, symmetric=False"
+        "scales (no group_size; W4A8 int4 weights may have groups), got group_size=None, "
+        "symmetric=False"
     )
     with pytest.raises(ValueError, match=r"^rule '\.\*': W8A8 with fp8_e4m3 activations needs "
-                       r"weights in fp8_e4m3 or fp8_e5m2, got int8$"):  # fmt: skip
+                       r"weights in fp8_e4m3 or fp8_e5m2 or int4, got int8$"):  # fmt: skip
         Rule(".*", "int8", activations="fp8_e4m3")
     check_w8a8(tensor("int8"))  # the one valid int8 W8A8 weight passes
 

@@ -144,7 +144,10 @@ def _w8a8_bound(config, params64, tokens) -> float:
 
 @pytest.mark.parametrize(
     ("plan", "bound_of"),
-    [(None, _bf16_bound), (QuantPlan((Rule(".*", "int8", activations="int8"),)), _w8a8_bound)],
+    [
+        (None, _bf16_bound),
+        (QuantPlan((Rule(".*", "int8", activations="int8"),)), _w8a8_bound),
+    ],
     ids=["bf16", "w8a8-int8"],
 )
 def test_bf16_and_w8a8_engines_track_the_float64_forward(config, params, plan, bound_of):
@@ -160,6 +163,31 @@ def test_bf16_and_w8a8_engines_track_the_float64_forward(config, params, plan, b
         err = np.abs(got[i, : len(tokens)] - want).max()
         assert err <= bound, (i, err, bound)
         # The bound can see a real error: RoPE reversed lands outside it.
+        reversed_rope = numpy_logits(config, params64, tokens, rope_sign=-1.0)
+        assert np.abs(reversed_rope - want).max() > bound, i
+
+
+def test_w4a8_engine_tracks_the_float64_forward_of_its_int4_weights(config, params):
+    # W4A8 (int4 weights in groups of 16, int8 per-token inputs) against the numpy forward of
+    # the weights it stores (int4, dequantized in float64): what remains is the int8 input
+    # rounding, bounded as W8A8's (one int8 step per channel), plus bf16 between matmuls.
+    from tenantq.numerics import dequantize, quantize
+
+    plan = QuantPlan((Rule(".*_proj|lm_head", "int4", group_size=16, activations="int8"),))
+    resolved = plan.resolve(config)
+    params64 = {
+        k: np.asarray(
+            dequantize(quantize(v, "int4", axis=0, group_size=16)) if k in resolved else v,
+            np.float64,
+        )
+        for k, v in params.items()
+    }
+    got = Engine(config, params, plan, max_seqs=4, max_seq_tokens=64).logits(PROMPTS)
+    for i, tokens in enumerate(PROMPTS):
+        want = numpy_logits(config, params64, tokens)
+        bound = _w8a8_bound(config, params64, tokens)
+        err = np.abs(got[i, : len(tokens)] - want).max()
+        assert err <= bound, (i, err, bound)
         reversed_rope = numpy_logits(config, params64, tokens, rope_sign=-1.0)
         assert np.abs(reversed_rope - want).max() > bound, i
 

@@ -114,3 +114,34 @@ def test_bad_continuations_are_refused(engine):
         engine.continuation_logits(PROMPTS[:1], [[]])
     with pytest.raises(ValueError, match="chunk_tokens must be a whole number >= 1"):
         engine.continuation_logits(PROMPTS[:1], [[1]], chunk_tokens=0)
+
+
+def test_teacher_forcing_exact_takes_the_prefill_step(config, params):
+    # channel keys, page 8: a 12-token step ends mid-page, so page 1 (8..15) is still filling
+    # when positions 8..11 are computed, while generate (a 20-token prompt in one call) read
+    # it full; a 16-token step writes whole pages and agrees with decode
+    eng = _engine(config, params, QuantPlan(kv=KVPlan("int8", "channel", "bf16", "token")))
+    assert not eng.teacher_forcing_exact(20, 2, 12)
+    assert eng.teacher_forcing_exact(20, 2, 16)
+    assert eng.teacher_forcing_exact(20, 2)  # one prefill of the whole row
+    assert eng.teacher_forcing_exact(20, 2, 8)
+    # nvfp4 values: the 12-token step opens page 1 with 4 tokens, generate's prompt with 8
+    nvfp4 = _engine(config, params, QuantPlan(kv=KVPlan("bf16", "channel", "nvfp4", "token")))
+    assert not nvfp4.teacher_forcing_exact(20, 1, 12)
+    assert nvfp4.teacher_forcing_exact(20, 1, 16) and nvfp4.teacher_forcing_exact(20, 1, 8)
+    # a page opened by the first decoded token: one token either way, so exact
+    assert nvfp4.teacher_forcing_exact(16, 2, 8) and not nvfp4.teacher_forcing_exact(16, 3, 8)
+    # per-token int8 writes every token alike: any step is exact
+    assert _engine(config, params, KV_TOKEN_INT8).teacher_forcing_exact(20, 9, 12)
+
+
+def test_a_misaligned_step_the_rule_refuses_does_differ_from_decoding(config, params):
+    # the case above on the model: forcing anyway moves the margins by more than float32
+    # reassociation (1e-4); the aligned step stays within it
+    eng = _engine(config, params, QuantPlan(kv=KVPlan("int8", "channel", "int8", "channel")))
+    prompt = [[5, 9, 13, 1, 22, 40, 7, 2, 3, 11] * 2]
+    greedy = generate_with_margins(eng, prompt, 2)[0]
+    misaligned = teacher_forced_with_margins(eng, prompt, [greedy.tokens], chunk_tokens=12)[0]
+    aligned = teacher_forced_with_margins(eng, prompt, [greedy.tokens], chunk_tokens=16)[0]
+    assert np.abs(np.subtract(misaligned.margins, greedy.margins)).max() > 1e-4
+    np.testing.assert_allclose(aligned.margins, greedy.margins, atol=1e-4, rtol=0)

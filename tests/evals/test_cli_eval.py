@@ -56,3 +56,27 @@ def test_json_summary_of_the_baseline_against_itself(capsys, tmp_path) -> None:
     summary = json.loads(capsys.readouterr().out)
     assert summary["fidelity.kl_mean"] == 0.0 and summary["fidelity.tokens"] == 2 * 63
     assert (out / "examples.parquet").is_file() and (out / "summary.json").is_file()
+
+
+def test_printed_gates_use_the_summarys_verdict_and_changed_words() -> None:
+    # The CLI's words are the summary's (and so MLflow's): the non-inferiority verdict, the
+    # two-sided changed flag, and the suite's warnings by name; no old "regression" wording.
+    import pyarrow as pa
+
+    from tenantq.cli.eval import result_lines
+    from tenantq.evals.evaluator import EvalResult, Gate
+
+    metric = "needle.acc_delta.len1019"
+    gate = Gate(metric, -1 / 32, -0.157, 0.079, 0.05, True, "not shown non-inferior", 0.107)
+    summary = {
+        metric: -1 / 32, f"{metric}.ci_low": -0.157, f"{metric}.ci_high": 0.079,
+        f"verdict.{metric}": "not shown non-inferior", f"changed.{metric}": "no",
+        "warning.structured.close_brackets": "bf16 pass rate 57% (55 of 96) is below the "
+        "suite's 60%",
+    }  # fmt: skip
+    result = EvalResult(summary, {metric: gate}, pa.table({"x": [1]}), {"total": 1.0}, {})
+    lines = result_lines(result)
+    assert lines[0].endswith("tolerance 0.05: not shown non-inferior; changed: no"), lines[0]
+    assert "  warning.structured.close_brackets: bf16 pass rate 57%" in "\n".join(lines)
+    assert not any(line.lstrip().startswith(("verdict.", "changed.")) for line in lines)
+    assert not any("regression" in line for line in lines)

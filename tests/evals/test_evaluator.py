@@ -36,9 +36,11 @@ tolerance = 0.01
 higher_is_better = false
 [[gates]]
 metric = "needle.acc_delta.len256"
-tolerance = 0.2
+tolerance = 0.35
 higher_is_better = true
 """
+# 0.35: with 8 needles and no flip at all, Tango's 95% lower bound is -0.324 (stats), so a
+# tighter tolerance could never show non-inferiority (the evaluator would warn so).
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +62,18 @@ def test_baseline_against_itself_is_no_change(small) -> None:
     for key, value in s.items():
         if ".flips." in key:
             assert value == 0, key
-    assert all(g.verdict == "no detectable change" for g in result.gates.values())
+    assert all(g.verdict == "non-inferior" and not g.changed for g in result.gates.values())
     assert all(g.constraint <= 0 for g in result.gates.values())
-    assert s["verdict.needle.acc_delta.len256"] == "no detectable change"
+    assert s["verdict.needle.acc_delta.len256"] == "non-inferior"
+    assert s["changed.needle.acc_delta.len256"] == "no"
+    # no flip still leaves an interval: Tango's +-z^2 / (n + z^2) = +-0.324 at n = 8
+    assert s["needle.acc_delta.len256.ci_low"] == pytest.approx(-0.3244, abs=1e-3)
+    # the suite's 60% bar: exactly the groups whose bf16 pass rate is below it are named
+    rates = {"needle.len256": s["needle.acc_base.len256"],
+             "structured.close_line": s["structured.acc_base.close_line"]}  # fmt: skip
+    for group, rate in rates.items():
+        assert (f"warning.{group}" in s) == (rate < 0.6), (group, rate)
+    assert not any(k.startswith("warning.gate.") for k in s)
     assert result.examples.num_rows == 4 + 8 + 8
     # one baseline margin per recorded token: a right needle answer records its 5 digits, a
     # wrong one ends at its first wrong digit (teacher-forced: greedy's later tokens unknown)
@@ -118,13 +129,13 @@ higher_is_better = false
 
 
 @pytest.mark.slow
-def test_damaging_plan_is_a_regression_and_harmless_one_is_not(tmp_path) -> None:
+def test_damaging_plan_is_not_shown_non_inferior_and_harmless_one_is(tmp_path) -> None:
     path = tmp_path / "fidelity.toml"
     path.write_text(FIDELITY_SUITE)
     evaluator = Evaluator(reference_model_path(), load_suite(path), cache_dir=tmp_path)
     # fp8 weights, one scale per output channel: KL ~0.001 on this model (README table).
     harmless = evaluator.evaluate(QuantPlan(rules=(Rule(".*", "fp8_e4m3"),)))
-    assert harmless.gates["fidelity.kl_mean"].verdict == "no detectable change"
+    assert harmless.gates["fidelity.kl_mean"].verdict == "non-inferior"
     # int4 keys and values with a per-token key scale and every weight in int4: KL is
     # tens of times the 0.01 tolerance (README table).
     damaging = evaluator.evaluate(
@@ -134,8 +145,9 @@ def test_damaging_plan_is_a_regression_and_harmless_one_is_not(tmp_path) -> None
         )
     )
     gate = damaging.gates["fidelity.kl_mean"]
-    assert gate.verdict == "regression" and gate.constraint > 0
-    assert damaging.summary["verdict.fidelity.kl_mean"] == "regression"
+    assert gate.verdict == "not shown non-inferior" and gate.constraint > 0 and gate.changed
+    assert damaging.summary["verdict.fidelity.kl_mean"] == "not shown non-inferior"
+    assert damaging.summary["changed.fidelity.kl_mean"] == "yes"
 
 
 def test_gate_on_an_unmeasured_metric_is_refused(tmp_path) -> None:

@@ -44,7 +44,7 @@ def _write_task(root, kind, rows, target, extra, metrics):
 
 @pytest.fixture(scope="module")
 def lm() -> TenantqLM:
-    return TenantqLM(max_seqs=4)
+    return TenantqLM(max_seqs=4, dtype="float32")  # float32: sums comparable to 1e-4
 
 
 def _req(kind, args, i=0):
@@ -55,16 +55,72 @@ def _req(kind, args, i=0):
 def test_loglikelihood_equals_engine_score(lm) -> None:
     ctx, cont = "def main(args):\n    return", " args\n"
     ((got, greedy),) = lm.loglikelihood([_req("loglikelihood", (ctx, cont))])
-    c = [lm.prefix_token, *lm.tokenizer.encode(ctx)]
+    c = lm.tokenizer.encode(ctx)  # no BOS: the reference tokenizer adds none, as in HF
     whole = lm.tokenizer.encode(ctx + cont)
-    want = float(lm.engine.score([c], [whole[len(c) - 1 :]])[0].sum())
+    want = float(lm.engine.score([c], [whole[len(c) :]])[0].sum())
     assert got == pytest.approx(want, abs=1e-4)
     assert isinstance(greedy, bool)
     text = "import os\nimport sys\n\n\ndef main():\n    print(os.getcwd())\n"
     (rolling,) = lm.loglikelihood_rolling([_req("loglikelihood_rolling", (text,))])
     ids = lm.tokenizer.encode(text)
-    want = float(lm.engine.score([[lm.prefix_token]], [ids])[0].sum())
-    assert rolling == pytest.approx(want, abs=1e-3)
+    want = float(lm.engine.score([[lm.prefix_token_id]], [ids])[0].sum())
+    assert rolling == pytest.approx(want, abs=1e-4)
+
+
+def _recording(lm, monkeypatch):
+    seen = []
+
+    def record(requests, **kwargs):
+        seen.extend(requests)
+        return [(0.0, True)] * len(requests)
+
+    monkeypatch.setattr(lm, "_loglikelihood_tokens", record)
+    return seen
+
+
+def test_rolling_scores_every_token_of_a_document_longer_than_the_context(lm, monkeypatch):
+    # 2,500 tokens on a 1,024-token context: three windows, each token predicted once, each
+    # window one row of at most 1,024 tokens after the HF backend's cut [-(L + 1):][:-1]
+    seen = _recording(lm, monkeypatch)
+    ids = (lm.tokenizer.encode("x = 1\n") * 1000)[:2500]
+    text = lm.tokenizer.decode(ids)
+    ids = lm.tok_encode(text)
+    lm.loglikelihood_rolling([_req("loglikelihood_rolling", (text,))])
+    predicted = [t for _, _, cont in seen for t in cont]
+    assert predicted == ids
+    assert [len(cont) for _, _, cont in seen] == [1024, 1024, len(ids) - 2048]
+    for _, ctx, cont in seen:
+        assert len((ctx + cont)[-(lm.max_length + 1) :][:-1]) <= lm.max_length
+
+
+def test_trailing_context_whitespace_moves_to_the_continuation(lm, monkeypatch):
+    seen = _recording(lm, monkeypatch)
+    lm.loglikelihood(
+        [_req("loglikelihood", ("value =  ", "42")), _req("loglikelihood", ("value =", "  42"))]
+    )
+    (_, ctx_a, cont_a), (_, ctx_b, cont_b) = seen
+    assert (
+        (ctx_a, cont_a)
+        == (ctx_b, cont_b)
+        == (lm.tokenizer.encode("value ="), lm.tokenizer.encode("value =  42")[len(ctx_a) :])
+    )
+
+
+def test_generation_ignores_an_empty_stop_string_and_refuses_sampling(lm) -> None:
+    prompt = "def add(a, b):\n    return"
+    plain = lm.generate_until(
+        [_req("generate_until", (prompt, {"until": ["\n"], "max_gen_toks": 6}))]
+    )
+    empty = lm.generate_until(
+        [_req("generate_until", (prompt, {"until": ["", "\n"], "max_gen_toks": 6}))]
+    )
+    assert empty == plain and "\n" not in plain[0]
+    with pytest.raises(ValueError, match="decodes greedily.*do_sample"):
+        lm.generate_until(
+            [_req("generate_until", (prompt, {"do_sample": True, "temperature": 0.7}))]
+        )
+    with pytest.raises(ValueError, match="decodes greedily"):
+        lm.generate_until([_req("generate_until", (prompt, {"temperature": 0.5}))])
 
 
 @pytest.mark.slow

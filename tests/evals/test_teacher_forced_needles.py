@@ -65,3 +65,30 @@ def test_teacher_forced_needles_equal_greedy(quick, name):
         n = len(f.tokens)
         assert f.tokens == g.tokens[:n]
         assert np.abs(np.subtract(f.margins, g.margins[:n])).max() <= 4 * step, item.example_id
+
+
+@pytest.mark.slow
+def test_a_suite_whose_rows_are_not_whole_pages_decodes_its_needles(tmp_path):
+    # row_tokens 100 on 16-token pages: the needles' 100-token steps end mid-page, so with
+    # channel-scaled keys no needle is teacher-forced (the engine's rule says inexact) and
+    # every record is greedy decoding's, token for token and margin for margin
+    from tenantq.evals.suite import FidelitySpec, NeedleSpec, Suite
+
+    suite = Suite(
+        name="misaligned",
+        fidelity=FidelitySpec(rows=2, row_tokens=100),
+        needles=(NeedleSpec(lengths=(200,), per_length=3),),
+    )
+    ev = Evaluator(reference_model_path(), suite, cache_dir=tmp_path)
+    engine = ev.build_engine(PLANS["int4w_int8kv_channel"])
+    assert ev.step_tokens == 100 and engine.cache.page_tokens == 16
+    items = ev.needle_items
+    assert not any(
+        engine.teacher_forcing_exact(len(i.prompt), len(i.answer), ev.step_tokens) for i in items
+    )
+    forced = retrieval.run_needles(
+        engine, items, chunk_tokens=ev.step_tokens, kv_tokens=ev.kv_window_tokens
+    )
+    greedy = retrieval.run_needles(engine, items, teacher_forced=False)
+    for f, g in zip(forced, greedy, strict=True):
+        assert f.tokens == g.tokens and f.margins == g.margins

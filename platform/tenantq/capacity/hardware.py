@@ -1,4 +1,4 @@
-"""Accelerator profiles (memory and bandwidth per chip) and a deployment: profile x chips.
+"""Accelerator profiles (memory, bandwidth and peak matmul rate per chip) and a deployment.
 
 Each figure cites its source. TPU capacities are Google's, which its TPU7x page states in
 GiB; NVIDIA capacities are what `nvidia-smi` reports as `memory.total` (the memory a
@@ -18,6 +18,10 @@ from tenantq.capacity.units import GiB, MiB, exact_bytes, human_bytes, parse_byt
 from tenantq.quant.storage import DEFAULT_RESERVE_FRACTION
 
 GB_S = 10**9  # bandwidth figures are decimal: GB/s
+TFLOP_S = 10**12  # peak matmul rates are decimal too: TFLOP/s (TOP/s for int8)
+# The compute formats a matmul can run in: bf16 (weight-only formats dequantize to it),
+# int8 and fp8 (W8A8 / W4A8 with int8 or fp8 activations).
+COMPUTE_FORMATS = ("bf16", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -28,32 +32,94 @@ class HardwareProfile:
     hbm_bytes: int  # per chip
     hbm_bandwidth_bytes_per_s: int | None
     description: str
+    # Dense peak matmul rate per chip and compute format (FLOP/s; OP/s for int8); None where
+    # the vendor gives no figure for that format (the step model then runs it at bf16's).
+    peak_bf16_flops_per_s: int | None = None
+    peak_int8_ops_per_s: int | None = None
+    peak_fp8_flops_per_s: int | None = None
+    # Weight elements per second a matmul converts from each stored format before it
+    # multiplies, where that is a pass of its own (XLA:CPU: bf16 emulation, dequantization).
+    # Empty on accelerators: their kernels dequantize in registers, hidden under the bytes.
+    convert_elements_per_s: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.hbm_bytes, int) or self.hbm_bytes <= 0:
             raise ValueError(f"hardware {self.name}: memory must be a positive byte count")
+        for fmt in COMPUTE_FORMATS:
+            value = self.peak_for(fmt)
+            if value is not None and (isinstance(value, bool) or value <= 0):
+                raise ValueError(f"hardware {self.name}: peak {fmt} rate must be positive")
+
+    def peak_for(self, compute_format: str) -> int | float | None:
+        """The vendor's dense peak for `compute_format` (bf16, int8, fp8), or None."""
+        if compute_format not in COMPUTE_FORMATS:
+            raise ValueError(
+                f"unknown compute format {compute_format!r}; valid: {', '.join(COMPUTE_FORMATS)}"
+            )
+        suffix = "ops_per_s" if compute_format == "int8" else "flops_per_s"
+        return getattr(self, f"peak_{compute_format}_{suffix}")
 
 
+# Peak rates are dense (no 2:4 sparsity): NVIDIA's datasheets print Tensor Core figures
+# "with sparsity", which are twice the dense rate, so they are halved here.
 _PROFILES = (
-    # Cloud TPU v5e page, "Key chip specifications": HBM2 16 GB, 819 GBps. One stack set of
-    # 16 GiB; Google's TPU7x page gives its sibling chips' capacities in GiB.
-    HardwareProfile("tpu-v5e", 16 * GiB, 819 * GB_S, "Cloud TPU v5e, 16 GB HBM2, 819 GB/s"),
-    # Cloud TPU v5p page: HBM2e 95 GB, 2765 GBps; TPU7x page table: 95 GiB per chip.
-    HardwareProfile("tpu-v5p", 95 * GiB, 2765 * GB_S, "Cloud TPU v5p, 95 GiB HBM2e, 2,765 GB/s"),
-    # Cloud TPU v6e (Trillium) page: HBM capacity per chip 32 GB, bandwidth 1638 GBps;
-    # TPU7x page table: 32 GiB per chip.
-    HardwareProfile("tpu-v6e", 32 * GiB, 1638 * GB_S, "Cloud TPU v6e (Trillium), 32 GiB HBM"),
-    # Cloud TPU7x (Ironwood) page table: HBM capacity per chip 192 GiB; bandwidth 7.37 TB/s
-    # as Google's Ironwood announcement (April 2025) gives it.
-    HardwareProfile("tpu-v7", 192 * GiB, 7370 * GB_S, "Cloud TPU7x (Ironwood), 192 GiB HBM"),
-    # H100 SXM datasheet: 80 GB HBM3, 3.35 TB/s; nvidia-smi memory.total 81,559 MiB.
-    HardwareProfile("h100-sxm", 81559 * MiB, 3350 * GB_S, "NVIDIA H100 SXM, 80 GB HBM3"),
-    # H200 datasheet: 141 GB HBM3e, 4.8 TB/s; nvidia-smi memory.total 143,771 MiB.
-    HardwareProfile("h200", 143771 * MiB, 4800 * GB_S, "NVIDIA H200 SXM, 141 GB HBM3e"),
-    # HGX B200: 180 GB HBM3e per GPU (8 stacks, 192 GB raw), 8 TB/s; nvidia-smi
-    # memory.total 183,359 MiB.
-    HardwareProfile("b200", 183359 * MiB, 8000 * GB_S, "NVIDIA B200 (HGX), 180 GB HBM3e"),
-)
+    # Cloud TPU v5e page, "Key chip specifications": HBM2 16 GB, 819 GBps (2 stacks; the
+    # newer spec table's "800 GiBps" is not used). Peak per chip: bf16 197 TFLOPs, Int8 393
+    # TOPs. No fp8 figure: fp8 matmuls run at the bf16 rate. One stack set of 16 GiB;
+    # Google's TPU7x page gives its sibling chips' capacities in GiB.
+    HardwareProfile(
+        "tpu-v5e", 16 * GiB, 819 * GB_S, "Cloud TPU v5e, 16 GB HBM2, 819 GB/s",
+        peak_bf16_flops_per_s=197 * TFLOP_S, peak_int8_ops_per_s=393 * TFLOP_S,
+    ),
+    # Cloud TPU v5p page: HBM2e 95 GB, 2765 GBps; TPU7x page table: 95 GiB per chip, BF16
+    # 459 TFLOPs and FP8 459 TFLOPs (fp8 at the bf16 rate). Int8 918 TOPS per chip: Google
+    # Cloud's v5p launch post ("Introducing Cloud TPU v5p and AI Hypercomputer", 6 Dec 2023:
+    # 459 teraFLOPS bf16 or 918 teraOPS int8); the docs' tables give no int8 figure.
+    HardwareProfile(
+        "tpu-v5p", 95 * GiB, 2765 * GB_S, "Cloud TPU v5p, 95 GiB HBM2e, 2,765 GB/s",
+        peak_bf16_flops_per_s=459 * TFLOP_S, peak_int8_ops_per_s=918 * TFLOP_S,
+        peak_fp8_flops_per_s=459 * TFLOP_S,
+    ),
+    # Cloud TPU v6e (Trillium) page: HBM capacity per chip 32 GB, bandwidth 1638 GBps; peak
+    # per chip bf16 918 TFLOPs, Int8 1836 TOPs; TPU7x page table: 32 GiB per chip, FP8 918
+    # TFLOPs (the bf16 rate).
+    HardwareProfile(
+        "tpu-v6e", 32 * GiB, 1638 * GB_S, "Cloud TPU v6e (Trillium), 32 GiB HBM",
+        peak_bf16_flops_per_s=918 * TFLOP_S, peak_int8_ops_per_s=1836 * TFLOP_S,
+        peak_fp8_flops_per_s=918 * TFLOP_S,
+    ),
+    # Cloud TPU7x (Ironwood) page table: HBM capacity per chip 192 GiB; peak per chip BF16
+    # 2307 TFLOPs, FP8 4614 TFLOPs (no Int8 figure), HBM bandwidth per chip 7380 GBps (the
+    # same table; Google's April 2025 announcement rounds it to 7.37 TB/s).
+    HardwareProfile(
+        "tpu-v7", 192 * GiB, 7380 * GB_S, "Cloud TPU7x (Ironwood), 192 GiB HBM",
+        peak_bf16_flops_per_s=2307 * TFLOP_S, peak_fp8_flops_per_s=4614 * TFLOP_S,
+    ),
+    # H100 SXM datasheet: 80 GB HBM3, 3.35 TB/s; nvidia-smi memory.total 81,559 MiB. Tensor
+    # Core (with sparsity): BF16 1,979 TFLOPS, FP8 3,958 TFLOPS, INT8 3,958 TOPS; dense =
+    # half: 989.4 / 1,978.9 / 1,978.9 (the Hopper whitepaper's dense table).
+    HardwareProfile(
+        "h100-sxm", 81559 * MiB, 3350 * GB_S, "NVIDIA H100 SXM, 80 GB HBM3",
+        peak_bf16_flops_per_s=989_400 * 10**9, peak_int8_ops_per_s=1_978_900 * 10**9,
+        peak_fp8_flops_per_s=1_978_900 * 10**9,
+    ),
+    # H200 datasheet: 141 GB HBM3e, 4.8 TB/s; nvidia-smi memory.total 143,771 MiB. The same
+    # GH100 compute as H100 SXM (datasheet, with sparsity: BF16 1,979 TFLOPS, FP8 3,958,
+    # INT8 3,958 TOPS): dense 989.4 / 1,978.9 / 1,978.9.
+    HardwareProfile(
+        "h200", 143771 * MiB, 4800 * GB_S, "NVIDIA H200 SXM, 141 GB HBM3e",
+        peak_bf16_flops_per_s=989_400 * 10**9, peak_int8_ops_per_s=1_978_900 * 10**9,
+        peak_fp8_flops_per_s=1_978_900 * 10**9,
+    ),
+    # HGX B200 datasheet, per GPU: 180 GB HBM3e at 7.7 TB/s (the earlier 192 GB / 8 TB/s
+    # figure is the 8-stack raw part); nvidia-smi memory.total 183,359 MiB. Tensor Core
+    # (with sparsity): FP16/BF16 4.5 PFLOPS, FP8 9 PFLOPS, INT8 9 POPS; dense = half.
+    HardwareProfile(
+        "b200", 183359 * MiB, 7700 * GB_S, "NVIDIA B200 (HGX), 180 GB HBM3e, 7.7 TB/s",
+        peak_bf16_flops_per_s=2250 * TFLOP_S, peak_int8_ops_per_s=4500 * TFLOP_S,
+        peak_fp8_flops_per_s=4500 * TFLOP_S,
+    ),
+)  # fmt: skip
 
 HARDWARE: dict[str, HardwareProfile] = {p.name: p for p in _PROFILES}
 _ALIASES = {"tpu-v7x": "tpu-v7", "ironwood": "tpu-v7", "trillium": "tpu-v6e", "h100": "h100-sxm"}

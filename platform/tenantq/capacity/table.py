@@ -137,3 +137,71 @@ def render_compare(rows: Sequence[tuple[str, str, Budget]], base: Budget) -> str
 def _per_token(b: Budget) -> str:
     x = b.kv_bytes_per_token_per_chip
     return f"{int(x):,}" if float(x).is_integer() else f"{x:,.1f}"
+
+
+def render_service_level(b: Budget, s) -> str:
+    """The service-level section under a budget: the decode step at the tenants served,
+    line by line (bytes / bandwidth, FLOPs / peak, overhead), the decode rate per tenant
+    (and, with prompt tokens, the batched prefill and the amortised rate), then the tenants
+    by memory, by SLO and the limit that binds. `s` is a `roofline.ServiceLevel`."""
+    from tenantq.capacity.roofline import MAX_TENANTS
+
+    st = s.step
+    ms = 1e3
+    slo = f"{s.slo_tokens_per_s:g} tok/s"
+    request = (
+        f"each request {s.prompt_tokens:,} new prompt + {s.output_tokens:,} output tokens, "
+        "prefill amortised"
+        if s.prompt_tokens
+        else "decode rate (TPOT), no prefill"
+    )
+    out = ["", f"service level: {slo} per tenant, {request} (context {s.context_tokens:,})"]
+    at_slo = f"tenants at {slo}"
+    if s.tenants_by_memory == 0:  # nothing fits: no batch to model
+        out.append(f"{'tenants by memory':<{_LABEL}}{0:>20,}")
+        out.append(
+            f"{at_slo:<{_LABEL}}{0:>20,}   bound by memory: no tenant of "
+            f"{s.context_tokens:,} tokens fits, so no decode step is modelled"
+        )
+        return "\n".join(out)
+    out += [
+        f"decode step at {st.batch:,} tenant" + ("s" if st.batch > 1 else "") + " (per chip)",
+        _row("    weights read", st.weight_bytes, None, 1) + "   embedding: the batch's rows",
+        _row(f"    KV read ({st.batch:,} x {b.context_tokens:,} tokens)", st.kv_bytes, None, 1),
+        _row("    = bytes per step", st.bytes, None, 1),
+        f"{'    / bandwidth':<{_LABEL}}{st.bandwidth_bytes_per_s / 1e9:>18,.0f} GB/s"
+        f"   = {st.memory_s * ms:.3f} ms",
+    ]
+    for fmt, n in st.flops.items():
+        if n:
+            out.append(
+                f"{f'    {fmt} FLOPs / peak':<{_LABEL}}{n:>20,} / {st.peaks[fmt] / 1e12:,.1f} T"
+                f"   = {n / st.peaks[fmt] * ms:.3f} ms"
+            )
+    out.append(f"{'    compute time':<{_LABEL}}{st.compute_s * ms:>17.3f} ms")
+    out.append(f"{'    + step overhead':<{_LABEL}}{st.overhead_s * ms:>17.3f} ms")
+    out.append(f"{f'    = step time ({st.bound}-bound)':<{_LABEL}}{st.step_s * ms:>17.3f} ms")
+    out.append(
+        f"{'decode tokens/s per tenant (1 / step)':<{_LABEL}}"
+        f"{s.decode_tokens_per_s_per_tenant:>20.1f}"
+    )
+    if s.prompt_tokens:
+        prompts = f"{st.batch:,} prompt" + ("s" if st.batch > 1 else "")
+        out.append(
+            f"{f'prefill of {prompts}, one batch':<{_LABEL}}{s.prefill_s * ms:>17.3f} ms"
+            f"   {s.prefill_share:.1%} of the chip's time"
+        )
+        out.append(
+            f"{'tokens/s per tenant, prefill amortised':<{_LABEL}}"
+            f"{s.tokens_per_s_per_tenant:>20.1f}"
+        )
+    out.append("")
+    out.append(f"{'tenants by memory':<{_LABEL}}{s.tenants_by_memory:>20,}")
+    by_slo = f">= {s.tenants_by_slo:,}" if s.slo_capped else f"{s.tenants_by_slo:,}"
+    capped = f"   the search's cap (2^{MAX_TENANTS.bit_length() - 1})" if s.slo_capped else ""
+    out.append(f"{f'tenants by SLO ({slo})':<{_LABEL}}{by_slo:>20}{capped}")
+    binding = {"memory": "memory", "slo": "the SLO", "both": "memory and the SLO alike"}
+    out.append(f"{at_slo:<{_LABEL}}{s.tenants:>20,}   bound by {binding[s.binding]}")
+    for note in s.notes:
+        out.append(f"note: {note}")
+    return "\n".join(out)

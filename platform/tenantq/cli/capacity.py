@@ -86,6 +86,30 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--pairs", type=_parse_pairs, help="pairs for --compare, e.g. bf16:bf16,int4:fp8_e4m3"
     )
     p.add_argument("--per-tensor", action="store_true", help="list every tensor's bytes")
+    p.add_argument(
+        "--slo",
+        type=_slo,
+        help="a decode rate per tenant (TPOT), e.g. 20tok/s (a bare 20 is tok/s too): adds "
+        "the decode step time and the tenants by memory, by SLO and the binding limit",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=positive_int("a token count", example=512),
+        help="with --slo: new (uncached) prompt tokens per request; their batched prefill is "
+        "amortised over --output-tokens and the SLO judged on that rate (default: none, "
+        "decode only)",
+    )
+    p.add_argument(
+        "--output-tokens",
+        type=positive_int("a token count", example=256),
+        help="with --prompt-tokens: tokens generated per request (256); prompt + output must "
+        "fit in --context",
+    )
+    p.add_argument(
+        "--step-overhead-ms",
+        type=_overhead_ms,
+        help="with --slo: fixed cost of one decode step in ms (0.5)",
+    )
     p.add_argument("--json", action="store_true", help="print the budget as JSON")
     return one_line_errors(p)
 
@@ -123,6 +147,25 @@ def _reserve(text: str) -> str:
     return text
 
 
+def _slo(text: str) -> float:
+    from tenantq.capacity.roofline import parse_slo
+
+    try:
+        return parse_slo(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("slo: ")) from None
+
+
+def _overhead_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a time in ms >= 0, e.g. 0.5")
+    return value
+
+
 def _plan_path(text: str) -> str:
     path = Path(text).expanduser()
     if not path.is_file():
@@ -142,6 +185,22 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--model: {err}") from None
     if args.pairs and not args.compare:
         raise ValueError("--pairs applies only with --compare")
+    if args.slo is None and (
+        args.prompt_tokens or args.output_tokens or args.step_overhead_ms is not None
+    ):
+        given = (
+            "--prompt-tokens"
+            if args.prompt_tokens
+            else ("--output-tokens" if args.output_tokens else "--step-overhead-ms")
+        )
+        raise ValueError(f"{given} applies only with --slo (e.g. --slo 20tok/s)")
+    if args.output_tokens and not args.prompt_tokens:
+        raise ValueError(
+            "--output-tokens applies only with --prompt-tokens (the decode-only SLO has no "
+            "prefill to amortise)"
+        )
+    if args.slo is not None and args.compare:
+        raise ValueError("--slo applies to one plan; it does not apply with --compare")
     if args.per_tensor and args.compare:
         raise ValueError("--per-tensor lists one plan's tensors; it does not apply with --compare")
     deployment = Deployment.of(
@@ -216,11 +275,55 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise ValueError(f"--kv-scale-dtype: {err}") from None
     b = one(plan)
+    level = None
+    if args.slo is not None:
+        level = _service_level(config, plan, deployment, b, args)
     if args.json:
-        print(json.dumps(b.to_dict(per_tensor=args.per_tensor), indent=2))
+        d = b.to_dict(per_tensor=args.per_tensor)
+        if level is not None:
+            d["service_level"] = level.to_dict()
+        print(json.dumps(d, indent=2))
     else:
-        print(render_budget(b, per_tensor=args.per_tensor, description=description))
+        text = render_budget(b, per_tensor=args.per_tensor, description=description)
+        if level is not None:
+            from tenantq.capacity.table import render_service_level
+
+            text += "\n" + render_service_level(b, level)
+        print(text)
     return 0
+
+
+def _service_level(config, plan, deployment, b, args):
+    from tenantq.capacity.roofline import (
+        DEFAULT_OUTPUT_TOKENS,
+        DEFAULT_STEP_OVERHEAD_S,
+        tenants_at_slo,
+    )
+
+    hw = deployment.hardware
+    if hw.hbm_bandwidth_bytes_per_s is None or hw.peak_bf16_flops_per_s is None:
+        raise ValueError(
+            f"--slo: hardware {hw.name} has no bandwidth and peak figures; give an accelerator "
+            "(tpu-v5e, h100-sxm, ...)"
+        )
+    overhead = args.step_overhead_ms
+    prompt, out = args.prompt_tokens or 0, args.output_tokens or DEFAULT_OUTPUT_TOKENS
+    if prompt and prompt + out > args.context:
+        raise ValueError(
+            f"--prompt-tokens {prompt:,} + --output-tokens {out:,} exceed --context "
+            f"{args.context:,}: a request's context holds both; give fewer or a longer --context"
+        )
+    return tenants_at_slo(
+        config,
+        plan,
+        deployment,
+        args.context,
+        args.slo,
+        tenants_by_memory=b.tenants,
+        prompt_tokens=prompt,
+        output_tokens=out,
+        overhead_s=DEFAULT_STEP_OVERHEAD_S if overhead is None else overhead / 1e3,
+    )
 
 
 def _parse_pairs(text: str) -> list[tuple[str, str]]:

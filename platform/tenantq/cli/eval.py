@@ -67,17 +67,33 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.summary, indent=1))
         return 0
     print(f"suite {suite.name} ({suite.split}), plan {plan.fingerprint()}, model {model}")
+    print("\n".join(result_lines(result)))
+    return 0
+
+
+def result_lines(result) -> list[str]:
+    """The gates (delta, CI, tolerance, verdict, changed), the suite's warnings, the rest of
+    the summary and the timings: in the words the summary and MLflow hold."""
+    lines = []
     for name, gate in result.gates.items():
-        print(
+        lines.append(
             f"  {name:<34} {gate.value:+.4f} [{gate.ci_low:+.4f}, {gate.ci_high:+.4f}] "
-            f"tolerance {gate.tolerance:g}: {gate.verdict}"
+            f"tolerance {gate.tolerance:g}: {gate.verdict}; "
+            f"changed: {result.summary.get(f'changed.{name}', '?')}"
         )
     for key, value in result.summary.items():
-        if key.endswith((".ci_low", ".ci_high")) or key.startswith("verdict."):
+        if key.startswith("warning."):
+            lines.append(f"  {key}: {value}")
+    for key, value in result.summary.items():
+        if key.endswith((".ci_low", ".ci_high")) or key.startswith(_WORDS):
             continue
         low = result.summary.get(f"{key}.ci_low")
         ci = f"  [{low:.4g}, {result.summary[f'{key}.ci_high']:.4g}]" if low is not None else ""
         shown = f"{value:.4g}" if isinstance(value, float) else str(value)
-        print(f"  {key:<44} {shown}{ci}")
-    print("  timings_s " + ", ".join(f"{k} {v:.2f}" for k, v in result.timings_s.items()))
-    return 0
+        lines.append(f"  {key:<44} {shown}{ci}")
+    lines.append("  timings_s " + ", ".join(f"{k} {v:.2f}" for k, v in result.timings_s.items()))
+    return lines
+
+
+# summary entries that are words, printed above with their gate or as warnings
+_WORDS = ("verdict.", "changed.", "warning.")

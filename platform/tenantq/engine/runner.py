@@ -151,12 +151,21 @@ class Engine:
         scale_scope: str = "global",
         **pool_options,
     ) -> Engine:
-        """Load a Hugging Face folder (safetensors; tokenizer.json optional) under `plan`."""
+        """Load a Hugging Face folder (safetensors; tokenizer.json optional) under `plan`.
+
+        A compressed-tensors folder (`tenantq export`) loads under its own plan and static
+        KV scales when `plan` is None."""
+        from tenantq.model.compressed import checkpoint_plan, is_compressed_tensors
         from tenantq.model.tokenizer import load_tokenizer
         from tenantq.quant.apply import load_quantized
 
         config = ModelConfig.from_file(path)
         check_supported(config)
+        if plan is None and is_compressed_tensors(path):  # its plan and KV scales are stored
+            stored, kv_scales = checkpoint_plan(path, config)
+            plan = QuantPlan.from_dict(stored)
+            if kv_scales is not None:
+                pool_options.setdefault("kv_scales", kv_scales)
         per_shard = tp is not None and scale_scope == "shard"  # quantized per shard later
         params = load_quantized(
             path, config, None if per_shard else plan,
@@ -251,24 +260,44 @@ class Engine:
             out.extend(self._teacher_forced_chunk(chunk, firsts, chunk_tokens, kv_tokens))
         return out
 
-    def teacher_forcing_exact(self, prompt_tokens: int, continuation_tokens: int) -> bool:
-        """Whether `continuation_logits` computes, for a prompt and continuation of these
-        lengths, the same cache reads greedy decode does (equal up to float reassociation).
+    def teacher_forcing_exact(
+        self, prompt_tokens: int, continuation_tokens: int, step_tokens: int | None = None
+    ) -> bool:
+        """Whether `continuation_logits(..., chunk_tokens=step_tokens)` computes, for a prompt
+        and continuation of these lengths, the same cache reads greedy decode does (equal up
+        to float reassociation). `step_tokens`: the teacher-forced prefill's step (None: one
+        prefill of the whole row).
 
         Per-token, static-scale and bf16 KV are written token by token either way. Keys or
-        values scaled per channel wait in a bf16 residual page until their page fills: exact
-        when no page boundary falls inside the continuation (after the first position, no
-        page fills in the prefill that was still partial when decode read it). Token-scaled
-        nvfp4 fixes a page's tensor scale from the first write to it: exact only for one
-        token."""
+        values scaled per channel wait in a bf16 residual page until their page fills, so a
+        position reads its own page quantized iff that page is full when it is computed.
+        Token-scaled nvfp4 fixes a page's tensor scale from the call that opens the page. Both
+        are compared position by position between the two schedules: generate prefills the
+        prompt in one call and then writes one token per call; teacher forcing writes
+        prompt + continuation[:-1] in steps of `step_tokens` from position 0. A step that is
+        not a multiple of the page makes a page fill (or open) mid-step, and such rows fall
+        back to decoding."""
         layers = self.plan.kv_layers(self.config) if isinstance(self.cache, PagedPool) else []
         specs = [s for kv in layers for s in (kv.keys, kv.values) if s.quantized]
-        if continuation_tokens > 1 and any(s.format == "nvfp4" and not s.static for s in specs):
+        channel = any(s.needs_residual for s in specs)
+        nvfp4 = any(s.format == "nvfp4" and not s.static for s in specs)
+        if not (channel or nvfp4):
+            return True
+        page = self.cache.page_tokens
+        written = prompt_tokens + continuation_tokens - 1  # tokens the forced prefill writes
+        step = step_tokens or max(written, 1)
+        t = np.arange(written)
+        forced_end = np.minimum((t // step + 1) * step, written)  # written when t is computed
+        decode_end = np.maximum(t + 1, prompt_tokens)
+        page_end = (t // page + 1) * page
+        if channel and np.any((page_end <= forced_end) != (page_end <= decode_end)):
             return False
-        if any(s.needs_residual for s in specs):
-            page = self.cache.page_tokens
-            end = prompt_tokens + continuation_tokens - 1  # tokens the prefill writes
-            return prompt_tokens // page == end // page
+        if nvfp4:  # the tokens the opening call writes into each page
+            opens = t[t % page == 0]
+            forced = np.minimum(page_end[opens], forced_end[opens])
+            decoded = np.minimum(page_end[opens], decode_end[opens])
+            if np.any(forced != decoded):
+                return False
         return True
 
     def generate(

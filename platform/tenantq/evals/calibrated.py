@@ -9,9 +9,12 @@ quantized params with `quant.calibrate.prepare` + `quant.apply.apply_plan`.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from tenantq.quant.calibration import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_TOKENS
 
@@ -88,11 +91,28 @@ class Calibrator:
     def params_for(self, plan) -> dict[str, Any]:
         """`plan` applied to the model's params, calibrated where its rules ask for it;
         the unchanged params when no rule does (the Engine then applies plain RTN)."""
+        return self.prepared(plan)[0]
+
+    def prepared(self, plan) -> tuple[dict[str, Any], dict[str, Any], str]:
+        """(params to run, the folded full-precision params, their identity) for `plan`.
+
+        The folded params are the model after the plan's smoothquant/awq folds (1/s into a
+        norm or v_proj, s into the consumers), before any weight is quantized: what the
+        engine's activations, and so its cached K/V, come from up to the weights' rounding.
+        Their identity is the model's when nothing is folded, else a new hash of the model
+        identity and every fold's scales (the folds are deterministic given both; caches key
+        by an identity's first characters, so it must not merely extend the model's)."""
         if not needs_calibration(plan, self.config):
-            return self.params
+            return self.params, self.params, self.model_id
         from tenantq.quant.apply import apply_plan
         from tenantq.quant.calibrate import prepare
 
-        stats = self.statistics()
-        cal = prepare(self.params, plan, self.config, stats)
-        return apply_plan(cal.params, plan, self.config, inputs=cal.inputs)
+        cal = prepare(self.params, plan, self.config, self.statistics())
+        run = apply_plan(cal.params, plan, self.config, inputs=cal.inputs)
+        if not cal.fold_scales:
+            return run, self.params, self.model_id
+        h = hashlib.sha256(self.model_id.encode())
+        for name in sorted(cal.fold_scales):
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(cal.fold_scales[name], np.float32).tobytes())
+        return run, cal.params, h.hexdigest()

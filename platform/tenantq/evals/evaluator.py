@@ -27,7 +27,13 @@ from tenantq.evals import data, fidelity, retrieval, stats, structured
 from tenantq.evals.calibrated import CalibrationData, Calibrator
 from tenantq.evals.generation import Generated
 from tenantq.evals.identity import cache_key, model_identity
-from tenantq.evals.suite import Suite, load_suite, pass_fail_key
+from tenantq.evals.suite import (
+    Suite,
+    baseline_pass_warnings,
+    load_suite,
+    pass_fail_key,
+    unreachable_gate_warnings,
+)
 
 # Part of every cached baseline's key: bump it whenever the suite's numerics change (version 2:
 # needles teacher-forced in fidelity-width steps, all at one KV window), so baselines cached
@@ -43,7 +49,8 @@ PHASES = ("load", "quantize", "compile", "baseline", "fidelity", "needles", "str
 
 @dataclasses.dataclass(frozen=True)
 class Gate:
-    """One gated metric: its delta, the CI, the tolerance, the verdict, Optuna's constraint."""
+    """One gated metric: its delta, the CI, the tolerance, the non-inferiority verdict
+    (`stats.VERDICTS`), the two-sided `changed` flag and Optuna's constraint."""
 
     metric: str
     value: float
@@ -53,6 +60,7 @@ class Gate:
     higher_is_better: bool
     verdict: str
     constraint: float  # <= 0: within tolerance (trial.set_constraint)
+    changed: bool = False  # two-sided: exact McNemar p <= 0.05 (pass/fail), else CI excludes 0
 
 
 @dataclasses.dataclass
@@ -128,6 +136,7 @@ class Evaluator:
         _check_gates(self.suite, self.expected_metrics())
         self.load_s = time.perf_counter() - began
         self._baseline: dict[str, Any] | None = None
+        self._kv_scales: dict[str, Any] = {}  # by folded-params identity
         self._evaluations = 0
 
     # ------------------------------------------------------------------ examples
@@ -203,6 +212,17 @@ class Evaluator:
             names += ["structured.acc_delta", f"structured.acc_delta.{item.task_name}"]
         return sorted(set(names))
 
+    def _gate_examples(self) -> dict[str, int]:
+        """Examples behind each pass/fail delta (`needle.acc_delta.len1019` -> 48)."""
+        out: dict[str, int] = {}
+        for item in self.needle_items:
+            key = f"{item.task}.acc_delta.len{item.length}"
+            out[key] = out.get(key, 0) + 1
+        for item in self.structured_items:
+            for key in ("structured.acc_delta", f"structured.acc_delta.{item.task_name}"):
+                out[key] = out.get(key, 0) + 1
+        return out
+
     # ------------------------------------------------------------------ engine + baseline
     def engine_settings(self) -> dict[str, Any]:
         return {
@@ -212,30 +232,37 @@ class Evaluator:
 
     def build_engine(self, plan):
         from tenantq.engine import Engine
+
+        options = dict(self.engine_options)
+        params, folded, folded_id = self.calibrator.prepared(plan)
+        if plan.needs_kv_scales and "kv_scales" not in options:
+            options["kv_scales"] = self.kv_scales(folded, folded_id)
+        try:
+            return Engine(
+                self.config, params, plan, dtype=self.dtype, tokenizer=self.tokenizer, **options
+            )
+        except (TypeError, NotImplementedError) as err:
+            raise ValueError(f"cannot build the engine for this plan: {err}") from None
+
+    def kv_scales(self, folded: dict[str, Any], folded_id: str):
+        """Static KV scales calibrated on `folded`, the params the engine runs before its
+        weights are quantized (after a plan's smoothquant/awq folds, which rescale v_proj's
+        output and so the cached values): once per folded identity, in memory and on disk."""
         from tenantq.evals.sensitivity import calibration_windows
         from tenantq.quant import kv_calibration as kvc
 
-        options = dict(self.engine_options)
-        if plan.needs_kv_scales and "kv_scales" not in options:  # static KV: calibrate once
-            if getattr(self, "_kv_scales", None) is None:
-                windows, _ = calibration_windows(  # the weights' calibration text, if given
-                    self.tokenizer, self.config, source=self.calibrator.data.source,
-                    num_sequences=kvc.DEFAULT_KV_SEQUENCES,
-                    seq_tokens=min(kvc.DEFAULT_KV_SEQ_TOKENS, self.config.max_position_embeddings),
-                )  # fmt: skip
-                self._kv_scales = kvc.kv_static_scales(
-                    self.model_path, windows, model_id=self.identity,
-                    data_hash=data.array_hash(windows), cache_dir=self.cache_dir / "calibration",
-                    params=self.params,
-                )  # fmt: skip
-            options["kv_scales"] = self._kv_scales
-        try:
-            return Engine(
-                self.config, self.calibrator.params_for(plan), plan, dtype=self.dtype,
-                tokenizer=self.tokenizer, **options,
+        if folded_id not in self._kv_scales:
+            windows, _ = calibration_windows(  # the weights' calibration text, if given
+                self.tokenizer, self.config, source=self.calibrator.data.source,
+                num_sequences=kvc.DEFAULT_KV_SEQUENCES,
+                seq_tokens=min(kvc.DEFAULT_KV_SEQ_TOKENS, self.config.max_position_embeddings),
             )  # fmt: skip
-        except (TypeError, NotImplementedError) as err:
-            raise ValueError(f"cannot build the engine for this plan: {err}") from None
+            self._kv_scales[folded_id] = kvc.kv_static_scales(
+                self.model_path, windows, model_id=folded_id,
+                data_hash=data.array_hash(windows), cache_dir=self.cache_dir / "calibration",
+                params=folded,
+            )  # fmt: skip
+        return self._kv_scales[folded_id]
 
     def baseline_key(self) -> str:
         return cache_key(
@@ -243,7 +270,7 @@ class Evaluator:
             engine=self.engine_settings(), steps=[self.step_tokens, self.kv_window_tokens,
             self.fidelity_kv_tokens],
             suite=self.suite.model_dump(mode="json",
-            exclude={"name", "resamples", "gates"}),
+            exclude={"name", "resamples", "gates", "min_baseline_pass_rate"}),
         )  # fmt: skip
 
     def baseline(self) -> dict[str, Any]:
@@ -318,6 +345,7 @@ class Evaluator:
             base = self.baseline()
         with _phase(timings, "quantize"):
             engine = self.build_engine(plan)
+        self._baseline_passes: dict[str, tuple[int, int]] = {}
         rows: list[dict[str, Any]] = []
         summary: dict[str, float | int | str] = {}
         bar = _progress(self.progress, len(self.suite.needles) + 2)
@@ -379,8 +407,10 @@ class Evaluator:
             bar.close()
         timings["compile"] = engine.stats.compile_s
         timings["total"] = time.perf_counter() - began + timings["load"]
-        gates = self._gates(summary)
-        summary.update({f"verdict.{k}": g.verdict for k, g in gates.items()})
+        gates = gates_for(self.suite, summary)
+        summary.update(decision_words(gates))
+        summary.update(baseline_pass_warnings(self.suite, self._baseline_passes))
+        summary.update(unreachable_gate_warnings(self.suite, self._gate_examples()))
         summary.update({
             "suite.name": self.suite.name, "suite.split": self.suite.split,
             "identity.model": self.identity[:16], "identity.dataset": self.dataset_hash[:16],
@@ -406,7 +436,6 @@ class Evaluator:
         kl = self._ci(np.zeros_like(kl_seq), kl_seq)
         agree = self._ci(np.ones_like(agree_seq), agree_seq)
         ppl = self._ci(nll_base, nll_cand, contrast=lambda c, b: np.exp(c - b))
-        ppl_floor = stats.noise_floor(nll_base, seed=self.suite.seed)  # in mean NLL (nats)
         out = {
             "fidelity.kl_mean": kl.delta, "fidelity.kl_mean.ci_low": kl.ci_low,
             "fidelity.kl_mean.ci_high": kl.ci_high,
@@ -420,7 +449,6 @@ class Evaluator:
             "fidelity.ppl_cand": float(np.exp(nll_cand.mean())),
             "fidelity.ppl_ratio": ppl.delta, "fidelity.ppl_ratio.ci_low": ppl.ci_low,
             "fidelity.ppl_ratio.ci_high": ppl.ci_high,
-            "fidelity.ppl_ratio.noise_floor": float(np.exp(ppl_floor) - 1.0),
             "fidelity.tokens": int(cand["kl"].size),
             "fidelity.exact": int(base.exact),
         }  # fmt: skip
@@ -452,13 +480,14 @@ class Evaluator:
                 groups.append((task, f".{key}", in_task & (key_of == key)))
         for prefix, suffix, mask in groups:
             b, c = base_pass[mask], cand_pass[mask]
-            ci = self._ci(b.astype(float), c.astype(float))
+            ci = stats.paired_proportion_ci(b, c)  # Tango's score CI, not the bootstrap
             c2w, w2c = stats.discordant_counts(b, c)
-            floor = stats.noise_floor(b.astype(float), seed=self.suite.seed) if b.size >= 2 else 0.0
+            if suffix:  # one task or one length: the unit the suite's pass-rate bar applies to
+                self._baseline_passes[f"{prefix}{suffix}"] = (int(b.sum()), int(b.size))
             figures = {
                 "acc_base": ci.baseline, "acc_cand": ci.candidate, "acc_delta": ci.delta,
                 "acc_delta.ci_low": ci.ci_low, "acc_delta.ci_high": ci.ci_high,
-                "acc_delta.noise_floor": floor, "flips.correct_to_wrong": c2w,
+                "flips.correct_to_wrong": c2w,
                 "flips.wrong_to_correct": w2c, "mcnemar_p": stats.mcnemar_exact(c2w, w2c),
                 "n": int(mask.sum()),
             }  # fmt: skip
@@ -483,20 +512,36 @@ class Evaluator:
             })  # fmt: skip
         return out
 
-    def _gates(self, summary) -> dict[str, Gate]:
-        gates = {}
-        for g in self.suite.gates:
-            value = float(summary[g.metric])
-            low = float(summary.get(f"{g.metric}.ci_low", value))
-            high = float(summary.get(f"{g.metric}.ci_high", value))
-            ref = 1.0 if g.metric.endswith("ppl_ratio") else 0.0  # a ratio's "no change" is 1
-            lo, hi = low - ref, high - ref
-            gates[g.metric] = Gate(
-                g.metric, value, low, high, g.tolerance, g.higher_is_better,
-                stats.verdict(lo, hi, g.tolerance, higher_is_better=g.higher_is_better),
-                stats.constraint(lo, hi, g.tolerance, higher_is_better=g.higher_is_better),
-            )  # fmt: skip
-        return gates
+
+def gates_for(suite: Suite, summary: dict[str, Any]) -> dict[str, Gate]:
+    """The suite's gates decided on a summary's deltas and CIs: verdict (non-inferiority
+    against the tolerance), constraint, and the two-sided `changed` flag (exact McNemar for a
+    pass/fail delta, whose p sits under the delta's name with mcnemar_p for acc_delta; the
+    CI excluding no change for a continuous one)."""
+    gates = {}
+    for g in suite.gates:
+        value = float(summary[g.metric])
+        low = float(summary.get(f"{g.metric}.ci_low", value))
+        high = float(summary.get(f"{g.metric}.ci_high", value))
+        ref = 1.0 if g.metric.endswith("ppl_ratio") else 0.0  # a ratio's "no change" is 1
+        lo, hi = low - ref, high - ref
+        p_value = None
+        if ".acc_delta" in g.metric:
+            p_value = float(summary[g.metric.replace(".acc_delta", ".mcnemar_p", 1)])
+        gates[g.metric] = Gate(
+            g.metric, value, low, high, g.tolerance, g.higher_is_better,
+            stats.verdict(lo, hi, g.tolerance, higher_is_better=g.higher_is_better),
+            stats.constraint(lo, hi, g.tolerance, higher_is_better=g.higher_is_better),
+            changed=stats.changed(lo, hi, p_value=p_value),
+        )  # fmt: skip
+    return gates
+
+
+def decision_words(gates: dict[str, Gate]) -> dict[str, str]:
+    """`verdict.<metric>` and `changed.<metric>` summary entries (MLflow tags, report, CLI)."""
+    out = {f"verdict.{k}": g.verdict for k, g in gates.items()}
+    out.update({f"changed.{k}": stats.CHANGED_WORDS[g.changed] for k, g in gates.items()})
+    return out
 
 
 # ---------------------------------------------------------------------- helpers

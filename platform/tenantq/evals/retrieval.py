@@ -67,7 +67,7 @@ def run_needles(
     by_shape: dict[tuple[int, int, bool], list[int]] = {}
     for i, item in enumerate(items):
         n = len(item.answer)
-        forced = teacher_forced and engine.teacher_forcing_exact(len(item.prompt), n)
+        forced = teacher_forced and engine.teacher_forcing_exact(len(item.prompt), n, chunk_tokens)
         by_shape.setdefault((item.length, n, forced), []).append(i)
     for (_, answer_tokens, forced), idx in sorted(by_shape.items()):
         prompts = [items[i].prompt for i in idx]

@@ -9,6 +9,7 @@ from "search", a confirmation run (`suite.with_split("confirm")`) from examples 
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -71,6 +72,14 @@ class Suite(_Spec):
     seed: int = Field(0, description="seeds every example draw and the bootstrap")
     split: Literal["search", "confirm"] = "search"
     resamples: int = Field(10_000, ge=100, description="bootstrap resamples per CI")
+    min_baseline_pass_rate: float = Field(
+        0.6,
+        ge=0.0,
+        le=1.0,
+        description="a pass/fail task (a needle length, a structured task) whose bf16 pass "
+        "rate is below this is named in a warning.* summary entry: a model that mostly fails "
+        "a task leaves few passes to lose",
+    )
     fidelity: FidelitySpec | None = None
     needles: tuple[NeedleSpec, ...] = ()
     structured: StructuredSpec | None = None
@@ -101,12 +110,11 @@ FIDELITY_METRICS = (
     "fidelity.top1_agree_delta", "fidelity.top1_agree_delta.ci_low",
     "fidelity.top1_agree_delta.ci_high", "fidelity.ppl_base", "fidelity.ppl_cand",
     "fidelity.ppl_ratio", "fidelity.ppl_ratio.ci_low", "fidelity.ppl_ratio.ci_high",
-    "fidelity.ppl_ratio.noise_floor", "fidelity.tokens", "fidelity.exact",
+    "fidelity.tokens", "fidelity.exact",
 )  # fmt: skip
 PASS_FAIL_FIGURES = (
     "acc_base", "acc_cand", "acc_delta", "acc_delta.ci_low", "acc_delta.ci_high",
-    "acc_delta.noise_floor", "flips.correct_to_wrong", "flips.wrong_to_correct", "mcnemar_p",
-    "n",
+    "flips.correct_to_wrong", "flips.wrong_to_correct", "mcnemar_p", "n",
 )  # fmt: skip
 OVERALL_METRICS = ("examples.n", "passed")
 
@@ -116,6 +124,43 @@ def pass_fail_key(task: str, figure: str, group: str) -> str:
     group sits after the figure's first part, so each CI bound follows its delta's name."""
     head, _, tail = figure.partition(".")
     return f"{task}.{head}{group}" + (f".{tail}" if tail else "")
+
+
+def baseline_pass_warnings(suite: Suite, passes: dict[str, tuple[int, int]]) -> dict[str, str]:
+    """`warning.<group>` entries for the pass/fail groups (`needle.len1019`,
+    `structured.close_brackets`, from (bf16 passes, examples)) whose bf16 pass rate is below
+    the suite's `min_baseline_pass_rate`. The rate is only known once the baseline ran, so
+    the evaluator applies this rule to every result; the warning travels with the summary
+    (MLflow tag `tenantq.warning.<group>`, the report, the CLI)."""
+    out = {}
+    for group, (passed, n) in sorted(passes.items()):
+        if n > 0 and passed / n < suite.min_baseline_pass_rate:
+            out[f"warning.{group}"] = (
+                f"bf16 pass rate {passed / n:.0%} ({passed} of {n}) is below the suite's "
+                f"{suite.min_baseline_pass_rate:.0%}"
+            )
+    return out
+
+
+def unreachable_gate_warnings(suite: Suite, examples: dict[str, int]) -> dict[str, str]:
+    """`warning.gate.<metric>` for each pass/fail gate (`examples`: its metric -> n) whose
+    tolerance is tighter than the lower bound Tango's interval gives when nothing flips at
+    all (+-z^2 / (n + z^2): 0.107 at n = 32): such a gate can never say `non-inferior`."""
+    from tenantq.evals.stats import tango_interval
+
+    out = {}
+    for gate in suite.gates:
+        n = examples.get(gate.metric)
+        if not n or not gate.higher_is_better:
+            continue
+        bound = -float(tango_interval(0, 0, n)[0])
+        if gate.tolerance < bound:
+            out[f"warning.gate.{gate.metric}"] = (
+                f"tolerance {gate.tolerance:g} is below {bound:.3f}, the 95% bound of {n} "
+                f"examples with no flip at all: this gate cannot show non-inferiority; use a "
+                f"tolerance >= {math.ceil(bound * 1000) / 1000:g} or more examples"
+            )
+    return out
 
 
 def suite_metrics(suite: Suite) -> list[str]:

@@ -4,7 +4,8 @@ A weight is either a plain array or a `QArray`; both live in an `nnx.Param`, so 
 quantized bytes are what the params tree holds and a format is part of the tree's
 structure (a new format recompiles, a new value does not). Weight-only formats are
 dequantized inside jit right before the matmul; W8A8 (Rule.activations) quantizes the
-activations per token and multiplies the stored codes, rescaling the float32 product. A
+activations per token and multiplies the stored codes, rescaling the float32 product (W4A8:
+int4 codes unpacked to the activations' 8-bit type first, exactly). A
 static W8A8 weight (`StaticActQArray`) carries one calibrated activation scale instead, and
 activations beyond it clip, as in serving engines' static input scales.
 """
@@ -22,6 +23,7 @@ from flax import nnx
 
 from tenantq.model.config import ModelConfig
 from tenantq.numerics import QArray, dequantize, quantize, quantize_with_scale_zero_point
+from tenantq.numerics.packing import sign_extend_int4, unpack_nibbles
 
 
 @jax.tree_util.register_pytree_node_class
@@ -70,7 +72,8 @@ def _check_w8a8(path: str, w, contract_axis: int, activations: str | None) -> No
         return
     if not isinstance(w, QArray):
         raise ValueError(f"{path}: W8A8 needs a quantized weight, got a plain array")
-    if w.axis != contract_axis or w.group_size is not None or w.zero_point is not None:
+    grouped_w4 = w.fmt == "int4" and contract_axis == 0 and w.group_size is not None
+    if w.axis != contract_axis or w.zero_point is not None or (w.group_size and not grouped_w4):
         raise ValueError(
             f"{path}: W8A8 needs one symmetric scale per output channel (axis "
             f"{contract_axis}, no groups); got axis={w.axis}, group_size={w.group_size}"
@@ -81,8 +84,9 @@ def matmul(x: jax.Array, w, *, dtype, activations: str | None = None, transpose:
     """x [..., in] @ w [in, out] (or w.T for a [out, in] weight), float32 accumulation.
 
     Returns float32. `w` may be a QArray; with `activations` ("int8" or "fp8_e4m3") the
-    product runs on the low-precision codes of both operands: x is scaled per token, or by
-    the weight's static `act_scale` (a `StaticActQArray`), clipping what lies beyond it.
+    product runs on the low-precision codes of both operands (int4 weights as 8-bit codes):
+    x is scaled per token, or by the weight's static `act_scale` (a `StaticActQArray`),
+    clipping what lies beyond it.
     """
     contract = 1 if transpose else 0
     dims = (((x.ndim - 1,), (contract,)), ((), ()))
@@ -96,16 +100,39 @@ def matmul(x: jax.Array, w, *, dtype, activations: str | None = None, transpose:
             )
         acc_type = jnp.int32 if activations == "int8" else jnp.float32
         wdata = w.data
+        if w.fmt == "int4":  # W4A8: the packed nibbles as 8-bit codes (exact: -8..7)
+            wdata = sign_extend_int4(unpack_nibbles(wdata, w.shape[-1])).astype(xq.data.dtype)
         if wdata.dtype != xq.data.dtype:  # e5m2 weights with e4m3 activations: exact upcast
             wdata = wdata.astype(jnp.bfloat16)
             xdata = xq.data.astype(jnp.bfloat16)
         else:
             xdata = xq.data
+        if w.group_size is not None and not transpose:  # W4A8 with groups along the input
+            return _grouped_product(xdata, wdata, w, acc_type) * xq.scale
         y = jax.lax.dot_general(xdata, wdata, dims, preferred_element_type=acc_type)
         w_scale = w.scale.reshape(-1)  # one per output channel
         return y.astype(jnp.float32) * xq.scale * w_scale
     wf = dequantize(w).astype(dtype) if isinstance(w, QArray) else w.astype(dtype)
     return jax.lax.dot_general(x.astype(dtype), wf, dims, preferred_element_type=jnp.float32)
+
+
+def _grouped_product(xdata, wdata, w, acc_type):
+    """sum over groups g of (x codes_g . w codes_g) x w_scale_g, float32 [..., out]: each
+    group's partial sum is exact (int32, or float32 of fp8 x int4 codes), then rescaled. A
+    partial last group is zero-padded (zeros add nothing to its sum)."""
+    n_in, group = w.shape[0], w.group_size
+    groups = -(-n_in // group)
+    pad = groups * group - n_in
+    if pad:
+        xdata = jnp.pad(xdata, [(0, 0)] * (xdata.ndim - 1) + [(0, pad)])
+        wdata = jnp.pad(wdata, [(0, pad), (0, 0)])
+    xg = xdata.reshape(*xdata.shape[:-1], groups, group)
+    wg = wdata.reshape(groups, group, wdata.shape[-1])
+    batch_axis = xg.ndim - 2
+    dims = (((xg.ndim - 1,), (1,)), ((batch_axis,), (0,)))
+    part = jax.lax.dot_general(xg, wg, dims, preferred_element_type=acc_type)  # [G, ..., out]
+    scale = w.scale.astype(jnp.float32).reshape(groups, *([1] * (part.ndim - 2)), -1)
+    return jnp.sum(part.astype(jnp.float32) * scale, axis=0)
 
 
 class Linear(nnx.Module):

@@ -167,10 +167,16 @@ def iter_checkpoint(folder: str | Path, config: ModelConfig) -> Iterator[tuple[s
     before the stream ends or fails. A consumer that keeps an array past the next tensor
     must copy or convert it.
     """
+    from tenantq.model.compressed import is_compressed_tensors
     from tenantq.model.decoder import check_supported
 
     folder = Path(folder)
     check_supported(config)
+    if is_compressed_tensors(folder):
+        raise ValueError(
+            f"{folder} is a compressed-tensors checkpoint (config.json quantization_config); "
+            "read it with tenantq.model.compressed.iter_compressed or Engine.from_checkpoint"
+        )
     where = checkpoint_files(folder)
     names = hf_names(config)
     expected = config.tensors()

@@ -173,16 +173,29 @@ def load_quantized(
     (rtn through `quantize_tensor`, as `apply_plan` does); the rest are cast to `dtype`.
     Peak host memory stays near the result plus one full-precision tensor. Unused rules
     are not reported here; `apply_plan` (which the Engine runs on these params) does.
+    A compressed-tensors folder (`tenantq export`) gives its quantized tensors as stored;
+    the plan must quantize them to the same formats (`model.compressed.checkpoint_plan`).
     """
     import numpy as np
 
+    from tenantq.model.compressed import is_compressed_tensors, iter_compressed
     from tenantq.model.loader import iter_checkpoint
 
     resolved = (plan or QuantPlan()).resolve(config)
     params: dict[str, Any] = {}
-    for path, array in iter_checkpoint(folder, config):
+    compressed = is_compressed_tensors(folder)
+    stream = iter_compressed(folder, config) if compressed else iter_checkpoint(folder, config)
+    for path, array in stream:
         how = resolved.get(path)
-        if how is None:
+        if isinstance(array, QArray):  # stored quantized (compressed-tensors): kept as stored
+            if how is None or how.format != array.fmt:
+                planned = "full precision" if how is None else how.format
+                raise ValueError(
+                    f"{folder}: {path} is stored as {array.fmt} but the plan wants {planned}; "
+                    "load a compressed-tensors folder with plan=None (its own plan)"
+                )
+            params[path] = array
+        elif how is None:
             params[path] = jnp.asarray(array, dtype=jnp.dtype(dtype))
         else:
             params[path] = quantize_tensor(np.asarray(array, dtype=np.float32), how)

@@ -8,12 +8,15 @@ when their group starts (from the weights as updated so far); with activation or
 rows go by decreasing H diagonal and the group scales are fixed up front from the
 original weights (static groups), since groups no longer start in order. Every rounding
 goes through `compute_scale_zero_point` / `quantize_with_scale_zero_point`: GPTQ chooses
-which values to round, the one codec decides how.
+which values to round, the one codec decides how. Rows whose input never fires are zeroed
+before any scale is taken; a Cholesky that fails (H + λI not positive definite in float32)
+is retried with ten times the damping, each retry logged with the tensor's name.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -32,6 +35,10 @@ from tenantq.quant.plan import TensorQuant
 
 DEFAULT_DAMP = 0.01  # fraction of mean(diag H) added to the diagonal (the paper's 1%)
 DEFAULT_BLOCK_ROWS = 128  # lazy-update block when the format has no groups
+DAMP_GROWTH = 10.0  # a failed Cholesky is retried with damping x this ...
+MAX_DAMP = 10.0  # ... until λ = MAX_DAMP · mean diag H (the Hessian is then mostly λI)
+
+log = logging.getLogger(__name__)
 
 
 def _group_rows(fmt: str, group_size: int | None) -> int | None:
@@ -43,6 +50,7 @@ def hessian_inverse_factor(hessian, damp: float = DEFAULT_DAMP) -> tuple[jax.Arr
     """(upper Cholesky factor U of (H + λI)⁻¹ with λ = damp · mean diag H, dead-row mask).
 
     Rows whose input never fires (diag H = 0) get H_ii = 1 and are zeroed by the caller.
+    A factorisation that fails comes back with NaNs (jnp.linalg.cholesky does not raise).
     """
     h = jnp.asarray(hessian, jnp.float32)
     diag = jnp.diagonal(h)
@@ -52,6 +60,30 @@ def hessian_inverse_factor(hessian, damp: float = DEFAULT_DAMP) -> tuple[jax.Arr
     lower = jnp.linalg.cholesky(h)
     h_inv = jax.scipy.linalg.cho_solve((lower, True), jnp.eye(h.shape[0], dtype=h.dtype))
     return jnp.linalg.cholesky(h_inv).T, dead
+
+
+def damped_inverse_factor(hessian, damp: float = DEFAULT_DAMP, *, name: str = "weight"):
+    """`hessian_inverse_factor`, retried with damping x DAMP_GROWTH while the factor is not
+    finite (each retry logged, naming `name`); (U, dead mask, damping used). Past MAX_DAMP
+    a ValueError names the tensor."""
+    if not np.all(np.isfinite(np.asarray(hessian))):
+        raise ValueError(f"{name}: the calibration Hessian has non-finite entries")
+    tried = damp
+    while True:
+        u, dead = hessian_inverse_factor(hessian, tried)
+        if bool(jnp.all(jnp.isfinite(u))):
+            return u, dead, tried
+        if tried * DAMP_GROWTH > MAX_DAMP:
+            raise ValueError(
+                f"{name}: GPTQ's Cholesky of H + λI failed up to damp={tried:g} (λ = damp · "
+                "mean diag H); the Hessian is far from positive semi-definite: recollect the "
+                "calibration statistics or use rtn for this tensor"
+            )
+        log.warning(
+            "%s: GPTQ's Cholesky failed at damp=%g; retrying with damp=%g",
+            name, tried, tried * DAMP_GROWTH,
+        )  # fmt: skip
+        tried *= DAMP_GROWTH
 
 
 def _take_group(scale, zero_point, g):
@@ -128,8 +160,10 @@ def gptq_quantize(
     damp: float = DEFAULT_DAMP,
     act_order: bool = False,
     block_rows: int = DEFAULT_BLOCK_ROWS,
+    name: str = "weight",
 ) -> QArray:
-    """GPTQ-round `weight` [in, out] (quantized along axis 0) given H [in, in]."""
+    """GPTQ-round `weight` [in, out] (quantized along axis 0) given H [in, in]; `name` is
+    what a damping retry or a failure names."""
     w = jnp.asarray(weight, jnp.float32)
     if w.ndim != 2 or np.shape(hessian) != (w.shape[0], w.shape[0]):
         raise ValueError(
@@ -146,7 +180,9 @@ def gptq_quantize(
     if act_order:
         perm = np.argsort(-np.asarray(jnp.diagonal(h)), kind="stable")
         h = h[perm][:, perm]
-    u, dead = hessian_inverse_factor(h, damp)
+    u, dead, _ = damped_inverse_factor(h, damp, name=name)
+    # dead rows (their input never fires) are zeroed first, so no scale is taken over them
+    w = jnp.where(dead[np.argsort(perm)][:, None], 0.0, w)
     dynamic = group is not None and not act_order
     # The group table: with `dynamic` these values are placeholders, overwritten as each
     # group starts; otherwise (per channel, or act order's static groups) they are final,
@@ -157,7 +193,7 @@ def gptq_quantize(
     n_groups = 1 if group is None else -(-n // group)
     block = group if dynamic else block_rows
     padded = -(-n // block) * block
-    wp = jnp.zeros((padded, out), jnp.float32).at[:n].set(jnp.where(dead[:, None], 0.0, w[perm]))
+    wp = jnp.zeros((padded, out), jnp.float32).at[:n].set(w[perm])
     up = jnp.eye(padded, dtype=jnp.float32).at[:n, :n].set(u)
     rows = np.full(padded, n_groups - 1, np.int32)  # padding rows: zeros, any group
     rows[:n] = perm // group if group is not None else 0
@@ -192,5 +228,5 @@ def gptq_weight(
         raise ValueError(f"{how.path}: GPTQ applies to linear weights [in, out] (axis 0)")
     return gptq_quantize(
         weight, hessian, how.format, group_size=how.group_size, symmetric=how.symmetric,
-        damp=damp, act_order=act_order,
+        damp=damp, act_order=act_order, name=how.path,
     )  # fmt: skip

@@ -33,8 +33,10 @@ FORMAT_NAMES = tuple(n for n in FORMATS if n not in KV_ONLY_FORMATS)
 # Algorithms a rule may name. Only "rtn" is built in; GPTQ/AWQ/SmoothQuant register
 # themselves in tenantq.quant.apply when they land.
 ALGORITHM_NAMES = ("rtn", "gptq", "awq", "smoothquant")
-# W8A8: activations quantized per token at run time; the weight must be in the same family.
-ACTIVATION_FORMATS = {"fp8_e4m3": ("fp8_e4m3", "fp8_e5m2"), "int8": ("int8",)}
+# W8A8: activations quantized per token at run time; the weight must be in the same family,
+# or int4 (W4A8: its codes -8..7 are exact in int8 and in fp8_e4m3, so the product runs on
+# the 8-bit units with the weight stored at 4 bits).
+ACTIVATION_FORMATS = {"fp8_e4m3": ("fp8_e4m3", "fp8_e5m2", "int4"), "int8": ("int8", "int4")}
 ACTIVATION_NAMES = tuple(ACTIVATION_FORMATS)
 # W8A8 activation scales: "dynamic" (per token at run time) or "static" (one per input,
 # from calibration statistics, stored with the weight; values beyond it clip).
@@ -163,7 +165,9 @@ def _validated(model: type[BaseModel], raw: Any, where: str) -> BaseModel:
 
 def check_w8a8(how: Rule | TensorQuant) -> None:
     """W8A8 runs the matmul on stored codes: the weight needs one symmetric scale per output
-    channel (no groups) in its activations' family. The one check, for rules and tensors."""
+    channel (no groups) in its activations' family; W4A8 (int4 weights) may also have groups
+    along the input, each group's integer partial sum rescaled apart. The one check, for
+    rules and tensors."""
     where = how.path if isinstance(how, TensorQuant) else f"rule {how.pattern!r}"
     if how.activations is None:
         if how.activation_scale != "dynamic":
@@ -178,11 +182,11 @@ def check_w8a8(how: Rule | TensorQuant) -> None:
             f"{where}: W8A8 with {how.activations} activations needs weights in "
             f"{' or '.join(family)}, got {how.format}"
         )
-    if how.group_size is not None or not how.symmetric:
+    if not how.symmetric or (how.group_size is not None and how.format != "int4"):
         raise ValueError(
             f"{where}: W8A8 ({how.activations} activations) needs symmetric per-channel "
-            f"weight scales (no group_size), got group_size={how.group_size}, "
-            f"symmetric={how.symmetric}"
+            f"weight scales (no group_size; W4A8 int4 weights may have groups), got "
+            f"group_size={how.group_size}, symmetric={how.symmetric}"
         )
 
 

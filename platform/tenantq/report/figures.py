@@ -109,10 +109,23 @@ def front_table_rows(study: StudyRecord) -> list[dict[str, str]]:
             if c is not None:
                 row[f"confirmed {m}"] = _fmt_ci(c)
         row["shippable"] = "yes" if t.shippable else "no"
+        row["verdicts"] = t.gate_words() or "-"
         row["plan"] = t.plan_summary()
         row["fingerprint"] = t.fingerprint
+        row["export"] = export_command(study, t)
         rows.append(row)
     return rows
+
+
+def export_command(study: StudyRecord, trial: TrialRecord) -> str:
+    """`tenantq export` of the trial's logged plan.json (docs/guide/export.md), as one line."""
+    import shlex
+
+    model = study.params.get("model.path", "reference")
+    return (
+        f"tenantq export --model {shlex.quote(model)} --plan runs:/{trial.run_id}/plan.json "
+        f"--tracking-uri {shlex.quote(study.tracking_uri)} --out export-{trial.fingerprint}"
+    )
 
 
 def _fmt_ci(q: tuple[float, float | None, float | None]) -> str:

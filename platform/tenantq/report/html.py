@@ -191,6 +191,9 @@ def _header(study: StudyRecord, chosen) -> str:
         ("suite", p.get("eval.suite", "-")),
         ("chosen trial", "-" if chosen is None else f"{chosen.number}: {chosen.plan_summary()}"),
     ]
+    warned = {k: v for t in study.completed for k, v in t.warnings().items()}
+    if warned:  # the suite's bf16 pass-rate bar (evals.suite.baseline_pass_warnings)
+        rows.append(("warnings", "\n".join(f"{k}: {v}" for k, v in sorted(warned.items()))))
     cells = "".join(
         f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows
     )

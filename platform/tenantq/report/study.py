@@ -94,6 +94,25 @@ class TrialRecord:
         )
         return f"weights: {w}\nKV: {kv}"
 
+    def gate_words(self) -> str:
+        """Each gate's verdict and two-sided `changed` flag, one gate a line, in the words the
+        evaluator wrote (tags `tenantq.verdict.<metric>`, `tenantq.changed.<metric>`)."""
+        lines = []
+        for key, word in sorted(self.tags.items()):
+            if key.startswith("tenantq.verdict."):
+                metric = key.removeprefix("tenantq.verdict.")
+                flag = self.tags.get(f"tenantq.changed.{metric}", "?")
+                lines.append(f"{metric}: {word}; changed: {flag}")
+        return "\n".join(lines)
+
+    def warnings(self) -> dict[str, str]:
+        """The suite's warnings about this trial's tasks (tags `tenantq.warning.<group>`)."""
+        return {
+            k.removeprefix("tenantq.warning."): v
+            for k, v in self.tags.items()
+            if k.startswith("tenantq.warning.")
+        }
+
     def metric_ci(self, metric: str) -> tuple[float, float | None, float | None] | None:
         if metric not in self.metrics:
             return None

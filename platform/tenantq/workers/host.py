@@ -133,7 +133,7 @@ class HostWorker:
         gates = {
             key: {
                 f: getattr(gate, f)
-                for f in ("metric", "value", "ci_low", "ci_high", "tolerance", "verdict")
+                for f in ("metric", "value", "ci_low", "ci_high", "tolerance", "verdict", "changed")
             }
             | {"constraint": float(gate.constraint)}
             for key, gate in result.gates.items()

@@ -1,0 +1,108 @@
+"""W4A8: int4 weights (groups along the input) multiplied on 8-bit activation codes.
+
+The reference is numpy on the stored bytes: nibbles unpacked by hand (low nibble first, two's
+complement), per-group products summed exactly in int64 (int8 activations) or float64 (fp8
+activations: every fp8 x int4 product is exact in float64), then rescaled. The engine's
+float32 path may differ only by float32 rounding: one rounding per group sum (fp8: per
+product added, g of them) and per rescale, so |got - want| <= (g + G + 2) 2^-24 x the sum
+of |terms|.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tenantq.model.layers import matmul
+from tenantq.numerics import quantize
+from tenantq.quant.plan import QuantPlan, Rule
+
+IN, OUT, GROUP = 320, 24, 128  # 320 = 2 x 128 + 64: a partial last group
+
+
+def _nibbles_by_hand(data: np.ndarray, n: int) -> np.ndarray:
+    data = data.astype(np.int16)
+    both = np.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:-1], -1)[..., :n]
+    return np.where(both >= 8, both - 16, both)
+
+
+def _reference(x_codes, x_scale, w, groups: int) -> tuple[np.ndarray, np.ndarray]:
+    codes = _nibbles_by_hand(np.asarray(w.data), OUT).astype(np.float64)
+    w_scale = np.asarray(w.scale, np.float64)  # [G, OUT]
+    want = np.zeros((x_codes.shape[0], OUT))
+    size = np.zeros_like(want)
+    for g in range(groups):
+        sl = slice(g * GROUP, min((g + 1) * GROUP, IN))
+        part = x_codes[:, sl] @ codes[sl]  # exact: integers, or fp8 x int4 products
+        want += part * w_scale[g]
+        size += (np.abs(x_codes[:, sl]) @ np.abs(codes[sl])) * np.abs(w_scale[g])
+    return want * x_scale, size * x_scale
+
+
+def _activation_codes(x: np.ndarray, activations: str) -> tuple[np.ndarray, np.ndarray]:
+    top = np.float32(127.0 if activations == "int8" else 448.0)
+    scale = np.abs(x).max(axis=-1, keepdims=True).astype(np.float32) / top  # float32, [T, 1]
+    ratio = x.astype(np.float32) / scale
+    if activations == "int8":
+        codes = np.clip(np.rint(ratio), -127, 127)
+    else:
+        codes = np.clip(ratio, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return codes.astype(np.float64), scale.astype(np.float64)
+
+
+@pytest.mark.parametrize("activations", ["int8", "fp8_e4m3"])
+def test_w4a8_product_equals_numpy_on_the_stored_codes(activations: str) -> None:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, IN)).astype(np.float32)
+    x[1, 3] = 30.0  # an outlier: its token's scale grows, the rest of its row loses bits
+    w = quantize(jnp.asarray(rng.standard_normal((IN, OUT)) / np.sqrt(IN), jnp.float32),
+                 "int4", axis=0, group_size=GROUP)  # fmt: skip
+    assert w.scale.shape == (3, OUT)
+    got = np.asarray(matmul(jnp.asarray(x), w, dtype=jnp.float32, activations=activations))
+
+    # The activation codes built here, not read back from the codec: per token, float32
+    # scale = amax / 127 (int8) or amax / 448 (fp8 e4m3's largest), IEEE-rounded as the codec
+    # divides; int8 codes round half to even, clipped to [-127, 127]; fp8 codes cast by
+    # ml_dtypes (round to nearest even) after clipping to +-448.
+    x_codes, x_scale = _activation_codes(x, activations)
+    want, size = _reference(x_codes, x_scale, w, groups=3)
+    slack = (GROUP + 3 + 2) * 2.0**-24 * size
+    assert (np.abs(got - want) <= slack).all()
+    # The test can fail: a codec that floors instead of rounding lands outside the slack.
+    if activations == "int8":
+        floored = np.clip(np.floor(x / x_scale.astype(np.float32)), -127, 127)
+        floor_want, _ = _reference(floored.astype(np.float64), x_scale, w, groups=3)
+        assert (np.abs(floor_want - want) > slack).any()
+    # The test can fail: the codes read high nibble first land far outside the slack.
+    swapped = _nibbles_by_hand(np.asarray(w.data), OUT).reshape(IN, -1, 2)[..., ::-1]
+    wrong = x_codes[:, :GROUP] @ swapped.reshape(IN, OUT)[:GROUP].astype(np.float64)
+    assert np.abs(wrong * np.asarray(w.scale)[0] * x_scale - want).max() > slack.max()
+
+
+def test_w4a8_close_to_the_float_product_within_the_int4_step() -> None:
+    # Against the unquantized product: each weight is off by at most half its group's step
+    # (amax_g / 14) and each int8 input by half its token's step (amax_x / 254).
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, IN)).astype(np.float32)
+    wf = (rng.standard_normal((IN, OUT)) / np.sqrt(IN)).astype(np.float32)
+    w = quantize(jnp.asarray(wf), "int4", axis=0, group_size=GROUP)
+    got = np.asarray(matmul(jnp.asarray(x), w, dtype=jnp.float32, activations="int8"))
+    groups = np.array_split(np.abs(wf), [GROUP, 2 * GROUP], axis=0)
+    w_err = np.concatenate([np.broadcast_to(g.max(0) / 14, g.shape) for g in groups])
+    x_err = np.abs(x).max(axis=1, keepdims=True) / 254
+    bound = np.abs(x) @ w_err + x_err * (np.abs(wf) + w_err).sum(axis=0) + 1e-5
+    assert (np.abs(got - x @ wf) <= bound).all()
+
+
+def test_w4a8_rules_take_groups_but_8bit_w8a8_does_not() -> None:
+    plan = QuantPlan((Rule(".*_proj", "int4", group_size=64, activations="fp8_e4m3"),))
+    assert QuantPlan.from_json(plan.to_json()) == plan
+    Rule(".*", "int4", activations="int8")  # int4's default group (128) applies
+    with pytest.raises(ValueError, match="symmetric per-channel"):
+        Rule(".*", "int8", group_size=64, activations="int8")
+    with pytest.raises(ValueError, match="symmetric per-channel"):
+        Rule(".*", "int4", symmetric=False, activations="int8")
+    with pytest.raises(ValueError, match="needs weights in"):
+        Rule(".*", "mxfp4", activations="int8")
