@@ -269,6 +269,21 @@ def wants_baselines(spec: Spec) -> bool:
     return spec.sampler.kind != "capacity_aware"
 
 
+def resumed_sampler(spec: Spec, stored: dict | None) -> SamplerSpec | None:
+    """The sampler a resumed study goes on with when the spec names no sampler.kind: the
+    stored one (a study begun under an older default keeps its sampler), its fields that the
+    spec sets taking the spec's values. None when the spec names a kind or nothing differs."""
+    if "kind" in spec.sampler.model_fields_set or not isinstance(stored, dict):
+        return None
+    try:
+        old = SamplerSpec.model_validate(stored)
+    except ValueError:
+        return None  # a stored kind this version lacks: the comparison names the change
+    now = spec.sampler
+    merged = old.model_copy(update={k: getattr(now, k) for k in now.model_fields_set})
+    return None if merged == now else merged
+
+
 class TrackingSpec(_Strict):
     uri: str = Field("sqlite:///mlflow.db", description="MLflow tracking URI")
     experiment: str | None = Field(None, description="MLflow experiment (default: study name)")
@@ -310,7 +325,11 @@ class Spec(_Strict):
     def _default_sampler(self) -> Spec:
         if self.sampler.kind is None:  # frozen model: set once, while validating
             kind = default_sampler_kind(self)
-            object.__setattr__(self, "sampler", self.sampler.model_copy(update={"kind": kind}))
+            sampler = self.sampler.model_copy(update={"kind": kind})
+            # Still unset for `model_fields_set`: a resume keeps the kind the study began with
+            # (`resumed_sampler`), e.g. nsga2, the default before capacity_aware.
+            sampler.__pydantic_fields_set__.discard("kind")
+            object.__setattr__(self, "sampler", sampler)
         return self
 
     @model_validator(mode="after")
