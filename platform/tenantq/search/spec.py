@@ -237,8 +237,8 @@ class StudySpec(_Strict):
     storage: str = Field("sqlite:///optuna.db", description="Optuna RDB URL")
     baselines: bool | None = Field(
         None,
-        description="enqueue bf16, fp8+fp8 KV, int4 g128 first; absent: yes, except with the "
-        "capacity_aware sampler, which measures the space's most precise plan first itself",
+        description="enqueue bf16, fp8+fp8 KV, int4 g128 first (absent: yes, for every "
+        "sampler; false: the sampler chooses every trial)",
     )
     max_trial_retries: int = Field(
         1,
@@ -261,12 +261,10 @@ def default_sampler_kind(spec: Spec) -> str:
 
 
 def wants_baselines(spec: Spec) -> bool:
-    """Whether the study enqueues the three baselines (see StudySpec.baselines): on the
-    168-plan space, counting them cost capacity_aware 12.5 points of front coverage at 25
-    evaluations (experiments/findings/sampler-efficiency.md)."""
-    if spec.study.baselines is not None:
-        return spec.study.baselines
-    return spec.sampler.kind != "capacity_aware"
+    """Whether the study enqueues the three baselines (see StudySpec.baselines): yes unless
+    the spec says `baselines = false`, whatever the sampler (the report draws them; the
+    168-plan figures count them, docs/results/search-efficiency.md)."""
+    return spec.study.baselines is not False
 
 
 def resumed_sampler(spec: Spec, stored: dict | None) -> SamplerSpec | None:
