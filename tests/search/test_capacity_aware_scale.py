@@ -6,6 +6,7 @@ Losses are synthetic and additive (no evaluation), so every bound is exact arith
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -299,3 +300,31 @@ def test_prediction_metrics_by_hand():
     assert m["capacity_aware.obj1.rank_corr"] == pytest.approx(1.0)
     assert m["capacity_aware.obj1.median_rel_error"] == pytest.approx(0.2)
     assert m["capacity_aware.obj1.predicted_plans"] == 4
+
+
+def test_the_metric_offset_does_not_change_the_picks(structured):
+    # maximize -L and maximize 1 - L are the same objective: the gain (incumbent - predicted)
+    # / range of the known losses is free of the offset, so the 8 picks are the same plans
+    # (with the former relative gain, (inc - pred) / inc, the offset changed them).
+    spec = structured.spec.model_copy(
+        update={
+            "objectives": [
+                structured.spec.objectives[0],
+                structured.spec.objectives[1].model_copy(update={"direction": "maximize"}),
+            ]
+        }
+    )
+    ctx = dataclasses.replace(structured, spec=spec)
+    picks = {}
+    for offset in (0.0, 1.0):
+        study = optuna.create_study(
+            directions=["maximize", "maximize"], sampler=sampler_for_context(ctx)
+        )
+        picks[offset] = []
+        for _ in range(8):
+            trial = study.ask()
+            params = suggest(trial, ctx.spec.space, ctx.config)
+            _, b = ctx.plan_and_budget(params)
+            study.tell(trial, [b.tenants, offset - _loss(params)])
+            picks[offset].append(tuple(sorted(params.items())))
+    assert picks[0.0] == picks[1.0] and len(set(picks[0.0])) == 8

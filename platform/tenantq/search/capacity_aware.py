@@ -336,9 +336,12 @@ class KnapsackSampler(BaseSampler):
         known += [b for fp, b in self._believed.items() if fp not in measured]
         inc_t = np.array(sorted((m[0] for m in known), reverse=True), dtype=np.int64)
         order = sorted(known, key=lambda m: -m[0])
-        inc_v = np.minimum.accumulate(
-            np.array([sum(lam[j] * m[1][j] for j in range(len(fits))) for m in order])
-        )
+        scal = np.array([sum(lam[j] * m[1][j] for j in range(len(fits))) for m in order])
+        inc_v = np.minimum.accumulate(scal)
+        # gain = (incumbent - predicted) / range of the losses known: free of the metric's
+        # offset (maximize -L and maximize 1 - L rank the plans alike) and of its scale
+        span = float(scal.max() - scal.min()) if len(scal) > 1 else 0.0
+        span = span if span > 0 else 1.0
         self._solved: dict[int, knapsack.Solved] = {}
         cands = []  # (gain, tenants, -pred, section, kv, width or the options themselves)
         kv_cost = [cost(self.features(k.params)) for k in self.problem.kv]
@@ -348,11 +351,8 @@ class KnapsackSampler(BaseSampler):
             inc = np.full(len(ts), np.inf)
             if len(inc_v):
                 inc = np.where(n_ge > 0, inc_v[np.maximum(n_ge - 1, 0)], np.inf)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                if multi:
-                    gain = inc - pred
-                else:
-                    gain = np.where(inc > 0, (inc - pred) / np.where(inc > 0, inc, 1), inc - pred)
+            with np.errstate(invalid="ignore"):
+                gain = (inc - pred) / span
             return np.where(np.isinf(inc), np.inf, gain)
 
         if self.problem.size() <= ENUMERATE_LIMIT:  # small: every plan scored (exact k-best)
