@@ -328,3 +328,33 @@ def test_the_metric_offset_does_not_change_the_picks(structured):
             study.tell(trial, [b.tenants, offset - _loss(params)])
             picks[offset].append(tuple(sorted(params.items())))
     assert picks[0.0] == picks[1.0] and len(set(picks[0.0])) == 8
+
+
+def test_above_the_enumeration_limit_every_plan_is_proposed_by_the_model(monkeypatch):
+    # A 32-plan structured space searched by the DP alone (the enumeration limit forced to
+    # 0): the DP gives one plan per (KV plan, tenant level); once that plan is measured its
+    # one-option swaps within the level are proposed next, so all 32 plans come from the
+    # model (reference first, then 'knapsack'), none from the random fallback.
+    from tenantq.search import capacity_aware
+
+    monkeypatch.setattr(capacity_aware, "ENUMERATE_LIMIT", 0)
+    ctx = prepare(
+        _spec(
+            kind="structured", weight_formats=["bf16", "int4"], uniform_weights=True,
+            bf16_first_layers=[0], bf16_last_layers=[0], key_axes=["channel"],
+            sink_tokens=[0], kv_bf16_layers=["none"], key_formats=["bf16", "int4"],
+            value_formats=["bf16", "int8"],
+        ),
+        "",
+    )  # fmt: skip
+    sampler = sampler_for_context(ctx)
+    assert sampler.problem.size() == 32
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    reasons, plans = [], set()
+    for _ in range(32):
+        trial = study.ask()
+        params = suggest(trial, ctx.spec.space, ctx.config)
+        _tell(study, trial, ctx, params)
+        reasons.append(sampler.last_pick["reason"])
+        plans.add(ctx.plan_and_budget(params)[0].fingerprint())
+    assert len(plans) == 32 and "random" not in reasons

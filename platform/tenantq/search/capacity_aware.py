@@ -11,6 +11,7 @@ for synthetic landscapes and comparison (`choose`, `additive_fit`).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections.abc import Sequence
@@ -370,8 +371,10 @@ class KnapsackSampler(BaseSampler):
                         zip(gains(ts, pred).tolist(), ts.tolist(), pred.tolist(), strict=True)
                     ):
                         cands.append((g, t, -p, si, ki, combo))
+        group_costs: dict[int, list[np.ndarray]] = {}
         for si, sec in enumerate(self.problem.sections if not cands else ()):
             costs = [np.array([cost(self.features(o.params)) for o in g]) for g in sec.groups]
+            group_costs[si] = costs
             solved = knapsack.solve(self.problem, si, costs)
             self._solved[si] = solved
             c_sec = cost(self.features(sec.params))
@@ -385,29 +388,65 @@ class KnapsackSampler(BaseSampler):
                     gain.tolist(), ts.tolist(), pred.tolist(), ws.tolist(), strict=True
                 ):
                     cands.append((g, t, -p, si, ki, w))
-        cands.sort(reverse=True)
+        # A max-heap of candidates. The DP gives one plan per (KV plan, level); when that plan
+        # is measured or held, its one-option swaps that keep the level (the width cap) enter
+        # the heap with their own prediction and gain, so a level's next-best plans are
+        # proposed too (a best-first walk from the DP's plan, Lawler-Murty in spirit).
+        cands.sort(reverse=True)  # the tie order of the candidates as before: by serial
+        heap = [(-g, -t, -negp, n, si, ki, w, w) for n, (g, t, negp, si, ki, w) in enumerate(cands)]
+        heapq.heapify(heap)
+        serial = len(heap)
         tried: set[tuple] = set()
-        for g, t, negp, si, ki, w in cands:
-            if (si, ki, w) in tried:
+        while heap:
+            ng, nt, p, _, si, ki, w, cap = heapq.heappop(heap)
+            g, t, negp = -ng, -nt, -p
+            sec = self.problem.sections[si]
+            solved_opts = w if isinstance(w, tuple) else tuple(self._solved[si].options_at(w))
+            if (si, ki, solved_opts) in tried:
                 continue
-            tried.add((si, ki, w))
+            tried.add((si, ki, solved_opts))
             if len(tried) > MAX_TRIES:
                 break
-            sec = self.problem.sections[si]
-            solved_opts = w if isinstance(w, tuple) else self._solved[si].options_at(w)
             params = dict(sec.params)
             for grp, o in zip(sec.groups, solved_opts, strict=True):
                 params.update(grp[o].params)
             params.update(self.problem.kv[ki].params)
-            if _params_key(params) in held_params:
-                continue
-            fp, tenants = self.locate(params)
-            if fp in measured or fp in held:
+            fp = None
+            if _params_key(params) not in held_params:
+                fp, tenants = self.locate(params)
+            if fp is None or fp in measured or fp in held:
+                if si in group_costs and not isinstance(cap, tuple):  # a DP plan: its swaps
+                    swaps = [
+                        (alt, c)
+                        for alt, c in self._swaps(si, solved_opts, cap, group_costs[si])
+                        if (si, ki, alt) not in tried
+                    ]
+                    if swaps:
+                        fixed = const + cost(self.features(sec.params)) + kv_cost[ki]
+                        preds = fixed + np.array([c for _, c in swaps])
+                        gs = gains(np.full(len(swaps), t), preds)
+                        for (alt, _), ga, pa in zip(
+                            swaps, gs.tolist(), preds.tolist(), strict=True
+                        ):
+                            heapq.heappush(heap, (-ga, -t, pa, serial, si, ki, alt, cap))
+                            serial += 1
                 continue
             self.last_pick = {"reason": "knapsack", "gain": g, "level": t, "tenants": tenants,
                               "predicted": -negp, "params": params}  # fmt: skip
             return params, fits
         return None
+
+    def _swaps(self, si: int, opts: tuple, cap: int, costs: list[np.ndarray]):
+        """(options, predicted weight cost) of every plan one option away from `opts` whose
+        ticks stay within the width `cap` (so within the same tenant level)."""
+        ticks = self.problem.sizing[si].ticks
+        used = sum(int(ticks[g][o]) for g, o in enumerate(opts))
+        base = sum(float(costs[g][o]) for g, o in enumerate(opts))
+        for g, o in enumerate(opts):
+            for alt in range(len(ticks[g])):
+                if alt != o and used - int(ticks[g][o]) + int(ticks[g][alt]) <= cap:
+                    new = opts[:g] + (alt,) + opts[g + 1 :]
+                    yield new, base - float(costs[g][o]) + float(costs[g][alt])
 
     def _weights(self, n: int) -> list[float]:
         if len(self.quality) == 1:
