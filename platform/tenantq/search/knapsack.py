@@ -79,8 +79,8 @@ class Problem:
 
 @dataclass(frozen=True)
 class Sizing:
-    """A section's byte unit: extra bytes of option o of group g = ticks[g][o] * unit (exact)
-    or at most that (rounded up)."""
+    """A section's byte unit: extra bytes of option o of group g = `ticks[g][o] * unit`
+    (exact) or at most that (rounded up)."""
 
     base: int  # const bytes + every group's cheapest option
     unit: int
