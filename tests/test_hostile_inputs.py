@@ -628,13 +628,6 @@ CASES = [
         ["sampler.kind: 'capacity_aware' needs a quality objective"],
     ),
     (
-        "spec-capacity-aware-huge-space",
-        lambda t: _study_spec(
-            SPEC_HEAD + '[sampler]\nkind = "capacity_aware"\n[space]\nkind = "per_tensor"\n'
-        ),
-        ["sampler.kind: 'capacity_aware' enumerates the space", "at most 5,000"],
-    ),
-    (
         "spec-capacity-only-constraints",
         lambda t: _study_spec(
             SPEC_HEAD + '[[objectives]]\nmetric = "tenants"\ndirection = "maximize"\n'
@@ -869,15 +862,6 @@ CLI_CASES = [
         "deployment: no plan of the space fits a tenant of 256 tokens",
     ),
     (
-        "search-capacity-aware-huge",
-        lambda t: [
-            "search",
-            _spec_file(t, '[sampler]\nkind = "capacity_aware"\n[space]\nkind = "per_tensor"\n'),
-            "--check",
-        ],
-        "sampler.kind: 'capacity_aware' enumerates the space",
-    ),
-    (
         "search-nan-profile",
         lambda t: [
             "search",
@@ -1012,7 +996,7 @@ def test_each_hostile_command_is_one_line_and_creates_nothing(
         ("[space]\nmax_keep_bf16 = 3\n", "space.max_keep_bf16 = 3 is ignored"),
         ('[space]\nkind = "per_tensor"\nuniform_weights = true\n',
          "space.uniform_weights = True is ignored: it applies to space.kind = 'structured'"),
-        ("[sampler]\npopulation_size = 50\n",
+        ("[sampler]\nkind = \"nsga2\"\npopulation_size = 50\n",
          "sampler.population_size = 50 is more than study.trials = 2"),
         ('[eval]\nsuite = "needle_count.toml"\n',
          "eval.suite: suite 'needle_count' needles.0.count = 8 is ignored: only multikey and "

@@ -51,3 +51,35 @@ def test_a_changed_value_is_named():
         ValueError, match=r"\(space\.weight_formats, sampler\.seed\); only study\.trials"
     ):
         _check_same_spec(stored, SPEC)
+
+
+def _old_default_stored() -> dict:
+    """The quickstart spec as the version before capacity_aware stored it (its sampler as in
+    a study `make demo` began then: /tmp/rv/stored_quickstart.json)."""
+    stored = _stored()
+    stored["sampler"] = {"kind": "nsga2", "seed": 0, "population_size": 6}
+    return stored
+
+
+def test_a_study_begun_under_the_old_default_sampler_resumes_with_it(capsys):
+    from tenantq.search.samplers import make_sampler
+    from tenantq.search.store import keep_stored_sampler
+
+    spec = load_spec("experiments/quickstart.toml")  # names no sampler.kind
+    assert spec.sampler.kind == "capacity_aware"
+    keep_stored_sampler(spec, _old_default_stored(), "quickstart")
+    _check_same_spec(_old_default_stored(), spec)  # no refusal
+    assert (spec.sampler.kind, spec.sampler.population_size) == ("nsga2", 6)
+    assert type(make_sampler(spec)).__name__ == "NSGAIISampler"
+    assert "with its sampler 'nsga2'" in capsys.readouterr().err
+
+
+def test_a_spec_naming_the_new_sampler_is_still_a_change():
+    from tenantq.search.store import keep_stored_sampler
+
+    sampler = SPEC.sampler.model_copy(update={"kind": "capacity_aware"})
+    spec = SPEC.model_copy(update={"sampler": sampler})
+    assert "kind" in spec.sampler.model_fields_set
+    keep_stored_sampler(spec, _old_default_stored(), "quickstart")
+    with pytest.raises(ValueError, match=r"\(sampler\.kind, sampler\.population_size\)"):
+        _check_same_spec(_old_default_stored(), spec)

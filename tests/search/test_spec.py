@@ -97,7 +97,8 @@ def test_each_mistake_is_one_line_naming_it(mutate, expected) -> None:
 def test_minimal_spec_defaults() -> None:
     spec = parse_spec(copy.deepcopy(BASE))
     assert [o.metric for o in spec.objectives] == ["tenants", "fidelity.kl_mean"]
-    assert spec.sampler.kind == "nsga2" and spec.study.storage == "sqlite:///optuna.db"
+    # a quality objective: capacity_aware is the default (issue 25)
+    assert spec.sampler.kind == "capacity_aware" and spec.study.storage == "sqlite:///optuna.db"
     assert spec.tracking.uri == "sqlite:///mlflow.db" and spec.experiment_name == "s"
 
 

@@ -104,15 +104,40 @@ def efficiency_main(argv: list[str]) -> int:
         default="fidelity.kl_mean",
         help="cached lower-is-better metric, or -KEY for higher-is-better",
     )
+    p.add_argument(
+        "--ask-cost",
+        type=int,
+        default=10,
+        help="asks timed on Llama-3.1-8B's 32-layer per-tensor space (capacity preset); 0: skip",
+    )
+    p.add_argument(
+        "--synthetic",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="a made-up KL on the space's real tenants instead of the cache (sampler development)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tenantq.search import efficiency as eff
 
+    cost = eff.ask_cost(eff.preset_context(), args.ask_cost) if args.ask_cost else None
+    if cost and not args.json:
+        print(
+            f"capacity_aware on llama-3.1-8b per-tensor (tpu-v6e, 8192 tokens): "
+            f"{float(cost['plans']):.3g} plans, build {cost['build_s']:.2f} s, "
+            f"{cost['ask_s_mean']:.3f} s per ask (max {cost['ask_s_max']:.3f} s, "
+            f"{cost['asks']} asks; bytes exact: {cost['exact_bytes']})"
+        )
+
     points, prep = eff.build_points(args.spec)
     if args.measure:
         eff.exhaustive_pass(points, prep.model_path, Path(args.cache_dir), log=print)
-    land = eff.Landscape.from_cache(points, eff.read_cache(args.cache_dir), args.metric)
+    if args.synthetic is not None:
+        land = eff.synthetic_landscape(points, args.synthetic)
+    else:
+        land = eff.Landscape.from_cache(points, eff.read_cache(args.cache_dir), args.metric)
     rows = eff.compare(
         land, prep.spec, tuple(int(b) for b in args.budgets.split(",")),
         tuple(int(s) for s in args.seeds.split(",")), tuple(args.samplers.split(",")),
@@ -121,12 +146,20 @@ def efficiency_main(argv: list[str]) -> int:
     summary = eff.summarize(rows)
     front = eff.pareto_front(land.all_points())
     if args.json:
-        print(json.dumps({"front": front, "summary": summary, "runs": rows}, indent=2))
+        if cost:
+            cost["plans"] = float(cost["plans"])
+        out = {"front": front, "summary": summary, "runs": rows, "ask_cost": cost}
+        print(json.dumps(out, indent=2))
         return 0
+    source = (
+        f"synthetic KL (seed {args.synthetic})"
+        if args.synthetic is not None
+        else f"{args.metric} from {args.cache_dir}"
+    )
     print(
         f"search efficiency: {len(points)} plans ({len(land.loss)} distinct fingerprints), "
         f"{len({p.tenants for p in points})} tenant levels, exhaustive front of {len(front)} "
-        f"levels; quality = {args.metric} from {args.cache_dir}; baselines "
+        f"levels; quality = {source}; baselines "
         f"{'enqueued first' if args.baselines else 'not given'}"
     )
     print(eff.render_table(summary))
@@ -142,6 +175,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--trials", type=int, default=2 if smoke else 6)
     p.add_argument("--suite", default=None, help="suite name or TOML (default: quick)")
     p.add_argument("--workers", default="1" if smoke else "1,2", help="worker counts")
+    p.add_argument(
+        "--synthetic",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="a made-up KL on the space's real tenants instead of the cache (sampler development)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -1,17 +1,18 @@
 """The capacity-aware sampler: spend quality evaluations only where they can move the front.
 
 Capacity is exact and costs about a millisecond, quality costs seconds, and generic samplers
-ignore that asymmetry. This Optuna sampler knows every candidate plan of a finite space and its
-tenant count up front. It measures the most precise plan first, then predicts quality
-additively from what has been measured (the reference's loss plus a non-negative fitted loss
-per parameter value that departs from it; a value never measured is predicted free, i.e.
-optimistically), and each trial goes to the unmeasured plan whose predicted loss improves most
-on the best measured loss at its tenant count or above. A plan whose
-tenants and prediction cannot improve the front is never chosen while one that can remains.
+ignore that asymmetry. `KnapsackSampler` (the `capacity_aware` kind, any space size) solves
+the capacity side exactly as a knapsack over weight bytes (tenantq.search.knapsack) against an
+additive quality model with a prior (tenantq.search.quality_model), and measures the plan
+predicted to improve the front most; `build_problem` turns a study's space into that knapsack.
+`CapacityAwareSampler` is issue 12's enumerating form over an explicit candidate list, kept
+for synthetic landscapes and comparison (`choose`, `additive_fit`).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ import numpy as np
 from optuna.distributions import CategoricalDistribution
 from optuna.samplers import BaseSampler, RandomSampler
 from optuna.trial import TrialState
+
+from tenantq.search import knapsack
+from tenantq.search.quality_model import PREDICTED_ATTR
 
 RIDGE = 1e-3  # shrinks a parameter value's fitted loss toward 0 when data barely separate it
 
@@ -168,10 +172,306 @@ def _params_key(params: dict[str, Any]) -> tuple:
     return tuple(sorted(params.items(), key=lambda kv: kv[0]))
 
 
-MAX_CANDIDATES = 5000  # plans enumerated at ~1 ms each (plan + budget): a few seconds at most
+# ---------------------------------------------------------------- any space: the knapsack sampler
+MAX_TRIES = 256  # DP picks checked against the study per ask before falling back to random
+# At most this many parameter sets: every plan is scored (the DP gives one best plan per KV
+# plan and tenant level, so once that plan is measured a level's second best is never seen;
+# on the 168-plan space that left one front level unmeasured at 40 evaluations).
+ENUMERATE_LIMIT = 5000
 
 
-def sampler_for_spec(spec, seed: int | None = None) -> CapacityAwareSampler:
+class KnapsackSampler(BaseSampler):
+    """The capacity-aware sampler for a space of any size (tenantq.search.knapsack).
+
+    Each ask: fit the quality model (tenantq.search.quality_model) to the study's measured
+    plans, solve the weight knapsack per section with each value at its planning loss
+    (`Fit.lcb`), and for every KV plan and tenant level t take the least predicted loss at >= t
+    tenants; the pick is the level whose prediction improves most on the best measured loss at
+    >= t tenants (infinite where none is measured; ties to more tenants), skipping plans the
+    study holds (measured, in flight, failed: the driver re-enqueues a failed plan within its
+    retry budget). The most precise plan is measured first. A space of at most
+    ENUMERATE_LIMIT parameter sets is scored plan by plan with the same model and rule.
+    Several quality objectives are scalarised: a weight vector drawn per ask from (seed,
+    completed trials) on the simplex, each objective scaled by its measured range. Everything
+    is decided from the study's trials, so a resumed study picks up where it stopped.
+
+    `locate(params)` -> (plan fingerprint, exact tenants) is the study's own count
+    (`StudyContext.plan_and_budget`); `quality` lists (objective index, +1 minimize / -1
+    maximize)."""
+
+    def __init__(
+        self,
+        problem: knapsack.Problem,
+        *,
+        quality: Sequence[tuple[int, float]],
+        locate,
+        distributions: dict[str, Any],
+        prior: dict | None = None,
+        seed: int | None = None,
+        weight_seed: int | None = None,
+    ):
+        knapsack.check_problem(problem)
+        if not quality:
+            raise ValueError("capacity_aware sampler: no quality objective")
+        self.problem = problem
+        self.quality = list(quality)
+        self._locate_fn = locate
+        self._located: dict[tuple, tuple[str, int]] = {}
+        self._space = dict(distributions)
+        self.prior = prior or {}
+        # the scalarisation's draws: the spec's seed, not this start's, so a resumed study
+        # draws what an uninterrupted one would
+        self.seed = weight_seed if weight_seed is not None else (0 if seed is None else seed)
+        self._fallback = RandomSampler(seed=seed)
+        self.reference = _reference(problem)
+        self.last_pick: dict[str, Any] | None = None  # what the last ask chose and why
+
+    def reseed_rng(self) -> None:
+        self._fallback.reseed_rng()
+
+    def infer_relative_search_space(self, study, trial) -> dict[str, Any]:
+        return dict(self._space)
+
+    def sample_independent(self, study, trial, param_name, param_distribution) -> Any:
+        return self._fallback.sample_independent(study, trial, param_name, param_distribution)
+
+    def locate(self, params: dict[str, Any]) -> tuple[str, int]:
+        key = _params_key(params)
+        if key not in self._located:
+            self._located[key] = self._locate_fn(params)
+        return self._located[key]
+
+    def features(self, params: dict[str, Any]) -> tuple:
+        ref = self.reference
+        return tuple((k, params[k]) for k in sorted(params) if k in ref and ref[k] != params[k])
+
+    # -- the study's state
+    def _state(self, study, trial):
+        self._believed: dict[str, tuple[int, list[float]]] = {}  # in flight: predicted losses
+        measured: dict[str, tuple[int, list[float], tuple]] = {}
+        held: set[str] = set()
+        held_params: set[tuple] = set()
+        for t in study.get_trials(deepcopy=False):
+            if t.number == trial.number:
+                continue
+            params = t.params or t.system_attrs.get("fixed_params") or {}
+            if set(params) != set(self._space):
+                continue  # not this space's trial (or asked nothing yet)
+            params = {k: params[k] for k in self._space}
+            if t.state == TrialState.COMPLETE and t.values is not None:
+                fp, tenants = self.locate(params)
+                losses = [sign * t.values[i] for i, sign in self.quality]
+                if not all(math.isfinite(x) for x in losses):
+                    held.add(fp)
+                    continue
+                old = measured.get(fp)
+                if old is None or losses[0] < old[1][0]:
+                    measured[fp] = (tenants, losses, self.features(params))
+            elif t.state in (TrialState.FAIL, TrialState.RUNNING, TrialState.WAITING):
+                held_params.add(_params_key(params))
+                fp, tenants = self.locate(params)
+                held.add(fp)
+                predicted = t.system_attrs.get(PREDICTED_ATTR)
+                if t.state == TrialState.RUNNING and predicted:
+                    losses = [sign * predicted[str(i)] for i, sign in self.quality]
+                    self._believed[fp] = (tenants, losses)
+        return measured, held, held_params
+
+    def sample_relative(self, study, trial, search_space) -> dict[str, Any]:
+        if not search_space or trial.system_attrs.get("fixed_params"):
+            return {}  # an enqueued trial (baseline, retry): its parameters are fixed
+        measured, held, held_params = self._state(study, trial)
+        ref_fp, _ = self.locate(self.reference)
+        if ref_fp not in measured and ref_fp not in held:
+            self.last_pick = {"reason": "reference", "params": dict(self.reference)}
+            return self._answer(study, trial, dict(self.reference), None)
+        pick = self._choose(measured, held, held_params, study, trial)
+        if pick is None:  # every plan the model prefers is held: a random one (random sampler)
+            self.last_pick = {"reason": "random"}
+            return {}
+        params, fits = pick
+        return self._answer(study, trial, params, fits)
+
+    def _answer(self, study, trial, params, fits):
+        if fits is not None:
+            feats = self.features(params)
+            predicted = {
+                str(i): sign * f.predict(feats)
+                for (i, sign), f in zip(self.quality, fits, strict=True)
+            }
+            study._storage.set_trial_system_attr(trial._trial_id, PREDICTED_ATTR, predicted)
+        return {k: v for k, v in params.items() if k in self._space}
+
+    def _choose(self, measured, held, held_params, study, trial):
+        from tenantq.search import quality_model as qm
+
+        base = {}
+        ref_fp, _ = self.locate(self.reference)
+        rows = [m[2] for fp, m in measured.items() if fp != ref_fp]
+        fits = []
+        for j in range(len(self.quality)):
+            b = (
+                measured[ref_fp][1][j]
+                if ref_fp in measured
+                else min((m[1][j] for m in measured.values()), default=0.0)
+            )
+            base[j] = b
+            ys = [m[1][j] for fp, m in measured.items() if fp != ref_fp]
+            fits.append(qm.fit(rows, ys, b, self.prior))
+        lam = self._weights(len(measured))
+        multi = len(self.quality) > 1
+        if multi:
+            spans = []
+            for j in range(len(self.quality)):
+                vals = [m[1][j] for m in measured.values()]
+                spans.append(max(max(vals) - min(vals), 1e-12) if vals else 1.0)
+            lam = [lam[j] / spans[j] for j in range(len(lam))]
+
+        def cost(feats) -> float:
+            return sum(lam[j] * fits[j].lcb(f) for j in range(len(fits)) for f in feats)
+
+        const = sum(lam[j] * base[j] for j in range(len(fits)))
+        # incumbents: the best measured (scalarised) loss at >= t tenants; a plan in flight
+        # counts at its predicted loss, so parallel workers do not all go to one tenant level
+        known = [m[:2] for m in measured.values()]
+        known += [b for fp, b in self._believed.items() if fp not in measured]
+        inc_t = np.array(sorted((m[0] for m in known), reverse=True), dtype=np.int64)
+        order = sorted(known, key=lambda m: -m[0])
+        scal = np.array([sum(lam[j] * m[1][j] for j in range(len(fits))) for m in order])
+        inc_v = np.minimum.accumulate(scal)
+        # gain = (incumbent - predicted) / range of the losses known: free of the metric's
+        # offset (maximize -L and maximize 1 - L rank the plans alike) and of its scale
+        span = float(scal.max() - scal.min()) if len(scal) > 1 else 0.0
+        span = span if span > 0 else 1.0
+        self._solved: dict[int, knapsack.Solved] = {}
+        cands = []  # (gain, tenants, -pred, section, kv, width or the options themselves)
+        kv_cost = [cost(self.features(k.params)) for k in self.problem.kv]
+
+        def gains(ts: np.ndarray, pred: np.ndarray) -> np.ndarray:
+            n_ge = np.searchsorted(-inc_t, -ts, side="right")
+            inc = np.full(len(ts), np.inf)
+            if len(inc_v):
+                inc = np.where(n_ge > 0, inc_v[np.maximum(n_ge - 1, 0)], np.inf)
+            with np.errstate(invalid="ignore"):
+                gain = (inc - pred) / span
+            return np.where(np.isinf(inc), np.inf, gain)
+
+        if self.problem.size() <= ENUMERATE_LIMIT:  # small: every plan scored (exact k-best)
+            for si, sec in enumerate(self.problem.sections):
+                c_sec = cost(self.features(sec.params))
+                costs = [[cost(self.features(o.params)) for o in g] for g in sec.groups]
+                for combo in itertools.product(*(range(len(g)) for g in sec.groups)):
+                    w_bytes = sec.const_bytes + sum(
+                        g[o].bytes for g, o in zip(sec.groups, combo, strict=True)
+                    )
+                    c_w = sum(costs[g][o] for g, o in enumerate(combo))
+                    ts = np.array([self.problem.tenants(w_bytes, k) for k in self.problem.kv])
+                    pred = const + c_sec + c_w + np.array(kv_cost)
+                    for ki, (g, t, p) in enumerate(
+                        zip(gains(ts, pred).tolist(), ts.tolist(), pred.tolist(), strict=True)
+                    ):
+                        cands.append((g, t, -p, si, ki, combo))
+        group_costs: dict[int, list[np.ndarray]] = {}
+        for si, sec in enumerate(self.problem.sections if not cands else ()):
+            costs = [np.array([cost(self.features(o.params)) for o in g]) for g in sec.groups]
+            group_costs[si] = costs
+            solved = knapsack.solve(self.problem, si, costs)
+            self._solved[si] = solved
+            c_sec = cost(self.features(sec.params))
+            for ki, kv in enumerate(self.problem.kv):
+                ts, ws = knapsack.levels(self.problem, solved, kv)
+                if len(ts) == 0:
+                    continue
+                pred = const + c_sec + kv_cost[ki] + solved.best[ws]
+                gain = gains(ts, pred)
+                for g, t, p, w in zip(
+                    gain.tolist(), ts.tolist(), pred.tolist(), ws.tolist(), strict=True
+                ):
+                    cands.append((g, t, -p, si, ki, w))
+        # A max-heap of candidates. The DP gives one plan per (KV plan, level); when that plan
+        # is measured or held, its one-option swaps that keep the level (the width cap) enter
+        # the heap with their own prediction and gain, so a level's next-best plans are
+        # proposed too (a best-first walk from the DP's plan, Lawler-Murty in spirit).
+        cands.sort(reverse=True)  # the tie order of the candidates as before: by serial
+        heap = [(-g, -t, -negp, n, si, ki, w, w) for n, (g, t, negp, si, ki, w) in enumerate(cands)]
+        heapq.heapify(heap)
+        serial = len(heap)
+        tried: set[tuple] = set()
+        while heap:
+            ng, nt, p, _, si, ki, w, cap = heapq.heappop(heap)
+            g, t, negp = -ng, -nt, -p
+            sec = self.problem.sections[si]
+            solved_opts = w if isinstance(w, tuple) else tuple(self._solved[si].options_at(w))
+            if (si, ki, solved_opts) in tried:
+                continue
+            tried.add((si, ki, solved_opts))
+            if len(tried) > MAX_TRIES:
+                break
+            params = dict(sec.params)
+            for grp, o in zip(sec.groups, solved_opts, strict=True):
+                params.update(grp[o].params)
+            params.update(self.problem.kv[ki].params)
+            fp = None
+            if _params_key(params) not in held_params:
+                fp, tenants = self.locate(params)
+            if fp is None or fp in measured or fp in held:
+                if si in group_costs and not isinstance(cap, tuple):  # a DP plan: its swaps
+                    swaps = [
+                        (alt, c)
+                        for alt, c in self._swaps(si, solved_opts, cap, group_costs[si])
+                        if (si, ki, alt) not in tried
+                    ]
+                    if swaps:
+                        fixed = const + cost(self.features(sec.params)) + kv_cost[ki]
+                        preds = fixed + np.array([c for _, c in swaps])
+                        gs = gains(np.full(len(swaps), t), preds)
+                        for (alt, _), ga, pa in zip(
+                            swaps, gs.tolist(), preds.tolist(), strict=True
+                        ):
+                            heapq.heappush(heap, (-ga, -t, pa, serial, si, ki, alt, cap))
+                            serial += 1
+                continue
+            self.last_pick = {"reason": "knapsack", "gain": g, "level": t, "tenants": tenants,
+                              "predicted": -negp, "params": params}  # fmt: skip
+            return params, fits
+        return None
+
+    def _swaps(self, si: int, opts: tuple, cap: int, costs: list[np.ndarray]):
+        """(options, predicted weight cost) of every plan one option away from `opts` whose
+        ticks stay within the width `cap` (so within the same tenant level)."""
+        ticks = self.problem.sizing[si].ticks
+        used = sum(int(ticks[g][o]) for g, o in enumerate(opts))
+        base = sum(float(costs[g][o]) for g, o in enumerate(opts))
+        for g, o in enumerate(opts):
+            for alt in range(len(ticks[g])):
+                if alt != o and used - int(ticks[g][o]) + int(ticks[g][alt]) <= cap:
+                    new = opts[:g] + (alt,) + opts[g + 1 :]
+                    yield new, base - float(costs[g][o]) + float(costs[g][alt])
+
+    def _weights(self, n: int) -> list[float]:
+        if len(self.quality) == 1:
+            return [1.0]
+        rng = np.random.default_rng([self.seed, n])
+        return rng.dirichlet(np.ones(len(self.quality))).tolist()
+
+
+def _reference(problem: knapsack.Problem) -> dict[str, Any]:
+    """The most precise plan: the section and options with the most weight bytes, the KV plan
+    with the most bytes per tenant (the fewest tenants)."""
+
+    def heaviest(sec):
+        return sec.const_bytes + sum(max(o.bytes for o in g) for g in sec.groups)
+
+    sec = max(problem.sections, key=heaviest)
+    params = dict(sec.params)
+    for g in sec.groups:
+        params.update(max(g, key=lambda o: o.bytes).params)
+    kv = max(problem.kv, key=lambda k: (k.tenant_bytes, k.static_bytes))
+    params.update(kv.params)
+    return params
+
+
+def sampler_for_spec(spec, seed: int | None = None) -> KnapsackSampler:
     """The sampler for a study spec (its context built here; the driver passes its own to
     `sampler_for_context` instead)."""
     _check_quality(spec)
@@ -191,33 +491,210 @@ def _check_quality(spec) -> list[int]:
     return quality
 
 
-def sampler_for_context(context, seed: int | None = None) -> CapacityAwareSampler:
-    """Every plan of the study's space with its exact tenants on the spec's deployment, from
-    the context's own `plan_and_budget` (checked once, by the context)."""
-    import itertools
-
+def sampler_for_context(context, seed: int | None = None) -> KnapsackSampler:
+    """The knapsack sampler over the study's space (any size) on the spec's deployment; the
+    capacity side from the context's own `plan_and_budget`."""
     from tenantq.search.space import distributions, parameter_choices
 
     spec = context.spec
     quality = _check_quality(spec)
     choices = parameter_choices(spec.space, context.config, context.profile)
-    size = math.prod(len(v) for v in choices.values())
-    if size > MAX_CANDIDATES:
-        raise ValueError(
-            f"sampler.kind = 'capacity_aware' enumerates the space, which has {size} plans "
-            f"(at most {MAX_CANDIDATES}); narrow the space's choices or use 'nsga2'"
-        )
-    candidates = []
-    for values in itertools.product(*(list(v) for v in choices.values())):
-        params = dict(zip(choices, values, strict=True))
+    problem = build_problem(context)
+
+    def locate(params):
         plan, b = context.plan_and_budget(params)
-        candidates.append(Candidate(params, b.tenants, plan.fingerprint()))
-    first = quality[0]
-    sign = 1.0 if spec.objectives[first].direction == "minimize" else -1.0
-    return CapacityAwareSampler(
-        candidates,
-        quality_index=first,
-        quality_sign=sign,
-        seed=spec.sampler.seed if seed is None else seed,
+        return plan.fingerprint(), b.tenants
+
+    return KnapsackSampler(
+        problem,
+        quality=[(i, 1.0 if spec.objectives[i].direction == "minimize" else -1.0) for i in quality],
+        locate=locate,
         distributions=distributions(choices),
+        prior=profile_prior(spec.space, choices),
+        seed=spec.sampler.seed if seed is None else seed,
+        weight_seed=spec.sampler.seed,
     )
+
+
+def profile_prior(space, choices) -> dict:
+    """(w.TENSOR, format) -> the sensitivity profile's KL for that tensor in that format, for a
+    per-tensor space with `space.profile` set (the quality model's prior); else empty."""
+    if space.kind != "per_tensor" or not space.profile:
+        return {}
+    from tenantq.search.space import read_profile_table
+
+    table = read_profile_table(space.profile)
+    prior: dict = {}
+    for tensor, fmt, kl in zip(
+        table.column("tensor").to_pylist(),
+        table.column("format").to_pylist(),
+        table.column("kl_mean").to_pylist(),
+        strict=True,
+    ):
+        key = (f"w.{tensor}", fmt)
+        if key[0] in choices and kl is not None and math.isfinite(kl):
+            prior[key] = max(prior.get(key, 0.0), float(kl))
+    return prior
+
+
+# ---------------------------------------------------------------- the space as a knapsack
+def build_problem(context) -> knapsack.Problem:
+    """The study's space as sections of weight groups and KV options, every byte figure read
+    from `capacity.budget` of a few plans (one per format and section), never counted anew."""
+    from tenantq.search.space import parameter_choices
+
+    spec = context.spec
+    choices = parameter_choices(spec.space, context.config, context.profile)
+    kv_names = [n for n in choices if n.startswith("kv.") or n == "sens.kv_keep_bf16"]
+    weight_names = [n for n in choices if n not in kv_names]
+    ref_kv = {n: list(choices[n])[0] for n in kv_names}
+    kind = spec.space.kind
+    if kind == "per_tensor":
+        sections = [_per_tensor_section(context, choices, weight_names, ref_kv)]
+    elif kind == "structured":
+        sections = _structured_sections(context, choices, weight_names, ref_kv)
+    else:
+        sections = [_sensitivity_section(context, choices, ref_kv)]
+    base = next(iter(sections))
+    any_params = dict(base.params)
+    for g in base.groups:
+        any_params.update(g[0].params)
+    kv = _kv_options(context, choices, kv_names, any_params)
+    dep = context.deployment
+    return knapsack.Problem(
+        tuple(sections), tuple(kv), dep.hardware.hbm_bytes, dep.reserve_bytes_per_chip
+    )
+
+
+def _tensor_bytes(context, params) -> dict[str, int]:
+    _, b = context.plan_and_budget(params)
+    return {t.path: t.bytes_per_chip for t in b.tensors}
+
+
+def _per_tensor_section(context, choices, weight_names, ref_kv) -> knapsack.Section:
+    formats = list(dict.fromkeys(f for n in weight_names for f in choices[n]))
+    by_format = {}
+    for f in formats:
+        by_format[f] = _tensor_bytes(context, {**{n: f for n in weight_names}, **ref_kv})
+    paths = next(iter(by_format.values()))
+    controlled = {n[2:] for n in weight_names}
+    const = sum(b for p, b in paths.items() if p not in controlled)
+    groups = []
+    for n in weight_names:
+        path = n[2:]
+        groups.append(tuple(
+            knapsack.Option({n: f}, by_format[f].get(path, 0)) for f in choices[n]
+        ))  # fmt: skip
+    return knapsack.Section({}, const, tuple(groups))
+
+
+def _structured_sections(context, choices, weight_names, ref_kv) -> list[knapsack.Section]:
+    import itertools
+    import re
+
+    from tenantq.search.space import EMBED_CLASSES, TENSOR_CLASSES, _edge_layers
+
+    config = context.config
+    edge_names = [n for n in ("bf16_first_layers", "bf16_last_layers") if n in weight_names]
+    group_names = [n for n in weight_names if n not in edge_names]
+    formats = list(dict.fromkeys(f for n in group_names for f in choices[n]))
+    sections = []
+    for edges in itertools.product(*(list(choices[n]) for n in edge_names)):
+        fixed = dict(zip(edge_names, edges, strict=True))
+        layers = _edge_layers(
+            fixed.get("bf16_first_layers", 0), fixed.get("bf16_last_layers", 0), config
+        )
+        edge_re = re.compile(rf"layers/({'|'.join(map(str, layers))})/.*") if layers else None
+        by_format = {
+            f: _tensor_bytes(context, {**fixed, **{n: f for n in group_names}, **ref_kv})
+            for f in formats
+        }
+        paths = next(iter(by_format.values()))
+        owner: dict[str, str] = {}
+        for path in paths:
+            if edge_re is not None and edge_re.fullmatch(path):
+                continue
+            for cls, pat in TENSOR_CLASSES.items():
+                if re.fullmatch(pat, path):
+                    name = (
+                        cls
+                        if cls in group_names
+                        else (
+                            "w.linear"
+                            if "w.linear" in group_names and cls not in EMBED_CLASSES
+                            else None
+                        )
+                    )
+                    if name is not None:
+                        owner[path] = name
+                    break
+        const = sum(b for p, b in paths.items() if p not in owner)
+        groups = []
+        for n in group_names:
+            mine = [p for p, o in owner.items() if o == n]
+            groups.append(tuple(
+                knapsack.Option({n: f}, sum(by_format[f][p] for p in mine)) for f in choices[n]
+            ))  # fmt: skip
+        sections.append(knapsack.Section(fixed, const, tuple(groups)))
+    return sections
+
+
+def _sensitivity_section(context, choices, ref_kv) -> knapsack.Section:
+    import re
+
+    order = context.profile.tensor_order
+    top = len(order)
+    keep = list(choices["sens.keep_bf16"])
+    bf16 = _tensor_bytes(context, {"sens.format": choices["sens.format"][0],
+                                   "sens.keep_bf16": top, **ref_kv})  # fmt: skip
+    options = []
+    for f in choices["sens.format"]:
+        full = _tensor_bytes(context, {"sens.format": f, "sens.keep_bf16": 0, **ref_kv})
+        total = sum(full.values())
+        saved = [0]
+        for path in order:
+            pat = re.compile(re.escape(path))
+            delta = sum(bf16[p] - full[p] for p in full if pat.fullmatch(p))
+            saved.append(saved[-1] + delta)
+        for k in keep:
+            options.append(knapsack.Option({"sens.format": f, "sens.keep_bf16": k},
+                                           total + saved[min(k, top)]))  # fmt: skip
+    return knapsack.Section({}, 0, (tuple(options),))
+
+
+def _kv_options(context, choices, kv_names, weight_params) -> list[knapsack.KVOption]:
+    """One option per distinct KV plan of the space (parameter sets meaning the same plan
+    share one), with the static-scale and per-tenant bytes `capacity.budget` counts."""
+    import itertools
+
+    from tenantq.quant.plan import QuantPlan
+    from tenantq.search.space import KV_BF16_LAYERS, _canonical_kv
+
+    config, profile = context.config, context.profile
+    seen: dict[Any, knapsack.KVOption] = {}
+    for values in itertools.product(*(list(choices[n]) for n in kv_names)):
+        params = dict(zip(kv_names, values, strict=True))
+        if "sens.kv_keep_bf16" in params:
+            layers = tuple(sorted(profile.kv_layer_order[: params["sens.kv_keep_bf16"]]))
+        else:
+            layers = KV_BF16_LAYERS[params.get("kv.bf16_layers", "none")]
+        kv = _canonical_kv(params, layers, config)
+        if kv in seen:
+            continue
+        seen[kv] = knapsack.KVOption(params, *_kv_bytes(context, QuantPlan(kv=kv)))
+    return list(seen.values())
+
+
+def _kv_bytes(context, plan) -> tuple[int, int]:
+    """(static-scale bytes, bytes per tenant) per chip of `plan`'s KV, by the functions
+    `capacity.budget` counts them with (`kv_layers`, `tenant_pages`, `pool_bytes_from_layers`),
+    without its longest-context search."""
+    from tenantq.capacity.kv import kv_layers, pool_bytes_from_layers, tenant_pages
+
+    dep = context.deployment
+    layers = kv_layers(context.capacity_config, plan, dep.page_tokens, dep.chips)
+    pages = tenant_pages(
+        context.capacity_config, context.spec.deployment.context_tokens, dep.page_tokens
+    )
+    tenant = pool_bytes_from_layers(layers, pages, 1)
+    return sum(lay.static_bytes for lay in layers), tenant["total_bytes"] - tenant["static_bytes"]

@@ -438,11 +438,14 @@ class SearchDriver:
     def _study_metrics(self) -> dict[str, float]:
         if getattr(self, "ledger", None) is None:
             return {}
+        from tenantq.search.quality_model import prediction_metrics
+
         c = self.counts()
         out = {"study.complete": c["complete"], "study.failed": c["failed"]}
         out["study.plans"] = c["done"]
         with contextlib.suppress(Exception):  # the study could not be read: nothing to add
             out["study.front_size"] = len(front_.own_best_trials(self.study))
+        out.update(prediction_metrics(self.study))  # capacity_aware's predictions vs measured
         return out
 
 

@@ -7,6 +7,8 @@ plan's quality once and caches it on disk by plan fingerprint (one JSON file per
 written atomically, so a killed pass resumes); samplers are then compared on the cache alone,
 by front coverage (issue 12's definition) and Optuna's hypervolume, through the driver's own
 `make_sampler` and the same ask/tell rule (a plan already measured is not counted again).
+The capacity-aware sampler runs on the space's knapsack form (`landscape_problem`), and
+`ask_cost` times it on a real-size per-tensor space built from a capacity preset.
 """
 
 from __future__ import annotations
@@ -205,7 +207,8 @@ def exhaustive_pass(
 # ---------------------------------------------------------------- front, coverage, hypervolume
 COVERAGE_SLACK = 0.25  # the issue's definition: quality within 25% of the best at that level
 KL_FLOOR = 1e-4  # hypervolume axis is log10(max(KL, floor)); bf16's KL is exactly 0
-SAMPLERS = ("random", "nsga2", "tpe", "capacity_aware")
+SAMPLERS = ("random", "nsga2", "tpe", "capacity_aware")  # capacity_aware_finite on request
+NSGA2_POPULATION = 6  # issue 12's comparison: the quickstart spec's NSGA-II population then
 MAX_ASKS_PER_EVALUATION = 50  # a sampler that only repeats measured plans is stopped here
 
 
@@ -292,17 +295,98 @@ def axis_params(choice: tuple[str, str, str]) -> dict[str, str]:
 
 def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: Spec):
     """The sampler the driver would build for `kind` (its own `make_sampler`), or the
-    capacity-aware one over the landscape's candidates."""
-    from tenantq.search.capacity_aware import Candidate, CapacityAwareSampler
+    capacity-aware one (`KnapsackSampler`) over the landscape's space, its byte figures from
+    `landscape_problem`."""
     from tenantq.search.samplers import make_sampler
 
     if kind == "capacity_aware":
+        return landscape_sampler(landscape, spec, seed)
+    if kind == "capacity_aware_finite":  # the enumerating sampler of issue 12, for comparison
+        from tenantq.search.capacity_aware import Candidate, CapacityAwareSampler
+
         candidates = [
             Candidate(axis_params(p.choice), p.tenants, p.fingerprint) for p in landscape.points
         ]
         return CapacityAwareSampler(candidates, quality_index=1, seed=seed)
-    sampler = spec.sampler.model_copy(update={"kind": kind, "seed": seed})
+    update: dict[str, Any] = {"kind": kind, "seed": seed}
+    if kind == "nsga2":  # the population the quickstart spec had while it named NSGA-II
+        update["population_size"] = spec.sampler.population_size or NSGA2_POPULATION
+    sampler = spec.sampler.model_copy(update=update)
     return make_sampler(spec.model_copy(update={"sampler": sampler}))
+
+
+_PROBLEMS: dict[str, Any] = {}
+
+
+def landscape_problem(spec: Spec):
+    """The finite space as the knapsack sampler sees it: groups mlp and attn (weight bytes of
+    their tensors per format, from `capacity.budget`), one KV option per KV choice; on the
+    spec's deployment. Cached per spec (the comparison builds one sampler per run)."""
+    from tenantq.capacity import budget
+    from tenantq.search import knapsack
+    from tenantq.search.capacity_aware import _kv_bytes
+    from tenantq.search.context import prepare
+    from tenantq.search.space import plan_from_params
+
+    key = spec.model_dump_json()
+    if key in _PROBLEMS:
+        return _PROBLEMS[key]
+    espec = spec.model_copy(update={"space": efficiency_space(spec)})
+    prep = prepare(espec, "")
+
+    def lines(choice):
+        plan = plan_from_params(
+            espec.space, space_params(choice, prep.config), prep.config,
+            algorithm=espec.calibration.algorithm,
+        )  # fmt: skip
+        b = budget(prep.capacity_config, plan, prep.deployment, espec.deployment.context_tokens)
+        out: dict[str, int] = {}
+        for t in b.tensors:
+            out[t.line] = out.get(t.line, 0) + t.bytes_per_chip
+        return out, plan
+
+    base, _ = lines(("bf16", "bf16", "bf16"))
+    mlp = tuple(
+        knapsack.Option({"mlp": f}, lines((f, "bf16", "bf16"))[0]["mlp"]) for f in MLP_FORMATS
+    )
+    attn = tuple(
+        knapsack.Option({"attn": f}, lines(("bf16", f, "bf16"))[0]["attention"])
+        for f in ATTN_FORMATS
+    )
+    const = sum(v for k, v in base.items() if k not in ("mlp", "attention"))
+    kv = tuple(
+        knapsack.KVOption({"kv": c}, *_kv_bytes(prep, lines(("bf16", "bf16", c))[1]))
+        for c in KV_CHOICES
+    )
+    dep = prep.deployment
+    problem = knapsack.Problem(
+        (knapsack.Section({}, const, (mlp, attn)),), kv, dep.hardware.hbm_bytes,
+        dep.reserve_bytes_per_chip,
+    )  # fmt: skip
+    _PROBLEMS[key] = problem
+    return problem
+
+
+def landscape_sampler(landscape: Landscape, spec: Spec, seed: int = 0):
+    """`KnapsackSampler` over the landscape: tenants and fingerprints from its points."""
+    from optuna.distributions import CategoricalDistribution
+
+    from tenantq.search.capacity_aware import KnapsackSampler
+
+    by_choice = {axis_params(p.choice)["mlp"] + "|" + axis_params(p.choice)["attn"] + "|"
+                 + p.choice[2]: p for p in landscape.points}  # fmt: skip
+
+    def locate(params):
+        p = by_choice[f"{params['mlp']}|{params['attn']}|{params['kv']}"]
+        return p.fingerprint, p.tenants
+
+    return KnapsackSampler(
+        landscape_problem(spec),
+        quality=[(1, 1.0)],
+        locate=locate,
+        distributions={a: CategoricalDistribution(list(v)) for a, v in AXES.items()},
+        seed=seed,
+    )
 
 
 # The driver's baselines (space.baseline_params) as this space's choices: all bf16; fp8 weights
@@ -415,3 +499,90 @@ def render_table(summary: list[dict[str, Any]]) -> str:
             cells.append(text.rjust(24))
         lines.append(f"{b:>6}  " + "  ".join(cells))
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- sampler cost at scale
+def preset_context(
+    preset: str = "llama-3.1-8b",
+    *,
+    hardware: str = "tpu-v6e",
+    context_tokens: int = 8192,
+    kind: str = "per_tensor",
+    quality: tuple[str, ...] = ("fidelity.kl_mean",),
+):
+    """A study context whose space is built on a capacity preset's shapes (no checkpoint: the
+    per-tensor space of Llama-3.1-8B has 32 layers x 7 tensors + embed and lm_head), for
+    measuring the capacity-aware sampler's cost per ask on a real-size space."""
+    from tenantq.capacity import get_model_config
+    from tenantq.search.context import StudyContext
+    from tenantq.search.spec import parse_spec
+
+    spec = parse_spec({
+        "model": "reference",
+        "deployment": {"hardware": hardware, "context_tokens": context_tokens, "model": preset},
+        "space": {"kind": kind, "group_size": 128, "bf16_first_layers": [0, 1, 2],
+                  "bf16_last_layers": [0, 1, 2]},
+        "objectives": [{"metric": "tenants", "direction": "maximize"}]
+        + [{"metric": m, "direction": "minimize"} for m in quality],
+        "sampler": {"kind": "capacity_aware"},
+        "study": {"name": "scale", "trials": 25},
+    })  # fmt: skip
+    config = get_model_config(preset)
+    return StudyContext(spec, "", Path("."), config, config, spec.deployment.build(), None, [])
+
+
+def ask_cost(context, asks: int = 10, seed: int = 0) -> dict[str, Any]:
+    """Seconds per ask of the capacity-aware sampler on `context`'s space, told a synthetic
+    additive loss (0.01 per int4 tensor, 0.002 per 8-bit one) and the exact tenants."""
+    import optuna
+
+    from tenantq.search.capacity_aware import sampler_for_context
+    from tenantq.search.space import suggest
+
+    began = time.perf_counter()
+    sampler = sampler_for_context(context, seed=seed)
+    build = time.perf_counter() - began
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    times = []
+    for _ in range(asks):
+        began = time.perf_counter()
+        trial = study.ask()
+        params = suggest(trial, context.spec.space, context.config)
+        times.append(time.perf_counter() - began)
+        _, b = context.plan_and_budget(params)
+        loss = sum(0.01 if v == "int4" else 0.002 if v in ("int8", "fp8_e4m3") else 0.0
+                   for v in params.values())  # fmt: skip
+        study.tell(trial, [b.tenants, loss])
+    return {
+        "plans": sampler.problem.size(),
+        "build_s": build,
+        "ask_s_mean": float(np.mean(times)),
+        "ask_s_max": float(np.max(times)),
+        "asks": asks,
+        "exact_bytes": all(s.exact for s in sampler.problem.sizing.values()),
+    }
+
+
+# ---------------------------------------------------------------- a synthetic landscape
+SYNTHETIC_WEIGHT_KL = {"bf16": 0.0, "fp8_e4m3": 2e-4, "int8": 1e-4, "int4": 4e-3, "nvfp4": 3e-3,
+                       "mxfp4": 6e-3}  # fmt: skip
+SYNTHETIC_KV_KL = {"bf16": 0.0, "fp8_e4m3/channel": 7e-4, "fp8_e4m3/token": 7.5e-4,
+                   "int4/channel": 4.7e-3, "int4/token": 7.4e-3, "nvfp4/token": 5e-3,
+                   "mxfp4/token": 1.5e-2}  # fmt: skip
+
+
+def synthetic_landscape(points: list[SpacePoint], seed: int) -> Landscape:
+    """The 168-plan space's real tenants with a made-up KL (no evaluation): per-choice costs of
+    the order the reference model shows, +30% when both weights and KV are quantized (an
+    interaction the additive model cannot fit), and +-15% noise per plan from `seed`. For
+    developing samplers only: figures on it are not measurements of the model."""
+    import random
+
+    rng = random.Random(seed)
+    loss = {}
+    for p in points:
+        mlp, attn, kv = p.choice
+        w = 1.6 * SYNTHETIC_WEIGHT_KL[mlp] + 0.8 * SYNTHETIC_WEIGHT_KL[attn]
+        both = 1.3 if (mlp != "bf16" and SYNTHETIC_KV_KL[kv] > 0) else 1.0
+        loss[p.fingerprint] = (w + SYNTHETIC_KV_KL[kv]) * both * rng.uniform(0.85, 1.15)
+    return Landscape(tuple(points), loss)

@@ -29,6 +29,10 @@ def make_sampler(spec: Spec, context=None, *, trials_so_far: int = 0):
     import optuna
 
     s = spec.sampler
+    if s.kind is None:  # a SamplerSpec built outside a Spec: the spec's default
+        from tenantq.search.spec import default_sampler_kind
+
+        s = s.model_copy(update={"kind": default_sampler_kind(spec)})
     seed = start_seed(s.seed, trials_so_far)
     if s.kind == "grid" and context is None:
         from tenantq.search.context import prepare

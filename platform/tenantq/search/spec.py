@@ -187,10 +187,11 @@ class CalibrationSpec(_Strict):
 
 
 class SamplerSpec(_Strict):
-    """capacity_aware: enumerates a finite space (tenants exact per plan) and measures the plan
-    predicted to improve the front most (tenantq.search.capacity_aware)."""
+    """capacity_aware: solves the capacity side exactly (a knapsack over weight bytes) and
+    measures the plan predicted to improve the front most (tenantq.search.capacity_aware).
+    Absent kind: capacity_aware when the study has a quality objective, else nsga2."""
 
-    kind: Literal[SAMPLERS] = "nsga2"  # type: ignore[valid-type]
+    kind: Literal[SAMPLERS] | None = None  # type: ignore[valid-type]
     # Optuna's samplers seed numpy, which takes 0 .. 2^32 - 1 ("Seed must be between ...").
     seed: int = Field(0, ge=0, le=2**32 - 1)
     population_size: int | None = Field(None, ge=2, description="NSGA-II population")
@@ -248,8 +249,8 @@ class StudySpec(_Strict):
     storage: str = Field("sqlite:///optuna.db", description="Optuna RDB URL")
     baselines: bool | None = Field(
         None,
-        description="enqueue bf16, fp8+fp8 KV, int4 g128 first; absent: yes, except with the "
-        "capacity_aware sampler, which measures the space's most precise plan first itself",
+        description="enqueue bf16, fp8+fp8 KV, int4 g128 first (absent: yes, for every "
+        "sampler; false: the sampler chooses every trial)",
     )
     max_trial_retries: int = Field(
         1,
@@ -269,13 +270,32 @@ class StudySpec(_Strict):
     )
 
 
+def default_sampler_kind(spec: Spec) -> str:
+    """The sampler of a spec that names none: capacity_aware wherever a quality objective
+    exists (issue 25), NSGA-II for a capacity-only study."""
+    return "capacity_aware" if spec.quality_objectives() else "nsga2"
+
+
 def wants_baselines(spec: Spec) -> bool:
-    """Whether the study enqueues the three baselines (see StudySpec.baselines): on the
-    168-plan space, counting them cost capacity_aware 12.5 points of front coverage at 25
-    evaluations (experiments/findings/sampler-efficiency.md)."""
-    if spec.study.baselines is not None:
-        return spec.study.baselines
-    return spec.sampler.kind != "capacity_aware"
+    """Whether the study enqueues the three baselines (see StudySpec.baselines): yes unless
+    the spec says `baselines = false`, whatever the sampler (the report draws them; the
+    168-plan figures count them, docs/results/search-efficiency.md)."""
+    return spec.study.baselines is not False
+
+
+def resumed_sampler(spec: Spec, stored: dict | None) -> SamplerSpec | None:
+    """The sampler a resumed study goes on with when the spec names no sampler.kind: the
+    stored one (a study begun under an older default keeps its sampler), its fields that the
+    spec sets taking the spec's values. None when the spec names a kind or nothing differs."""
+    if "kind" in spec.sampler.model_fields_set or not isinstance(stored, dict):
+        return None
+    try:
+        old = SamplerSpec.model_validate(stored)
+    except ValueError:
+        return None  # a stored kind this version lacks: the comparison names the change
+    now = spec.sampler
+    merged = old.model_copy(update={k: getattr(now, k) for k in now.model_fields_set})
+    return None if merged == now else merged
 
 
 class TrackingSpec(_Strict):
@@ -336,6 +356,17 @@ class Spec(_Strict):
                     f"{'higher' if better else 'lower'}, so direction = {o.direction!r} would "
                     f"search for worse plans; write direction = {want!r}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _default_sampler(self) -> Spec:
+        if self.sampler.kind is None:  # frozen model: set once, while validating
+            kind = default_sampler_kind(self)
+            sampler = self.sampler.model_copy(update={"kind": kind})
+            # Still unset for `model_fields_set`: a resume keeps the kind the study began with
+            # (`resumed_sampler`), e.g. nsga2, the default before capacity_aware.
+            sampler.__pydantic_fields_set__.discard("kind")
+            object.__setattr__(self, "sampler", sampler)
         return self
 
     @model_validator(mode="after")

@@ -23,7 +23,7 @@ from typing import Any
 from pydantic_core import to_jsonable_python
 
 from tenantq.search.ledger import COPIED_ATTR
-from tenantq.search.spec import Spec
+from tenantq.search.spec import Spec, resumed_sampler
 
 HEARTBEAT_INTERVAL_S = 5  # Optuna RDB heartbeat of every trial this driver has in flight
 GRACE_PERIOD_S = 15  # a trial whose heartbeat is older than this belongs to a dead driver
@@ -116,6 +116,7 @@ def open_study(
     if exists:
         study = optuna.load_study(study_name=name, storage=storage)
         if continue_from is None:
+            keep_stored_sampler(spec, study.user_attrs.get(SPEC_ATTR), name)
             stored_identity = study.user_attrs.get(IDENTITY_ATTR) or {}
             # with per-file digests the model is compared by content: a copy elsewhere is
             # the same model
@@ -219,6 +220,22 @@ def _changed_files(stored: dict, now: dict) -> list[str]:
         if key in stored and stored.get(key) != now.get(key):
             out.append(f"{_IDENTITY_WORDS[key]} changed")
     return out
+
+
+def keep_stored_sampler(spec: Spec, stored: dict | None, name: str) -> None:
+    """A spec naming no sampler.kind resumes with the sampler its study began with (a study
+    begun under the older default, nsga2, is not refused for the new one): `spec` goes on
+    with it, in place, so that every holder of the spec builds that sampler."""
+    sampler = resumed_sampler(spec, (stored or {}).get("sampler"))
+    if sampler is None:
+        return
+    print(
+        f"tenantq search: resuming {name!r} with its sampler {sampler.kind!r} (the spec "
+        f"names no sampler.kind; a new study would use {spec.sampler.kind!r})",
+        file=sys.stderr,
+    )
+    sampler.__pydantic_fields_set__.discard("kind")
+    object.__setattr__(spec, "sampler", sampler)  # frozen model: the one change, on resume
 
 
 def _is_default(field, value) -> bool:

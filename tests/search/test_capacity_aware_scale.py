@@ -1,0 +1,360 @@
+"""The capacity-aware sampler at any scale (issue 25): the knapsack against brute force, the
+capacity side against `capacity.budget`, and the sampler's bookkeeping in real Optuna studies
+(int parameters, pending, failed, resumed, two quality objectives, a space of 4^224+ plans).
+Losses are synthetic and additive (no evaluation), so every bound is exact arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+
+import numpy as np
+import optuna
+import pytest
+
+from tenantq.search import knapsack, quality_model
+from tenantq.search.capacity_aware import KnapsackSampler, sampler_for_context
+from tenantq.search.context import prepare
+from tenantq.search.space import suggest
+from tenantq.search.spec import parse_spec
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+SPEC = {
+    "model": "reference",
+    "deployment": {"hardware": "cpu", "memory": "9830KiB", "context_tokens": 256},
+    "space": {"group_size": 64},
+    "study": {"name": "scale", "trials": 10},
+}
+COST = {"bf16": 0.0, "fp8_e4m3": 0.001, "int8": 0.002, "int4": 0.01, "nvfp4": 0.008}
+
+
+def _spec(**space):
+    raw = {**SPEC, "space": {**SPEC["space"], **space}}
+    return parse_spec(raw)
+
+
+def _loss(params) -> float:
+    """Additive synthetic KL: a cost per quantized weight/KV choice (ints: 0.0005 per step)."""
+    loss = 0.0
+    for k, v in params.items():
+        if isinstance(v, str):
+            loss += COST.get(v, 0.0)
+        elif k == "sens.keep_bf16":
+            loss -= 0.0005 * v
+    return max(loss, 0.0)
+
+
+def _tell(study, trial, ctx, params):
+    _, b = ctx.plan_and_budget(params)
+    study.tell(trial, [b.tenants, _loss(params)])
+    return b.tenants
+
+
+@pytest.fixture(scope="module")
+def structured():
+    ctx = prepare(_spec(), "")
+    return ctx
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ctx = prepare(_spec(), "")
+    paths = [p for p, i in ctx.config.tensors().items() if i.quantizable]
+    rows = {"tensor": [], "format": [], "kl_mean": []}
+    rng = random.Random(0)
+    for p in paths:
+        for f in ("int4", "int8", "fp8_e4m3"):
+            rows["tensor"].append(p)
+            rows["format"].append(f)
+            rows["kl_mean"].append(COST[f] * rng.uniform(0.5, 1.5))
+    for layer in range(ctx.config.num_layers):
+        rows["tensor"].append(f"kv/{layer}")
+        rows["format"].append("int4")
+        rows["kl_mean"].append(0.001 * (layer + 1))
+    path = tmp_path_factory.mktemp("profile") / "profile.parquet"
+    pq.write_table(pa.table(rows), path)
+    return str(path)
+
+
+# ---------------------------------------------------------------- the knapsack itself
+def test_knapsack_least_cost_at_each_tenant_level_equals_brute_force():
+    # 5 groups x 3 options with random bytes and costs, 3 KV plans: for every tenant level the
+    # DP's least cost (exact unit: the gcd) equals the minimum over all 3^5 x 3 plans.
+    rng = np.random.default_rng(1)
+    groups = tuple(
+        tuple(knapsack.Option({f"g{g}": o}, int(rng.integers(1, 40)) * 1000) for o in range(3))
+        for g in range(5)
+    )
+    costs = [rng.uniform(0, 1, 3) for _ in groups]
+    kvs = tuple(knapsack.KVOption({"kv": k}, 500 * k, 3000 + 2000 * k) for k in range(3))
+    problem = knapsack.Problem((knapsack.Section({}, 7000, groups),), kvs, 400_000, 10_000)
+    solved = knapsack.solve(problem, 0, costs)
+    assert solved.sizing.exact
+    for kv in kvs:
+        brute: dict[int, float] = {}
+        for pick in itertools.product(range(3), repeat=5):
+            w = 7000 + sum(groups[g][o].bytes for g, o in enumerate(pick))
+            t = problem.tenants(w, kv)
+            c = sum(costs[g][o] for g, o in enumerate(pick))
+            brute[t] = min(brute.get(t, math.inf), c)
+        ts, ws = knapsack.levels(problem, solved, kv)
+        for t, w in zip(ts.tolist(), ws.tolist(), strict=True):
+            best_at_least = min(c for tt, c in brute.items() if tt >= t)
+            assert math.isclose(solved.best[w], best_at_least), (t, kv)
+            opts = solved.options_at(w)  # the plan behind the cell: its tenants and cost
+            w_bytes = 7000 + sum(groups[g][o].bytes for g, o in enumerate(opts))
+            assert problem.tenants(w_bytes, kv) >= t
+            assert math.isclose(sum(costs[g][o] for g, o in enumerate(opts)), solved.best[w])
+
+
+def test_rounded_knapsack_never_credits_a_plan_with_more_tenants_than_it_has():
+    # A table of 64 cells for spans of ~10^6 bytes: bytes rounded up, so every plan backtracked
+    # at a level holds at least that level's tenants (the figure budget() then confirms).
+    rng = np.random.default_rng(2)
+    groups = tuple(
+        tuple(knapsack.Option({f"g{g}": o}, int(rng.integers(1, 10**6))) for o in range(4))
+        for g in range(6)
+    )
+    kv = knapsack.KVOption({"kv": 0}, 0, 50_000)
+    problem = knapsack.Problem((knapsack.Section({}, 0, groups),), (kv,), 8_000_000, 0)
+    problem.sizing[0] = knapsack.sizing(problem.sections[0], max_cells=64)
+    assert not problem.sizing[0].exact
+    solved = knapsack.solve(problem, 0, [rng.uniform(0, 1, 4) for _ in groups])
+    ts, ws = knapsack.levels(problem, solved, kv)
+    assert len(ts) > 10
+    for t, w in zip(ts.tolist(), ws.tolist(), strict=True):
+        opts = solved.options_at(w)
+        assert problem.tenants(sum(groups[g][o].bytes for g, o in enumerate(opts)), kv) >= t
+
+
+# ---------------------------------------------------------------- the capacity side = budget()
+@pytest.mark.parametrize("kind", ["structured", "per_tensor", "sensitivity"])
+def test_capacity_side_equals_budget_on_random_plans(kind, profile_path):
+    ctx = prepare(_spec(kind=kind, profile=profile_path if kind == "sensitivity" else None), "")
+    sampler = sampler_for_context(ctx)
+    problem = sampler.problem
+    rng = random.Random(0)
+    for _ in range(12):
+        sec = rng.choice(problem.sections)
+        opts = [rng.choice(g) for g in sec.groups]
+        kv = rng.choice(problem.kv)
+        params = {**sec.params, **kv.params}
+        for o in opts:
+            params.update(o.params)
+        weight_bytes = sec.const_bytes + sum(o.bytes for o in opts)
+        _, b = ctx.plan_and_budget(params)
+        assert b.weights_bytes_per_chip == weight_bytes, params
+        assert problem.tenants(weight_bytes, kv) == b.tenants, params
+
+
+# ---------------------------------------------------------------- bookkeeping in real studies
+def test_int_parameters_are_asked_with_their_int_distributions(profile_path):
+    ctx = prepare(_spec(kind="sensitivity", profile=profile_path), "")
+    sampler = sampler_for_context(ctx)
+    assert isinstance(sampler._space["sens.keep_bf16"], optuna.distributions.IntDistribution)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    kinds = set()
+    for _ in range(4):
+        trial = study.ask()
+        params = suggest(trial, ctx.spec.space, ctx.config, ctx.profile)
+        _tell(study, trial, ctx, params)
+        kinds.add(sampler.last_pick["reason"])
+        assert type(params["sens.keep_bf16"]) is int and type(params["sens.kv_keep_bf16"]) is int
+    assert kinds == {"reference", "knapsack"}  # the ints came from the sampler, not a fallback
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+
+
+def test_pending_plan_is_not_proposed_again(structured):
+    sampler = sampler_for_context(structured)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    first = study.ask()  # the reference, left running
+    p1 = suggest(first, structured.spec.space, structured.config)
+    second = study.ask()
+    p2 = suggest(second, structured.spec.space, structured.config)
+    fp = [structured.plan_and_budget(p)[0].fingerprint() for p in (p1, p2)]
+    assert p1 == sampler.reference and fp[0] != fp[1]
+
+
+def test_failed_plan_is_not_asked_again(structured):
+    sampler = sampler_for_context(structured)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    seen = []
+    for i in range(4):
+        trial = study.ask()
+        params = suggest(trial, structured.spec.space, structured.config)
+        seen.append(structured.plan_and_budget(params)[0].fingerprint())
+        if i == 1:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        else:
+            _tell(study, trial, structured, params)
+    assert len(set(seen)) == 4  # the failed plan (ask 2) was never proposed again
+
+
+def test_resumed_study_picks_what_an_uninterrupted_one_would(structured, tmp_path):
+    storage = f"sqlite:///{tmp_path}/o.db"
+
+    def run(study, sampler, n):
+        out = []
+        for _ in range(n):
+            trial = study.ask()
+            params = suggest(trial, structured.spec.space, structured.config)
+            _tell(study, trial, structured, params)
+            out.append(params)
+        return out
+
+    a = optuna.create_study(
+        directions=["maximize", "minimize"], sampler=sampler_for_context(structured)
+    )
+    straight = run(a, a.sampler, 4)
+    b = optuna.create_study(
+        study_name="r", storage=storage, directions=["maximize", "minimize"],
+        sampler=sampler_for_context(structured),
+    )  # fmt: skip
+    first = run(b, b.sampler, 3)  # stopped after 3 trials
+    resumed = optuna.load_study(
+        study_name="r", storage=storage, sampler=sampler_for_context(structured)
+    )  # a new sampler object: nothing but the study's trials to go on
+    assert first + run(resumed, resumed.sampler, 1) == straight
+
+
+def test_two_quality_objectives_are_searched_and_predictions_reported(structured):
+    sampler = sampler_for_context(
+        prepare(
+            parse_spec({**SPEC, "objectives": [
+                {"metric": "tenants", "direction": "maximize"},
+                {"metric": "fidelity.kl_mean", "direction": "minimize"},
+                {"metric": "needle.acc_delta.len1019", "direction": "maximize"},
+            ]}), "",
+        )
+    )  # fmt: skip
+    assert sampler.quality == [(1, 1.0), (2, -1.0)]
+    study = optuna.create_study(directions=["maximize", "minimize", "maximize"], sampler=sampler)
+    seen = set()
+    for _ in range(7):
+        trial = study.ask()
+        params = suggest(trial, structured.spec.space, structured.config)
+        _, b = structured.plan_and_budget(params)
+        seen.add(b.plan_fingerprint)
+        kv_int4 = sum(params[k] == "int4" for k in ("kv.key_format", "kv.value_format"))
+        study.tell(trial, [b.tenants, _loss(params), -0.1 * kv_int4])
+    assert len(seen) == 7
+    predicted = [t.system_attrs.get(quality_model.PREDICTED_ATTR) for t in study.trials]
+    assert predicted[0] is None and all(set(p) == {"1", "2"} for p in predicted[1:])
+    metrics = quality_model.prediction_metrics(study)
+    assert metrics["capacity_aware.obj1.predicted_plans"] == 6
+    assert -1 <= metrics["capacity_aware.obj1.rank_corr"] <= 1
+    assert metrics["capacity_aware.obj2.median_rel_error"] >= 0
+
+
+@pytest.mark.slow
+def test_space_too_large_to_enumerate_is_searched():
+    # Llama-3.1-8B's per-tensor space (32 layers x 7 tensors + embed + lm_head, 4 formats
+    # each, x the KV plans): more than 4^224 plans; each pick is confirmed by budget().
+    from tenantq.search.efficiency import preset_context
+
+    ctx = preset_context()
+    sampler = sampler_for_context(ctx)
+    assert isinstance(sampler, KnapsackSampler) and sampler.problem.size() > 4**224
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    tenants, plans = [], set()
+    for _ in range(3):
+        trial = study.ask()
+        params = suggest(trial, ctx.spec.space, ctx.config)
+        tenants.append(_tell(study, trial, ctx, params))
+        plans.add(ctx.plan_and_budget(params)[0].fingerprint())
+        if sampler.last_pick["reason"] == "knapsack":
+            assert tenants[-1] >= sampler.last_pick["level"]
+    assert tenants[0] == min(tenants) and len(plans) == 3
+
+
+# ---------------------------------------------------------------- the quality model
+def test_a_wrong_prior_is_corrected_by_measurement():
+    # The prior says tensor a's int4 is free and b's costs 1; measurements say the opposite.
+    prior = {("a", "int4"): 0.0, ("b", "int4"): 1.0, ("c", "int4"): 0.5}
+    rows = [(("a", "int4"),), (("b", "int4"),), (("a", "int4"), ("c", "int4"))]
+    fit = quality_model.fit(rows, [1.0, 0.0, 1.2], 0.0, prior)
+    assert fit.weight(("a", "int4")) > 0.8 and fit.weight(("b", "int4")) < 0.2
+    # an unmeasured value keeps its (scaled) prior, explored at its lower confidence bound
+    fresh = quality_model.fit(rows[:1], [1.0], 0.0, {**prior, ("d", "int4"): 2.0})
+    assert fresh.lcb(("d", "int4")) <= fresh.weight(("d", "int4"))
+
+
+def test_prediction_metrics_by_hand():
+    # predicted 0.1, 0.2, 0.4 for measured 0.1, 0.25, 0.5 (same order: rank correlation 1);
+    # relative errors 0, 0.2, 0.2 -> median 0.2. A measured 0 is left out of the error.
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    for pred, meas in [(0.1, 0.1), (0.2, 0.25), (0.4, 0.5), (0.05, 0.0)]:
+        trial = study.ask()
+        study._storage.set_trial_system_attr(
+            trial._trial_id, quality_model.PREDICTED_ATTR, {"1": pred}
+        )
+        study.tell(trial, [1.0, meas])
+    m = quality_model.prediction_metrics(study)
+    assert m["capacity_aware.obj1.rank_corr"] == pytest.approx(1.0)
+    assert m["capacity_aware.obj1.median_rel_error"] == pytest.approx(0.2)
+    assert m["capacity_aware.obj1.predicted_plans"] == 4
+
+
+def test_the_metric_offset_does_not_change_the_picks(structured):
+    # maximize -L and maximize 1 - L are the same objective: the gain (incumbent - predicted)
+    # / range of the known losses is free of the offset, so the 8 picks are the same plans
+    # (with the former relative gain, (inc - pred) / inc, the offset changed them).
+    spec = structured.spec.model_copy(
+        update={
+            "objectives": [
+                structured.spec.objectives[0],
+                structured.spec.objectives[1].model_copy(update={"direction": "maximize"}),
+            ]
+        }
+    )
+    ctx = dataclasses.replace(structured, spec=spec)
+    picks = {}
+    for offset in (0.0, 1.0):
+        study = optuna.create_study(
+            directions=["maximize", "maximize"], sampler=sampler_for_context(ctx)
+        )
+        picks[offset] = []
+        for _ in range(8):
+            trial = study.ask()
+            params = suggest(trial, ctx.spec.space, ctx.config)
+            _, b = ctx.plan_and_budget(params)
+            study.tell(trial, [b.tenants, offset - _loss(params)])
+            picks[offset].append(tuple(sorted(params.items())))
+    assert picks[0.0] == picks[1.0] and len(set(picks[0.0])) == 8
+
+
+def test_above_the_enumeration_limit_every_plan_is_proposed_by_the_model(monkeypatch):
+    # A 32-plan structured space searched by the DP alone (the enumeration limit forced to
+    # 0): the DP gives one plan per (KV plan, tenant level); once that plan is measured its
+    # one-option swaps within the level are proposed next, so all 32 plans come from the
+    # model (reference first, then 'knapsack'), none from the random fallback.
+    from tenantq.search import capacity_aware
+
+    monkeypatch.setattr(capacity_aware, "ENUMERATE_LIMIT", 0)
+    ctx = prepare(
+        _spec(
+            kind="structured", weight_formats=["bf16", "int4"], uniform_weights=True,
+            bf16_first_layers=[0], bf16_last_layers=[0], key_axes=["channel"],
+            sink_tokens=[0], kv_bf16_layers=["none"], key_formats=["bf16", "int4"],
+            value_formats=["bf16", "int8"],
+        ),
+        "",
+    )  # fmt: skip
+    sampler = sampler_for_context(ctx)
+    assert sampler.problem.size() == 32
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    reasons, plans = [], set()
+    for _ in range(32):
+        trial = study.ask()
+        params = suggest(trial, ctx.spec.space, ctx.config)
+        _tell(study, trial, ctx, params)
+        reasons.append(sampler.last_pick["reason"])
+        plans.add(ctx.plan_and_budget(params)[0].fingerprint())
+    assert len(plans) == 32 and "random" not in reasons
