@@ -9,7 +9,6 @@ naming them (`IgnoredOptionWarning`), not errors: the study still means what it 
 
 from __future__ import annotations
 
-import math
 import warnings
 
 from tenantq.search.spec import Spec
