@@ -88,7 +88,7 @@ def test_storage_arrays_carry_the_scale_dtype():
     ("kv", "message"),
     [
         ({"key_format": "int4", "value_format": "int4", "scale_dtype": "fp16"},
-         "kv.scale_dtype: unknown scale_dtype 'fp16'; valid scale_dtypes: float32, bf16, e8m0"),
+         "kv.scale_dtype: unknown scale dtype 'fp16'; valid scale dtypes: float32, bf16, e8m0"),
         ({"key_format": "int2", "value_format": "int2", "scale_dtype": "e8m0"},
          "kv.scale_dtype: 'e8m0' is a power-of-two scale for symmetric formats; int2"),
         ({"key_format": "mxfp4", "value_format": "int4", "scale_dtype": "bf16"},
