@@ -105,7 +105,7 @@ def test_rule_field_round_trips_and_is_checked() -> None:
     assert "activation_scale" not in dynamic.to_dict()  # old plans keep their fingerprint
     with pytest.raises(ValueError, match="applies to W8A8 only"):
         Rule(".*", "int8", activation_scale="static")
-    with pytest.raises(ValueError, match="unknown activation_scale 'per_token'"):
+    with pytest.raises(ValueError, match="unknown activation scale 'per_token'"):
         Rule.from_dict({"pattern": ".*", "format": "int8", "activations": "int8",
                         "activation_scale": "per_token"})  # fmt: skip
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -136,12 +137,13 @@ def run_one(trials: int, workers: int, stores: str, root: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m tenantq.bench driver", description=__doc__)
-    p.add_argument("--trials", type=int, nargs="+", default=[1000, 10000])
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 100])
+    # The test suite's smoke run (TENANTQ_BENCH_SMOKE): the same code at a size of seconds.
+    smoke = os.environ.get("TENANTQ_BENCH_SMOKE", "") not in ("", "0")
+    p.add_argument("--trials", type=int, nargs="+", default=[20, 40] if smoke else [1000, 10000])
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 4] if smoke else [1, 100])
     p.add_argument("--stores", choices=["memory", "sqlite"], default="memory")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     rows = []
