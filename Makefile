@@ -26,13 +26,17 @@ demo: $(STAMP)
 	@echo "MLflow UI:        $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000"
 	@echo "optuna-dashboard: $(VENV)/bin/optuna-dashboard sqlite:///optuna.db --host 127.0.0.1 --port 8080"
 
+# Two pytest-xdist workers; `--dist loadgroup` keeps the `serial` group (every `e2e` test and
+# tests/cluster/: Ray clusters, servers, ports; tests/conftest.py) on one worker, one at a time.
+XDIST := -n 2 --dist loadgroup
+
 # pytest exits 5 when it collected nothing: say so plainly instead of failing obscurely.
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q; rc=$$?; \
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q $(XDIST); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; exit 0; fi; exit $$rc
 
 test-fast: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow and not e2e"
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q $(XDIST) -m "not slow and not e2e"
 
 # The docs site (mkdocs.yml, docs/) into site/; --strict fails on any warning, as tests/test_docs.py does.
 docs: $(STAMP)

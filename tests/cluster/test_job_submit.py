@@ -1,7 +1,8 @@
 """`ray job submit` for real against `cluster/local.sh`: token auth, loopback, study metrics.
 
-One cluster per module (`local_cluster` in conftest.py): `cluster/local.sh start` with token
-authentication, free ports and its own state dir, and `cluster/local.sh stop` at the end.
+One cluster per module (`local_cluster` in conftest.py; helpers in _cluster.py):
+`cluster/local.sh start` with token authentication, free ports and its own state dir, and
+`cluster/local.sh stop` at the end.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _cluster import client_env
 from _study_metrics import documented_study_metrics
 
-from conftest import client_env
 from tenantq.testing import TINY_SUITE, tiny_study_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]

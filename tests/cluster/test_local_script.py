@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from conftest import LOCAL_SH
+from _cluster import LOCAL_SH
 
 
 def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
