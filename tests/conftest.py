@@ -63,7 +63,7 @@ class _LoadgroupIds:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]):
-        if not config.getvalue("loadgroup"):  # set on xdist's workers under --dist loadgroup
+        if not getattr(config.option, "loadgroup", False):  # xdist workers, --dist loadgroup
             return
         for item in items:
             names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
