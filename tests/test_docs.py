@@ -291,36 +291,38 @@ def test_every_skipped_block_names_a_test_function() -> None:
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.slow  # collects the 16 named test files: 36-140 s at load 17-32, 8 s CPU
-def test_every_test_a_skipped_block_names_is_collected_by_pytest() -> None:
+def _plain_id(nodeid: str) -> str:
+    """A node id without pytest-xdist's `@group` suffix (an `@` after the last `]`)."""
+    head, at, group = nodeid.rpartition("@")
+    return head if at and "]" not in group else nodeid
+
+
+@pytest.mark.slow  # run alone: collects the named test files, 36-140 s at load 17-32
+def test_every_test_a_skipped_block_names_is_collected_by_pytest(request) -> None:
     # A test defined but not collected (a helper named test_*, a file pytest does not pick up,
-    # a typo in the path) covers nothing; pytest's own collection is the judge.
+    # a typo in the path) covers nothing; pytest's own collection is the judge. In `make test`
+    # this session (each xdist worker alike) has already collected the whole suite: its items
+    # are that verdict at no cost. Run alone, or with -k/-m, what they lack is collected anew.
     named = _covering_tests()
 
-    def collect(test_ids) -> tuple[set[str], str]:
+    def ids(nodeids) -> set[str]:
+        plain = [_plain_id(i) for i in nodeids]
+        return {*plain, *(i.split("[")[0] for i in plain)}
+
+    collected, log = ids(item.nodeid for item in request.session.items), ""
+    rest = sorted(set(named) - collected)
+    if rest:
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-             "--continue-on-collection-errors", *test_ids],
+             "--continue-on-collection-errors", *rest],
             cwd=ROOT,
             capture_output=True,
             text=True,
             timeout=300,
             env={**os.environ, "JAX_PLATFORMS": "cpu"},
         )  # fmt: skip
-        ids = [line.strip() for line in proc.stdout.splitlines() if "::" in line]
-        return {*ids, *(i.split("[")[0] for i in ids)}, proc.stdout[-2000:] + proc.stderr
-
-    # One batch; then what it missed, one batch per folder: folders whose tests do
-    # `from conftest import ...` (tests/cluster) see another folder's conftest when several
-    # folders are collected at once, which is no fault of the docs.
-    collected, log = collect(sorted(named))
-    retry: dict[str, list[str]] = {}
-    for test_id in sorted(set(named) - collected):
-        retry.setdefault(str(Path(test_id.split("::")[0]).parent), []).append(test_id)
-    for test_ids in retry.values():
-        found, more = collect(test_ids)
-        collected |= found
-        log += more
+        collected |= ids(line.strip() for line in proc.stdout.splitlines() if "::" in line)
+        log = proc.stdout[-2000:] + proc.stderr
     missing = {test_id: where for test_id, where in named.items() if test_id not in collected}
     assert not missing, f"not collected by pytest: {missing}\n{log}"
 
