@@ -146,10 +146,14 @@ def studies(tmp_path_factory) -> Studies:
     if started:
         ray.init(num_cpus=2, include_dashboard=False, namespace="tenantq", log_to_driver=False)
     try:
-        run_study(tmp, "report", trials=3)  # two workers: the timeline has two lanes
-        # One worker each: a failing trial ends at once and one trial needs no second worker.
-        run_study(tmp, "failing", trials=3, worker_class=FailQuantizedTrials, workers=1)
-        run_study(tmp, "single", trials=1, workers=1)
+        # In tmp: MLflow's sqlite store puts the artifacts in ./mlruns (recorded as absolute
+        # paths, so the tests read them from anywhere), not in the checkout beside another run's.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.chdir(tmp)
+            run_study(tmp, "report", trials=3)  # two workers: the timeline has two lanes
+            # One worker each: a failing trial ends at once and one trial needs no second one.
+            run_study(tmp, "failing", trials=3, worker_class=FailQuantizedTrials, workers=1)
+            run_study(tmp, "single", trials=1, workers=1)
     finally:
         if started:
             ray.shutdown()
