@@ -219,7 +219,7 @@ class SearchDriver:
                     bar.refresh()
         finally:
             bar.close()
-        if ledger.close_waiting_retries():  # the budget filled before they ran
+        if ledger.close_waiting():  # the budget filled before they ran
             self._log_told()
         if ledger.exhausted():
             print(
@@ -242,7 +242,7 @@ class SearchDriver:
             ledger.fail(entry, "plan", f"plan: {err}")
             return
         entry.plan, entry.budget, entry.capacity = plan, b, capacity_metrics(b)
-        plan_json = plan.to_json()
+        entry.plan_json = plan_json = plan.to_json()
         entry.params = flatten_plan(plan, ctx.config) | {f"space.{k}": v for k, v in params.items()}
         for key, value in (
             ("plan", plan_json),
