@@ -28,7 +28,7 @@ from tenantq.search.context import (  # noqa: F401  (the names callers imported 
 from tenantq.search.front import confirmed_front as _confirmed_front  # noqa: F401
 from tenantq.search.ledger import Ledger
 from tenantq.search.metrics import StudyMetrics
-from tenantq.search.objectives import capacity_metrics, constraint_values, objective_values
+from tenantq.search.objectives import constraint_values, objective_values
 from tenantq.search.pareto import FrontRow, render_front
 from tenantq.search.samplers import make_sampler
 from tenantq.search.space import suggest
@@ -238,10 +238,11 @@ class SearchDriver:
         try:
             params = suggest(entry.trial, self.spec.space, ctx.config, ctx.profile)
             plan, b = ctx.plan_and_budget(params)
+            entry.capacity, entry.service_level = ctx.capacity.lines(plan, b)
         except ValueError as err:
             ledger.fail(entry, "plan", f"plan: {err}")
             return
-        entry.plan, entry.budget, entry.capacity = plan, b, capacity_metrics(b)
+        entry.plan, entry.budget = plan, b
         entry.plan_json = plan_json = plan.to_json()
         entry.params = flatten_plan(plan, ctx.config) | {f"space.{k}": v for k, v in params.items()}
         for key, value in (
@@ -254,7 +255,7 @@ class SearchDriver:
         if ledger.route(entry, plan.fingerprint()) != "run":
             return
         if pool is None:  # capacity only: the exact figures are the whole measurement
-            ledger.complete(entry, objective_values(self.spec.objectives, b.tenants, {}))
+            ledger.complete(entry, objective_values(self.spec.objectives, entry.capacity, {}))
             return
         ledger.dispatched(entry, pool.submit(entry.number, plan_json))
         self.metrics.workers_busy(pool.in_flight)
@@ -271,7 +272,7 @@ class SearchDriver:
             return
         r = finished.result
         try:
-            values = objective_values(self.spec.objectives, entry.budget.tenants, r.summary)
+            values = objective_values(self.spec.objectives, entry.capacity, r.summary)
             constraints = constraint_values(self.spec.constraints, r.summary, r.gates)
         except ValueError as err:
             reason = "nan" if "not a finite number" in str(err) else "error"
@@ -409,7 +410,7 @@ class SearchDriver:
 
     def _finish(self, pool) -> StudyOutcome:
         reconcile(self.tracker, self.study, self.context.config)
-        rows = front_.front(self.study, self.spec, pool)
+        rows = front_.front(self.study, self.spec, pool, self.context.capacity)
         front_.tag_front(self.tracker, rows)
         exported = front_.export(rows, self.out_dir)
         table = render_front(rows, self.spec.objectives)

@@ -84,6 +84,7 @@ class Entry:
     plan: Any = None
     plan_json: str | None = None  # the plan's JSON, made once per trial
     budget: Any = None
+    service_level: Any = None  # capacity.roofline.ServiceLevel, with [deployment] slo
     capacity: dict[str, float] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
     worker: str | None = None
