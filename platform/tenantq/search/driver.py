@@ -36,6 +36,7 @@ from tenantq.search.spec import Spec
 from tenantq.search.store import (  # noqa: F401
     GRACE_PERIOD_S,
     HEARTBEAT_INTERVAL_S,
+    enqueue_baselines,
     make_storage,
     open_study,
     requeue_dead_driver_trials,
@@ -159,6 +160,7 @@ class SearchDriver:
         # before the parent run is reopened: a study another driver is running is refused
         # here, and its parent run must stay as that driver has it
         requeue_dead_driver_trials(self.study, self.storage, spec.study.name)
+        enqueue_baselines(self.study, self.context.baselines)
         open_parent(tracker, self.study, self.context, self.workers)
         reconcile(tracker, self.study, self.context.config)
         self.ledger = Ledger(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tenantq.search.spec import CAPACITY_METRIC, CAPACITY_METRICS, ConstraintSpec, ObjectiveSpec
@@ -38,6 +38,9 @@ class CapacityObjective:
     config: Any  # the capacity model's ModelConfig
     deployment: Any  # tenantq.capacity.Deployment
     context_tokens: int
+    # plan fingerprint -> ServiceLevel: the step model costs tens of ms a plan, and a study
+    # asks the same plan again (duplicates, samplers ranking candidates)
+    _levels: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def for_spec(cls, spec, config, deployment) -> CapacityObjective:
@@ -65,10 +68,15 @@ class CapacityObjective:
             return None
         from tenantq.capacity.roofline import tenants_at_slo
 
-        return tenants_at_slo(
-            self.config, plan, self.deployment, self.context_tokens, self.slo,
-            tenants_by_memory=budget.tenants,
-        )  # fmt: skip
+        fp = plan.fingerprint()
+        if fp not in self._levels:
+            if len(self._levels) >= 4096:
+                self._levels.clear()
+            self._levels[fp] = tenants_at_slo(
+                self.config, plan, self.deployment, self.context_tokens, self.slo,
+                tenants_by_memory=budget.tenants,
+            )  # fmt: skip
+        return self._levels[fp]
 
     def lines(self, plan, budget) -> tuple[dict[str, float], Any]:
         """(the `capacity.*` lines logged for the trial, its ServiceLevel or None)."""

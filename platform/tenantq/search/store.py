@@ -136,14 +136,14 @@ def open_study(
     with warnings.catch_warnings():  # experimental since Optuna 3.2, still in 5.0
         warnings.simplefilter("ignore")
         study.set_metric_names([o.metric for o in spec.objectives])
-    enqueue_baselines(study, context.baselines)
     return storage, study
 
 
 def enqueue_baselines(study, baselines: list[dict[str, Any]]) -> None:
     """Enqueue each baseline the study does not hold, on every start (a study begun without
-    them gets them). A baseline closed unrun (`not_run`: the budget was full) is enqueued
-    again, as Optuna's `skip_if_exists` would not."""
+    them gets them), after a dead driver's trials were re-queued (those go first). A baseline
+    closed unrun (`not_run`: the budget was full) is enqueued again, as Optuna's
+    `skip_if_exists` would not."""
     from tenantq.search.ledger import REASON_ATTR
 
     held = [
