@@ -134,6 +134,28 @@ def test_a_resumed_study_does_not_replay_its_draws(tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_no_trial_is_left_waiting_when_baselines_outnumber_the_budget(tmp_path) -> None:
+    # Waiting retries were closed only when no enqueued baseline waited too; a baseline the
+    # budget had no room for stayed WAITING for ever. Now every waiting trial is closed
+    # (`not_run`) at the end, and a closed baseline is enqueued again on a later start.
+    spec, text = _capacity(tmp_path, trials=1)
+    text = text.replace("baselines = false", "baselines = true")
+    spec = parse_spec(tomllib.loads(text))
+    outcome = _run(spec, text, tmp_path)
+    trials = _trials(tmp_path)
+    assert not [t for t in trials if t.state in (S.WAITING, S.RUNNING)]
+    closed = [t for t in trials if t.user_attrs.get("failure_reason") == "not_run"]
+    assert len(closed) == 1 and closed[0].user_attrs.get("baseline")  # bf16, int4: 2 > 1
+    assert outcome.counts["done"] == 1
+    more = text.replace("trials = 1", "trials = 3")
+    _run(parse_spec(tomllib.loads(more)), more, tmp_path, resume=True)
+    trials = _trials(tmp_path)
+    measured = [t for t in trials if t.state == S.COMPLETE and t.user_attrs.get("baseline")]
+    assert len(measured) == 2  # the closed baseline ran on the resume
+    assert not [t for t in trials if t.state in (S.WAITING, S.RUNNING)]
+
+
+@pytest.mark.slow
 def test_resume_is_not_blocked_by_a_trial_killed_inside_ask(tmp_path, monkeypatch) -> None:
     # Fault 6: a driver killed inside ask() leaves a RUNNING trial with no heartbeat row;
     # Optuna never finds it stale and every resume stopped with "another driver is running

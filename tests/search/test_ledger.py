@@ -223,7 +223,7 @@ def test_retries_still_waiting_when_the_budget_fills_are_closed_and_count_nothin
     assert not ledger.wants_more() and ledger.done == 1
     waiting = optuna.trial.TrialState.WAITING
     assert len(study.get_trials(states=(waiting,))) == 1
-    assert ledger.close_waiting_retries() == 1
+    assert ledger.close_waiting() == 1
     assert not study.get_trials(states=(waiting,))
     assert ledger.done == 1 and ledger.failures == {"a": 1}
     closed = study.get_trials()[-1]
@@ -434,3 +434,80 @@ TestLedgerMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_a_waiting_baseline_does_not_keep_retries_waiting_at_the_end() -> None:
+    # Issue 22 follow-up: waiting retries were closed only when no enqueued baseline waited
+    # too, so a study with a baseline the budget had no room for ended holding WAITING trials.
+    study = _study()
+    ledger = Ledger(study, trials=1, failure_budget=2)
+    dying, _ = _ask(ledger, "a")
+    other, _ = _ask(ledger, "b")
+    ledger.dispatched(dying, "w0")
+    ledger.dispatched(other, "w1")
+    ledger.fail(dying, "worker_died", "ActorDiedError")  # a retry is queued
+    study._study.enqueue_trial({"plan": "p0"}, user_attrs={"baseline": True})
+    ledger.complete(other, [0.5])
+    assert not ledger.wants_more()
+    assert ledger.close_waiting() == 2
+    S = optuna.trial.TrialState
+    assert not study.get_trials(states=(S.WAITING, S.RUNNING))
+    closed = [t for t in study.get_trials() if t.user_attrs.get("failure_reason") == "not_run"]
+    assert len(closed) == 2 and ledger.done == 1 and ledger.failures == {"a": 1}
+    # The closed retry carries its plan's fingerprint (copied): restore blames no plan for it.
+    again = Ledger(study, trials=1, failure_budget=2)
+    again.restore(study.get_trials(deepcopy=False))
+    assert again.failures == {"a": 1} and again.settled == {"b"}
+
+
+def _old_fail(study, number_params: str, attrs: dict, system: dict | None = None) -> None:
+    """A FAIL trial as a driver before `dispatched_trial` (or `failure_reason`) wrote it."""
+    dist = optuna.distributions.CategoricalDistribution(PLANS)
+    study._study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState.FAIL,
+            params={"plan": number_params},
+            distributions={"plan": dist},
+            user_attrs=attrs,
+            system_attrs=system or {},
+        )
+    )
+
+
+def test_failures_recorded_before_dispatched_trial_existed_count_on_restore() -> None:
+    # Restore counted a retryable failure only with `dispatched_trial` == its number, so every
+    # failure an older driver recorded counted nothing: after an upgrade a plan that had
+    # killed its worker twice got two more attempts. Budget: 2 attempts per plan.
+    lost = "ActorDiedError: the actor died (worker lost; Ray's restarts and retries exhausted)"
+    study = _study()
+    # Before `failure_reason` (the single-file driver): the reason is in the error text.
+    _old_fail(study, "killer", {"plan_fingerprint": "killer", "worker": "w0", "error": lost})
+    _old_fail(  # its retry ran and died too (an error and a worker of its own)
+        study,
+        "killer",
+        {"plan_fingerprint": "killer", "worker": "w1", "error": lost + " again"},
+        {"failed_trial": 0, "retry_history": [0]},
+    )
+    _old_fail(study, "a", {"plan_fingerprint": "a", "worker": "w0", "error": "ValueError: x"})
+    # The ledger before `dispatched_trial`: a reason, a worker.
+    _old_fail(study, "b", {"plan_fingerprint": "b", "failure_reason": "timeout", "worker": "w0"})
+    # Not the plan's fault: a copy killed before it ran (everything inherited from trial 4),
+    # and a parked duplicate killed with the driver (no worker, no error).
+    _old_fail(study, "c", {"plan_fingerprint": "c", "worker": "w0", "error": lost})
+    _old_fail(
+        study,
+        "c",
+        {"plan_fingerprint": "c", "worker": "w0", "error": lost},
+        {"failed_trial": 4, "retry_history": [4]},
+    )
+    _old_fail(study, "p0", {"plan_fingerprint": "p0"})
+    ledger = Ledger(study, trials=9, failure_budget=2)
+    ledger.restore(study.get_trials(deepcopy=False))
+    assert ledger.failures == {"killer": 2, "b": 1, "c": 1}
+    assert ledger.settled == {"killer", "a"}
+    assert [_ask(ledger, plan)[1] for plan in ("killer", "a", "b", "p0")] == [
+        "refused",
+        "refused",
+        "run",
+        "run",
+    ]

@@ -12,7 +12,7 @@ tensor parallelism every chip holds an equal share, so the per-chip pool is what
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from fractions import Fraction
 
 from tenantq.capacity.hardware import Deployment
@@ -111,8 +111,9 @@ class Budget:
         return self.tenants > 0
 
     def to_dict(self, *, per_tensor: bool = False) -> dict:
-        d = asdict(self)
-        d.pop("tensors")
+        # field by field: `asdict(self)` would deep-convert every per-tensor record first,
+        # only to drop them (most of a search trial's bookkeeping time)
+        d = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "tensors"}
         for key in ("kv_bytes_per_token", "kv_bytes_per_token_per_chip"):
             d[key] = _number(d[key])
         d["notes"] = list(self.notes)
@@ -133,6 +134,17 @@ class Budget:
                 for t in self.tensors
             ]
         return d
+
+
+def _plain(value):
+    """`asdict`'s conversion of one field value: dataclasses to dicts, containers copied."""
+    if isinstance(value, list | tuple):
+        return type(value)(_plain(v) for v in value)
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def budget(

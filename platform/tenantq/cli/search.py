@@ -133,6 +133,8 @@ def _run(args: argparse.Namespace, spec, text: str) -> int:
                         {
                             "trial": r.trial,
                             "tenants": r.tenants,
+                            "capacity": r.capacity_label,
+                            "tenants_by_memory": r.tenants_by_memory,
                             "quality": r.quality,
                             "confirmed": r.confirmed,
                             "shippable": r.feasible,

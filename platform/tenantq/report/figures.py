@@ -62,13 +62,13 @@ def pareto_figure(study: StudyRecord) -> go.Figure | None:
                         },
                     },
                     error_y={"type": "data", "symmetric": False, "array": hi, "arrayminus": lo},
-                    hovertext=[_hover(t, metric) for t in group],
+                    hovertext=[_hover(t, metric, study.capacity_label) for t in group],
                     hoverinfo="text",
                 ),
                 row=1,
                 col=col,
             )
-        fig.update_xaxes(title_text="tenants", row=1, col=col)
+        fig.update_xaxes(title_text=study.capacity_label, row=1, col=col)
         fig.update_yaxes(title_text=metric, row=1, col=col)
     fig.update_layout(
         title="Pareto front (thick outline: on the front; diamond: baseline; bars: 95% CI)",
@@ -83,25 +83,28 @@ def _ci_width(t: TrialRecord, metric: str, bound: str) -> float:
     return 0.0 if v is None else abs(v - t.metrics[metric])
 
 
-def _hover(t: TrialRecord, metric: str) -> str:
+def _hover(t: TrialRecord, metric: str, capacity: str = "tenants") -> str:
     lo, hi = t.metrics.get(f"{metric}.ci_low"), t.metrics.get(f"{metric}.ci_high")
     ci = f" [{lo:.4g}, {hi:.4g}]" if lo is not None and hi is not None else ""
     roles = [r for r, on in (("front", t.on_front), ("baseline", t.is_baseline)) if on]
     head = f"trial {t.number}" + (f" ({', '.join(roles)})" if roles else "")
     return (
-        f"{head}<br>tenants {t.tenants:.0f}<br>{metric} {t.metrics[metric]:.4g}{ci}<br>"
+        f"{head}<br>{capacity} {t.tenants:.0f}<br>{metric} {t.metrics[metric]:.4g}{ci}<br>"
         + t.plan_summary().replace("\n", "<br>")
     )
 
 
 def front_table_rows(study: StudyRecord) -> list[dict[str, str]]:
-    """The front's plans, most tenants first: trial, tenants, each metric with CI, plan."""
+    """The front's plans, most tenants first: trial, tenants (the capacity the study used;
+    at an SLO, memory's count beside it), each metric with CI, plan."""
     rows = []
     front = sorted(
         (t for t in study.completed if t.on_front), key=lambda t: (-(t.tenants or 0), t.number)
     )
     for t in front:
-        row = {"trial": str(t.number), "tenants": f"{t.tenants:.0f}"}
+        row = {"trial": str(t.number), study.capacity_label: f"{t.tenants:.0f}"}
+        if study.capacity_metric != "tenants" and t.tenants_by_memory is not None:
+            row["tenants by memory"] = f"{t.tenants_by_memory:.0f}"
         for m in study.quality_metrics:
             q = t.metric_ci(m)
             row[m] = "-" if q is None else _fmt_ci(q)
@@ -157,25 +160,40 @@ def waterfall_figure(chosen: TrialRecord, bf16: TrialRecord | None) -> go.Figure
             -used,
             0,
         ]
+        measure = ["absolute", "relative", "relative", "total", "relative", "total"]
+        hover = [
+            f"{b['hbm_bytes_per_chip']:,} B per chip ({b['hardware']}, {b['chips']} chip)",
+            f"{b['weights_bytes_per_chip']:,} B: {b['weights_summary']}",
+            f"{b['reserve_bytes_per_chip']:,} B ({b['reserve']})",
+            f"{b['pool_bytes_per_chip']:,} B = {b['pool_tokens']:,} tokens",
+            f"{b['tenants']} x {b['tenant_bytes_per_chip']:,} B at "
+            f"{b['context_tokens']} tokens; KV {b['kv_summary']}",
+            "",
+        ]
+        level = b.get("service_level")
+        if level is not None:  # the memory's tenants split: served at the SLO, and beyond it
+            served = level["tenants_at_slo"]
+            slo = f"{level['slo_tokens_per_s']:g} tok/s"
+            each = b["tenant_bytes_per_chip"]
+            labels[4:5] = [f"{served} tenants at {slo}", f"{b['tenants'] - served} beyond the SLO"]
+            values[4:5] = [-served * each, -(used - served * each)]
+            measure[4:5] = ["relative", "relative"]
+            hover[4:5] = [
+                f"{served} tenants get >= {slo} (decode step {level['step']['step_s'] * 1e3:.3g} "
+                f"ms; {level['binding']} binds)",
+                f"memory holds {b['tenants'] - served} more, each served slower than {slo}",
+            ]
         fig.add_trace(
             go.Waterfall(
                 x=labels,
                 y=[v / MIB for v in values],
-                measure=["absolute", "relative", "relative", "total", "relative", "total"],
+                measure=measure,
                 text=[
                     f"{abs(v) / MIB:.2f} MiB" if m != "total" else ""
-                    for v, m in zip(values, ["a", "r", "r", "total", "r", "total"], strict=True)
+                    for v, m in zip(values, measure, strict=True)
                 ],
                 textposition="auto",
-                hovertext=[
-                    f"{b['hbm_bytes_per_chip']:,} B per chip ({b['hardware']}, {b['chips']} chip)",
-                    f"{b['weights_bytes_per_chip']:,} B: {b['weights_summary']}",
-                    f"{b['reserve_bytes_per_chip']:,} B ({b['reserve']})",
-                    f"{b['pool_bytes_per_chip']:,} B = {b['pool_tokens']:,} tokens",
-                    f"{b['tenants']} x {b['tenant_bytes_per_chip']:,} B at "
-                    f"{b['context_tokens']} tokens; KV {b['kv_summary']}",
-                    "",
-                ],
+                hovertext=hover,
                 showlegend=False,
             ),
             row=1,

@@ -17,6 +17,7 @@ from typing import Any
 
 PARENT_TAG = "mlflow.parentRunId"
 CAPACITY_METRIC = "tenants"  # the objective the driver computes (tenantq.search.spec)
+SLO_METRIC = "tenants_at_slo"  # the capacity at `[deployment] slo` (tenantq.search.spec)
 TENANTS_KEY = "capacity.tenants"
 
 
@@ -32,6 +33,8 @@ class TrialRecord:
     tags: dict[str, str]
     logged_ms: int  # when the driver logged the run (a trial's run is created at its end)
     client: Any = field(repr=False, default=None)
+    # the metric holding the study's capacity value (`StudyRecord.capacity_key`)
+    capacity_key: str = TENANTS_KEY
     _downloaded: dict[str, bytes] = field(repr=False, default_factory=dict)
 
     @property
@@ -40,6 +43,12 @@ class TrialRecord:
 
     @property
     def tenants(self) -> float | None:
+        """The study's capacity value: tenants by memory, or at the SLO when the study's
+        capacity objective is `tenants_at_slo`."""
+        return self.metrics.get(self.capacity_key)
+
+    @property
+    def tenants_by_memory(self) -> float | None:
         return self.metrics.get(TENANTS_KEY)
 
     @property
@@ -165,6 +174,10 @@ class StudyRecord:
     trials: list[TrialRecord]
     client: Any = field(repr=False, default=None)
 
+    def __post_init__(self) -> None:
+        for t in self.trials:  # every figure and table reads the capacity the study used
+            t.capacity_key = self.capacity_key
+
     @cached_property
     def spec_text(self) -> str:
         with tempfile.TemporaryDirectory() as tmp:
@@ -185,9 +198,27 @@ class StudyRecord:
         return out
 
     @property
+    def capacity_metric(self) -> str:
+        """The capacity the study used: its capacity objective, else the parent's
+        `capacity.metric` param (a study with no capacity objective), else `tenants`."""
+        named = [m for _, m in self.objectives if m in (CAPACITY_METRIC, SLO_METRIC)]
+        return named[0] if named else self.params.get("capacity.metric") or CAPACITY_METRIC
+
+    @property
+    def capacity_key(self) -> str:
+        return f"capacity.{self.capacity_metric}"
+
+    @property
+    def capacity_label(self) -> str:
+        """`tenants`, or `tenants at 20tok/s` (the spec's slo as written)."""
+        if self.capacity_metric == CAPACITY_METRIC:
+            return "tenants"
+        return f"tenants at {self.params.get('deployment.slo') or 'the SLO'}"
+
+    @property
     def quality_metrics(self) -> list[str]:
         """The quality objectives, or every metric with CI bounds when the parent lacks them."""
-        named = [m for _, m in self.objectives if m != CAPACITY_METRIC]
+        named = [m for _, m in self.objectives if m not in (CAPACITY_METRIC, SLO_METRIC)]
         if named:
             return named
         seen = {
@@ -289,6 +320,9 @@ def load_study(tracking_uri: str, experiment: str, study: str | None = None) -> 
         )
         for r in runs
         if r.data.tags.get("tenantq.kind") == "trial"
+        # a trial the study closed unrun (the budget filled while it waited) measured
+        # nothing: neither a result nor a failure to draw
+        and r.data.tags.get("tenantq.failure_reason") != "not_run"
     ]
     trials.sort(key=lambda t: t.number)
     return StudyRecord(

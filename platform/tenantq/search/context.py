@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from tenantq.search.objectives import CapacityObjective
 from tenantq.search.space import (
     SensitivityProfile,
     baseline_params,
     parameter_choices,
     plan_from_params,
 )
-from tenantq.search.spec import CAPACITY_METRIC, Spec, wants_baselines
+from tenantq.search.spec import CAPACITY_METRIC, CAPACITY_METRICS, Spec, wants_baselines
 
 
 @dataclass
@@ -35,6 +37,12 @@ class StudyContext:
     deployment: Any
     profile: SensitivityProfile | None
     baselines: list[dict[str, Any]]
+
+    @cached_property
+    def capacity(self) -> CapacityObjective:
+        """What the capacity value of a trial is in this study (tenants by memory, or at the
+        spec's service level); samplers call `capacity.tenants(plan, budget)`."""
+        return CapacityObjective.for_spec(self.spec, self.capacity_config, self.deployment)
 
     def plan_and_budget(self, params: dict[str, Any]):
         """(plan, budget) of the trial parameters `params`; ValueError on a plan the model
@@ -160,7 +168,7 @@ def check_metrics(spec: Spec) -> None:
         named = [
             (f"objectives.{i}.metric", o.metric)
             for i, o in enumerate(spec.objectives)
-            if o.metric != CAPACITY_METRIC
+            if o.metric not in CAPACITY_METRICS
         ]
         if key_name == "eval.suite":  # constraints are checked on the search suite's results
             named += [

@@ -28,7 +28,7 @@ from tenantq.search.context import (  # noqa: F401  (the names callers imported 
 from tenantq.search.front import confirmed_front as _confirmed_front  # noqa: F401
 from tenantq.search.ledger import Ledger
 from tenantq.search.metrics import StudyMetrics
-from tenantq.search.objectives import capacity_metrics, constraint_values, objective_values
+from tenantq.search.objectives import constraint_values, objective_values
 from tenantq.search.pareto import FrontRow, render_front
 from tenantq.search.samplers import make_sampler
 from tenantq.search.space import suggest
@@ -36,6 +36,7 @@ from tenantq.search.spec import Spec
 from tenantq.search.store import (  # noqa: F401
     GRACE_PERIOD_S,
     HEARTBEAT_INTERVAL_S,
+    enqueue_baselines,
     make_storage,
     open_study,
     requeue_dead_driver_trials,
@@ -159,6 +160,7 @@ class SearchDriver:
         # before the parent run is reopened: a study another driver is running is refused
         # here, and its parent run must stay as that driver has it
         requeue_dead_driver_trials(self.study, self.storage, spec.study.name)
+        enqueue_baselines(self.study, self.context.baselines)
         open_parent(tracker, self.study, self.context, self.workers)
         reconcile(tracker, self.study, self.context.config)
         self.ledger = Ledger(
@@ -219,7 +221,7 @@ class SearchDriver:
                     bar.refresh()
         finally:
             bar.close()
-        if ledger.close_waiting_retries():  # the budget filled before they ran
+        if ledger.close_waiting():  # the budget filled before they ran
             self._log_told()
         if ledger.exhausted():
             print(
@@ -238,11 +240,12 @@ class SearchDriver:
         try:
             params = suggest(entry.trial, self.spec.space, ctx.config, ctx.profile)
             plan, b = ctx.plan_and_budget(params)
+            entry.capacity, entry.service_level = ctx.capacity.lines(plan, b)
         except ValueError as err:
             ledger.fail(entry, "plan", f"plan: {err}")
             return
-        entry.plan, entry.budget, entry.capacity = plan, b, capacity_metrics(b)
-        plan_json = plan.to_json()
+        entry.plan, entry.budget = plan, b
+        entry.plan_json = plan_json = plan.to_json()
         entry.params = flatten_plan(plan, ctx.config) | {f"space.{k}": v for k, v in params.items()}
         for key, value in (
             ("plan", plan_json),
@@ -254,7 +257,7 @@ class SearchDriver:
         if ledger.route(entry, plan.fingerprint()) != "run":
             return
         if pool is None:  # capacity only: the exact figures are the whole measurement
-            ledger.complete(entry, objective_values(self.spec.objectives, b.tenants, {}))
+            ledger.complete(entry, objective_values(self.spec.objectives, entry.capacity, {}))
             return
         ledger.dispatched(entry, pool.submit(entry.number, plan_json))
         self.metrics.workers_busy(pool.in_flight)
@@ -271,7 +274,7 @@ class SearchDriver:
             return
         r = finished.result
         try:
-            values = objective_values(self.spec.objectives, entry.budget.tenants, r.summary)
+            values = objective_values(self.spec.objectives, entry.capacity, r.summary)
             constraints = constraint_values(self.spec.constraints, r.summary, r.gates)
         except ValueError as err:
             reason = "nan" if "not a finite number" in str(err) else "error"
@@ -409,7 +412,7 @@ class SearchDriver:
 
     def _finish(self, pool) -> StudyOutcome:
         reconcile(self.tracker, self.study, self.context.config)
-        rows = front_.front(self.study, self.spec, pool)
+        rows = front_.front(self.study, self.spec, pool, self.context.capacity)
         front_.tag_front(self.tracker, rows)
         exported = front_.export(rows, self.out_dir)
         table = render_front(rows, self.spec.objectives)

@@ -14,14 +14,16 @@ from typing import Any
 
 from tenantq.search.objectives import constraint_values
 from tenantq.search.pareto import FrontRow, front_rows, quality_with_ci, verdict_text
-from tenantq.search.spec import CAPACITY_METRIC, Spec
+from tenantq.search.spec import CAPACITY_METRICS, Spec
 
 CONFIRMED_ATTR = "tenantq.confirmed"  # study user attr: trial number -> confirmed figures
 POLL_S = 0.5
 
 
-def front(study, spec: Spec, pool) -> list[FrontRow]:
-    rows = front_rows(own_best_trials(study), spec.objectives)
+def front(study, spec: Spec, pool, capacity=None) -> list[FrontRow]:
+    """The study's front rows (`capacity`: its `CapacityObjective`, whose value is each
+    row's `tenants`), confirmed when the spec has a confirmation suite."""
+    rows = front_rows(own_best_trials(study), spec.objectives, capacity)
     if spec.eval.confirm_suite and rows and pool is not None:
         rows = confirm(study, spec, pool, rows)
     return rows
@@ -29,26 +31,32 @@ def front(study, spec: Spec, pool) -> list[FrontRow]:
 
 def own_best_trials(study) -> list[Any]:
     """`study.best_trials` (complete, feasible, non-dominated) among the study's own trials:
-    those `--continue-as` copied (measured on the old inputs) are left out."""
+    those `--continue-as` copied (measured on the old inputs) are left out. Computed on the
+    study's trials without copying them (`best_trials` deep-copies every trial of the study).
+    Equal values do not dominate each other: every trial of a front plan is kept."""
     from optuna.study import StudyDirection
     from optuna.trial import TrialState
 
     from tenantq.search.ledger import COPIED_ATTR
 
-    trials = [
-        t
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        if COPIED_ATTR not in t.user_attrs and all(v <= 0 for v in (t.constraints or {}).values())
-    ]
-    if not any(COPIED_ATTR in t.user_attrs for t in study.get_trials(deepcopy=False)):
-        return study.best_trials  # Optuna's own, when nothing was copied
     signs = [1.0 if d == StudyDirection.MINIMIZE else -1.0 for d in study.directions]
-    keyed = [(t, [s * v for s, v in zip(signs, t.values, strict=True)]) for t in trials]
-
-    def dominated(b: list[float]) -> bool:
-        return any(all(x <= y for x, y in zip(a, b, strict=True)) and a != b for _, a in keyed)
-
-    return [t for t, k in keyed if not dominated(k)]
+    keyed = sorted(
+        (
+            ([s * v for s, v in zip(signs, t.values, strict=True)], t.number, t)
+            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if COPIED_ATTR not in t.user_attrs
+            and all(v <= 0 for v in (t.constraints or {}).values())
+        ),
+        key=lambda k: (k[0], k[1]),
+    )
+    # In lexicographic order a dominating point comes first, and whatever dominates a point
+    # is dominated by (or is) a front member already seen: one pass against the front.
+    front: list[tuple[list[float], int, Any]] = []
+    for key in keyed:
+        b = key[0]
+        if not any(all(x <= y for x, y in zip(a, b, strict=True)) and a != b for a, _, _ in front):
+            front.append(key)
+    return [t for _, _, t in sorted(front, key=lambda k: k[1])]
 
 
 def tag_front(tracker, rows: list[FrontRow]) -> None:
@@ -119,6 +127,8 @@ def export(rows: list[FrontRow], out_dir: Path) -> list[Path]:
             "trial": r.trial,
             "fingerprint": r.fingerprint,
             "tenants": r.tenants,
+            "capacity": r.capacity_label,
+            "tenants_by_memory": r.tenants_by_memory,
             "quality": r.quality,
             "confirmed": r.confirmed,
             "shippable": r.feasible,
@@ -149,7 +159,8 @@ def confirmed_front(rows: list[FrontRow], objectives) -> list[FrontRow]:
         out = []
         for o in objectives:
             figures = r.confirmed or r.quality
-            v = float(r.tenants) if o.metric == CAPACITY_METRIC else figures[o.metric][0]
+            # a row's `tenants` is the study's capacity value, whichever capacity objective
+            v = float(r.tenants) if o.metric in CAPACITY_METRICS else figures[o.metric][0]
             out.append(-v if o.direction == "maximize" else v)
         return out
 

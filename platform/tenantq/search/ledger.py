@@ -38,7 +38,7 @@ REASONS = RETRYABLE | {
     "failed_before",
     "duplicate",
     "driver_stopped",
-    "not_run",  # a retry still waiting when the budget filled: closed, counts nothing
+    "not_run",  # a trial still waiting when the budget filled: closed, counts nothing
 }
 REASON_ATTR = "failure_reason"
 FINGERPRINT_ATTR = "plan_fingerprint"
@@ -82,7 +82,9 @@ class Entry:
     state: State = State.ASKED
     fingerprint: str | None = None
     plan: Any = None
+    plan_json: str | None = None  # the plan's JSON, made once per trial
     budget: Any = None
+    service_level: Any = None  # capacity.roofline.ServiceLevel, with [deployment] slo
     capacity: dict[str, float] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
     worker: str | None = None
@@ -133,6 +135,7 @@ class Ledger:
         """Rebuild the budget from a study's finished trials (FrozenTrials), once."""
         from optuna.trial import TrialState
 
+        by_number = {t.number: t for t in trials}
         for t in trials:
             if t.state == TrialState.WAITING or COPIED_ATTR in t.user_attrs:
                 continue
@@ -153,23 +156,22 @@ class Ledger:
                     self.settled.add(fp)
             elif t.state == TrialState.FAIL:
                 self.counts["failed"] += 1
-                reason = t.user_attrs.get(REASON_ATTR, "driver_died")
                 if "failed_trial" in t.system_attrs or "retry_of" in t.user_attrs:
                     self.counts["retries"] += 1
-                # As live: a duplicate or a trial stopped with the driver blames no plan, and
-                # a trial with no fingerprint (killed before it had a plan, or its parameters
-                # made none) has no plan to count.
-                if reason in ("duplicate", "driver_stopped") or not fp:
+                reason, ran = _failure_of(t, by_number)
+                # As live: a duplicate, a trial stopped with the driver, one closed unrun, or
+                # one with no fingerprint (killed before it had a plan, or its parameters made
+                # none) blames no plan.
+                if reason in ("duplicate", "driver_stopped", "not_run") or not fp:
                     continue
-                key = fp
                 if reason in RETRYABLE:
-                    if t.user_attrs.get(DISPATCHED_ATTR) != t.number:
+                    if not ran:
                         continue  # killed before its plan ran: the plan is not blamed
-                    self.failures[key] = self.failures.get(key, 0) + 1
-                    if self.failures[key] >= self.failure_budget:
-                        self.settled.add(key)
+                    self.failures[fp] = self.failures.get(fp, 0) + 1
+                    if self.failures[fp] >= self.failure_budget:
+                        self.settled.add(fp)
                 else:
-                    self.settled.add(key)
+                    self.settled.add(fp)
 
     # ---------------------------------------------------------------- the budget
     @property
@@ -294,21 +296,19 @@ class Ledger:
         if self.in_flight.get(fp) == entry.number:
             self._release(fp)
 
-    def close_waiting_retries(self) -> int:
-        """Retries still WAITING once the budget is full: each asked and told FAIL
-        (`not_run`), so that the study holds no trial that will never run. Only retries
-        (`retry_of`); enqueued baselines wait for a larger budget. Returns how many."""
+    def close_waiting(self) -> int:
+        """Trials still WAITING once the study is done (retries, copies Optuna's stale-trial
+        callback queued, enqueued baselines the budget had no room for): each asked and told
+        FAIL (`not_run`, counts nothing), so that the study holds no trial that will never
+        run. A baseline closed so is enqueued again on a later start (`store.open_study`).
+        Returns how many were closed."""
         from optuna.trial import TrialState
 
-        closed = 0
         waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        if not waiting or any("retry_of" not in t.user_attrs for t in waiting):
-            return 0  # Optuna asks WAITING trials oldest first: retries only, or none
-        for _ in waiting:
+        for _ in waiting:  # Optuna asks the oldest WAITING trial first, whatever it is
             entry = self.ask()
-            self.fail(entry, "not_run", "a retry left waiting when the study's budget filled")
-            closed += 1
-        return closed
+            self.fail(entry, "not_run", "left waiting when the study's budget filled")
+        return len(waiting)
 
     def logged(self, entry: Entry) -> None:
         self._move(entry, State.LOGGED)
@@ -402,6 +402,49 @@ class Ledger:
     def _expect(self, entry: Entry, state: State) -> None:
         if entry.state != state:
             raise LedgerError(f"trial {entry.number} is {entry.state.value}, not {state.value}")
+
+
+# What the driver wrote as a trial's error before `failure_reason` existed -> the reason.
+_OLD_ERRORS = (
+    ("plan:", "plan"),
+    ("the driver stopped before", "driver_stopped"),
+    ("the trial measuring the same plan", "duplicate"),
+)
+
+
+def _own(t: Any, key: str, by_number: dict[int, Any]) -> Any:
+    """The user attribute `key` of `t` unless a retry copy inherited it unchanged from the
+    trial it copies (Optuna's retry callback copies every user attribute)."""
+    value = t.user_attrs.get(key)
+    history = t.system_attrs.get("retry_history") or [t.system_attrs.get("failed_trial")]
+    parent = by_number.get(history[-1]) if history[-1] is not None else None
+    if value is not None and parent is not None and parent.user_attrs.get(key) == value:
+        return None
+    return value
+
+
+def _failure_of(t: Any, by_number: dict[int, Any]) -> tuple[str, bool]:
+    """(reason, whether the trial itself ran its plan) of a FAIL trial, from what its record
+    holds. Since `dispatched_trial` exists it says whether the trial ran. Older records: a
+    `worker_died` or `timeout` reason only comes from a trial that ran, and one that ran has
+    a `worker` of its own; records from before `failure_reason` existed have their reason
+    read from their own error text (a lost worker, the plan, a stop, a failed duplicate, or
+    else the evaluation's own error), and a trial killed with the driver has no error of its
+    own (`driver_died`)."""
+    attrs = t.user_attrs
+    reason = attrs.get(REASON_ATTR)
+    if reason is None:
+        error = _own(t, "error", by_number)
+        if error is None:
+            reason = "driver_died"
+        elif "(worker lost" in error:
+            reason = "worker_died"
+        else:
+            reason = next((r for prefix, r in _OLD_ERRORS if error.startswith(prefix)), "error")
+    if DISPATCHED_ATTR in attrs:
+        return reason, attrs[DISPATCHED_ATTR] == t.number
+    ran = reason in ("worker_died", "timeout") or _own(t, "worker", by_number) is not None
+    return reason, ran
 
 
 def _constraints_of(frozen: Any) -> dict[str, float]:

@@ -11,14 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tenantq.search.spec import CAPACITY_METRIC, ObjectiveSpec
+from tenantq.search.spec import CAPACITY_METRICS, ObjectiveSpec
 
 
 @dataclass
 class FrontRow:
     trial: int
     fingerprint: str
-    tenants: int
+    tenants: int  # the study's capacity value (`CapacityObjective`): by memory or at the SLO
     quality: dict[str, tuple[float, float | None, float | None]]  # metric -> (value, lo, hi)
     feasible: bool
     verdicts: str
@@ -29,6 +29,8 @@ class FrontRow:
     confirmed_feasible: bool | None = None
     confirmed_verdicts: str = ""
     confirmed_error: str = ""
+    tenants_by_memory: int = 0
+    capacity_label: str = "tenants"  # "tenants", or "tenants at 20 tok/s"
 
 
 def quality_with_ci(
@@ -53,9 +55,14 @@ def verdict_text(summary: dict[str, Any]) -> str:
     )
 
 
-def front_rows(trials: Sequence[Any], objectives: list[ObjectiveSpec]) -> list[FrontRow]:
-    """Rows for the front trials (FrozenTrials), one per plan fingerprint, most tenants first."""
+def front_rows(
+    trials: Sequence[Any], objectives: list[ObjectiveSpec], capacity: Any = None
+) -> list[FrontRow]:
+    """Rows for the front trials (FrozenTrials), one per plan fingerprint, most tenants first;
+    `capacity`: the study's `CapacityObjective` (None: tenants by memory)."""
     rows: dict[str, FrontRow] = {}
+    key = capacity.key if capacity is not None else "capacity.tenants"
+    label = capacity.label if capacity is not None else "tenants"
     for t in sorted(trials, key=lambda t: t.number):
         attrs = t.user_attrs
         fp = attrs.get("plan_fingerprint", str(t.number))
@@ -65,11 +72,13 @@ def front_rows(trials: Sequence[Any], objectives: list[ObjectiveSpec]) -> list[F
         rows[fp] = FrontRow(
             trial=t.number,
             fingerprint=fp,
-            tenants=int(attrs.get("capacity", {}).get("capacity.tenants", 0)),
+            tenants=int(attrs.get("capacity", {}).get(key, 0)),
+            tenants_by_memory=int(attrs.get("capacity", {}).get("capacity.tenants", 0)),
+            capacity_label=label,
             quality={
                 o.metric: quality_with_ci(summary, o.metric)
                 for o in objectives
-                if o.metric != CAPACITY_METRIC
+                if o.metric not in CAPACITY_METRICS
             },
             feasible=all(v <= 0 for v in t.constraints.values()),
             verdicts=verdict_text(summary),
@@ -93,9 +102,10 @@ def render_front(rows: list[FrontRow], objectives: list[ObjectiveSpec]) -> str:
     """The front as a fixed-width table; confirmed columns appear when any row has them."""
     if not rows:
         return "Pareto front: empty (no completed trial met every constraint)"
-    metrics = [o.metric for o in objectives if o.metric != CAPACITY_METRIC]
+    metrics = [o.metric for o in objectives if o.metric not in CAPACITY_METRICS]
     confirmed = any(r.confirmed or r.confirmed_error for r in rows)
-    head = ["trial", "tenants"]
+    by_memory = rows[0].capacity_label != "tenants"  # at an SLO: memory's count beside it
+    head = ["trial", rows[0].capacity_label] + (["by memory"] if by_memory else [])
     for m in metrics:
         head.append(f"{m} [CI]")
         if confirmed:
@@ -103,7 +113,7 @@ def render_front(rows: list[FrontRow], objectives: list[ObjectiveSpec]) -> str:
     head += ["shippable"] + (["confirmed"] if confirmed else []) + ["weights", "KV"]
     body = []
     for r in rows:
-        cells = [str(r.trial), str(r.tenants)]
+        cells = [str(r.trial), str(r.tenants)] + ([str(r.tenants_by_memory)] if by_memory else [])
         for m in metrics:
             cells.append(_fmt(r.quality.get(m)))
             if confirmed:

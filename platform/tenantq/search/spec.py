@@ -29,6 +29,10 @@ SPACE_KINDS = ("structured", "per_tensor", "sensitivity")
 KV_BF16_LAYER_CHOICES = ("none", "first", "last", "first_last")
 # The capacity objective the driver computes itself (exact, no accelerator).
 CAPACITY_METRIC = "tenants"
+# The capacity at a service level (`[deployment] slo`): min(tenants by memory, tenants whose
+# decode rate meets the SLO by the roofline step model, tenantq.capacity.roofline).
+SLO_METRIC = "tenants_at_slo"
+CAPACITY_METRICS = (CAPACITY_METRIC, SLO_METRIC)
 
 
 class _Strict(BaseModel):
@@ -49,6 +53,24 @@ class DeploymentSpec(_Strict):
     reserve: str | float | None = Field(None, description="runtime reserve: 0.1, '10%', '4GiB'")
     page_tokens: int = Field(16, ge=1, description="tokens per KV page")
     model: str | None = Field(None, description="capacity model if not the study's model")
+    slo: str | None = Field(
+        None,
+        description="decode rate each tenant must get, e.g. '20tok/s': logs tenants_at_slo "
+        "and lets it be the capacity objective",
+    )
+
+    @field_validator("slo", mode="before")
+    @classmethod
+    def _slo(cls, value: Any) -> Any:
+        if value is not None:
+            from tenantq.capacity.roofline import parse_slo
+
+            try:
+                parse_slo(value)
+            except ValueError as err:
+                raise ValueError(str(err).removeprefix("slo: ")) from None
+            return str(value)
+        return value
 
     def build(self):
         """The `tenantq.capacity.Deployment` (raises ValueError naming a bad hardware/size)."""
@@ -273,6 +295,8 @@ class StudySpec(_Strict):
 def default_sampler_kind(spec: Spec) -> str:
     """The sampler of a spec that names none: capacity_aware wherever a quality objective
     exists (issue 25), NSGA-II for a capacity-only study."""
+    if spec.capacity_metric == SLO_METRIC:  # capacity_aware ranks plans by memory tenants
+        return "nsga2"
     return "capacity_aware" if spec.quality_objectives() else "nsga2"
 
 
@@ -342,12 +366,25 @@ class Spec(_Strict):
                     f"constraints.{i}: {b[0]!r} ({b[1]}) is constrained twice (also "
                     f"constraints.{bounds.index(b)}); keep one with the tolerance you mean"
                 )
+        capacity = [o.metric for o in self.objectives if o.metric in CAPACITY_METRICS]
+        if len(capacity) > 1:
+            raise ValueError(
+                f"objectives: give one capacity objective, {CAPACITY_METRIC!r} (by memory) or "
+                f"{SLO_METRIC!r} (at [deployment] slo), not both"
+            )
         for i, o in enumerate(self.objectives):
-            if o.metric == CAPACITY_METRIC and o.direction != "maximize":
+            if o.metric in CAPACITY_METRICS and o.direction != "maximize":
                 raise ValueError(
-                    f"objectives.{i}: {CAPACITY_METRIC!r} must be maximized (more tenants per "
+                    f"objectives.{i}: {o.metric!r} must be maximized (more tenants per "
                     "chip is the point of the study); write direction = 'maximize'"
                 )
+            if o.metric == SLO_METRIC and self.deployment.slo is None:
+                raise ValueError(
+                    f"objectives.{i}: {SLO_METRIC!r} needs a service level: add "
+                    "[deployment] slo = '20tok/s' (the decode rate each tenant must get)"
+                )
+            if o.metric in CAPACITY_METRICS:
+                continue
             better = higher_is_better(o.metric)
             want = {True: "maximize", False: "minimize", None: o.direction}[better]
             if o.direction != want:
@@ -356,6 +393,20 @@ class Spec(_Strict):
                     f"{'higher' if better else 'lower'}, so direction = {o.direction!r} would "
                     f"search for worse plans; write direction = {want!r}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _slo_needs_rates(self) -> Spec:
+        if self.deployment.slo is not None and self.deployment.hardware.lower().startswith("cpu"):
+            raise ValueError(
+                "deployment.slo: hardware cpu has no bandwidth and peak figures for the step "
+                "model; give an accelerator (tpu-v6e, h100-sxm, ...) or drop slo"
+            )
+        if self.sampler.kind == "capacity_aware" and self.capacity_metric == SLO_METRIC:
+            raise ValueError(
+                f"sampler.kind: 'capacity_aware' ranks plans by tenants by memory, not "
+                f"{SLO_METRIC!r}; with an SLO objective use 'nsga2', 'tpe', 'random' or 'grid'"
+            )
         return self
 
     @model_validator(mode="after")
@@ -394,7 +445,16 @@ class Spec(_Strict):
         return Path(self.model).expanduser()
 
     def quality_objectives(self) -> list[ObjectiveSpec]:
-        return [o for o in self.objectives if o.metric != CAPACITY_METRIC]
+        return [o for o in self.objectives if o.metric not in CAPACITY_METRICS]
+
+    @property
+    def capacity_metric(self) -> str:
+        """The study's capacity: its capacity objective, else (none among the objectives)
+        `tenants_at_slo` with an slo, else `tenants` (what the front and report show)."""
+        named = [o.metric for o in self.objectives if o.metric in CAPACITY_METRICS]
+        if named:
+            return named[0]
+        return SLO_METRIC if self.deployment.slo is not None else CAPACITY_METRIC
 
 
 def _one_line(err: ValidationError, source: str) -> str:

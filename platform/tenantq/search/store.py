@@ -136,9 +136,24 @@ def open_study(
     with warnings.catch_warnings():  # experimental since Optuna 3.2, still in 5.0
         warnings.simplefilter("ignore")
         study.set_metric_names([o.metric for o in spec.objectives])
-    for params in context.baselines:  # every start: a study begun without them gets them
-        study.enqueue_trial(params, user_attrs={"baseline": True}, skip_if_exists=True)
     return storage, study
+
+
+def enqueue_baselines(study, baselines: list[dict[str, Any]]) -> None:
+    """Enqueue each baseline the study does not hold, on every start (a study begun without
+    them gets them), after a dead driver's trials were re-queued (those go first). A baseline
+    closed unrun (`not_run`: the budget was full) is enqueued again, as Optuna's
+    `skip_if_exists` would not."""
+    from tenantq.search.ledger import REASON_ATTR
+
+    held = [
+        t.system_attrs.get("fixed_params", t.params)
+        for t in study.get_trials(deepcopy=False)
+        if t.user_attrs.get(REASON_ATTR) != "not_run"
+    ]
+    for params in baselines:
+        if not any(h == params for h in held):
+            study.enqueue_trial(params, user_attrs={"baseline": True})
 
 
 def _copy_marked(storage, old_name: str, name: str):

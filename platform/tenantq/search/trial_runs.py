@@ -42,6 +42,8 @@ def open_parent(tracker, study, context, workers: int) -> None:
         "deployment.context_tokens": dep.context_tokens,
         "deployment.page_tokens": dep.page_tokens,
         "deployment.reserve": dep.reserve if dep.reserve is not None else "10%",
+        "deployment.slo": dep.slo or "",
+        "capacity.metric": spec.capacity_metric,
         "space.kind": spec.space.kind,
         "sampler.kind": spec.sampler.kind,
         "sampler.seed": spec.sampler.seed,
@@ -60,12 +62,14 @@ def log_entry(tracker, entry: Entry, config, *, metrics: dict, tags: dict, artif
     """The nested run of a told trial."""
     arts = dict(artifacts)
     if entry.plan is not None:
-        arts["plan.json"] = entry.plan.to_json()
+        arts["plan.json"] = entry.plan_json or entry.plan.to_json()
     if entry.budget is not None:
         from tenantq.capacity.table import render_budget
 
         arts["budget.txt"] = render_budget(entry.budget)
         arts["budget.json"] = entry.budget.to_dict()
+        if entry.service_level is not None:  # the report's waterfall splits at the SLO
+            arts["budget.json"]["service_level"] = entry.service_level.to_dict()
     tags = dict(tags)
     attrs = getattr(entry.trial, "user_attrs", None) or {}
     if attrs.get("baseline"):  # the report's Pareto markers and timeline read these
@@ -115,6 +119,7 @@ def reconcile(tracker, study, config) -> int:
         summary = attrs.get("summary", {})
         metrics = {k: v for k, v in summary.items() if isinstance(v, int | float)}
         entry = Entry(number=t.number, trial=t, plan=plan, params=params)
+        entry.plan_json = attrs.get("plan")
         entry.capacity = dict(attrs.get("capacity", {}))
         entry.worker = attrs.get("worker")
         entry.duplicate_of = attrs.get("duplicate_of")

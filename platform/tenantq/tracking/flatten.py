@@ -27,10 +27,8 @@ PARAM_CLASSES = {
 def flatten_plan(plan: QuantPlan, config: ModelConfig) -> dict[str, str]:
     """`weights.<class>` -> format mix ("int4/g128", "bf16 x2, int8 x6"), `kv.*`, fingerprint."""
     resolved = plan.resolve(config)
-    paths = [p for p, info in config.tensors().items() if info.quantizable]
     out: dict[str, str] = {}
-    for name, pattern in PARAM_CLASSES.items():
-        members = [p for p in paths if re.fullmatch(pattern, p)]
+    for name, members in _class_members(config).items():
         labels = Counter(_label(resolved.get(p)) for p in members)
         if not labels:
             out[f"weights.{name}"] = "absent"
@@ -49,6 +47,26 @@ def flatten_plan(plan: QuantPlan, config: ModelConfig) -> dict[str, str]:
     out["plan.rules"] = str(len(plan.rules))
     out["plan.fingerprint"] = plan.fingerprint()
     return out
+
+
+_MEMBERS: dict[int, tuple[ModelConfig, dict[str, list[str]]]] = {}
+
+
+def _class_members(config: ModelConfig) -> dict[str, list[str]]:
+    """Tensor class -> the model's quantizable paths in it, once per config object (a study
+    flattens every trial's plan against the same model)."""
+    held = _MEMBERS.get(id(config))
+    if held is not None and held[0] is config:
+        return held[1]
+    paths = [p for p, info in config.tensors().items() if info.quantizable]
+    members = {
+        name: [p for p in paths if re.fullmatch(pattern, p)]
+        for name, pattern in PARAM_CLASSES.items()
+    }
+    if len(_MEMBERS) >= 8:
+        _MEMBERS.clear()
+    _MEMBERS[id(config)] = (config, members)
+    return members
 
 
 def _label(tq) -> str:
