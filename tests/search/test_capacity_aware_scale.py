@@ -182,19 +182,99 @@ def test_pending_plan_is_not_proposed_again(structured):
     assert p1 == sampler.reference and fp[0] != fp[1]
 
 
-def test_failed_plan_is_not_asked_again(structured):
+def _fail(trial, reason, ran=True):
+    """Fail `trial` as the ledger does: its reason, and the dispatched mark if its plan ran."""
+    from tenantq.search.ledger import DISPATCHED_ATTR, REASON_ATTR
+
+    trial.set_user_attr(REASON_ATTR, reason)
+    if ran:
+        trial.set_user_attr(DISPATCHED_ATTR, trial.number)
+    trial.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
+def _proposals(ctx, study, reason, n, ran=True):
+    """Ask n trials, failing each with `reason`; the parameters proposed, in order."""
+    out = []
+    for _ in range(n):
+        trial = study.ask()
+        out.append(suggest(trial, ctx.spec.space, ctx.config))
+        _fail(trial, reason, ran)
+    return out
+
+
+@pytest.mark.parametrize("reason", ["error", "nan", "plan"])
+def test_a_plan_that_failed_for_its_own_reason_is_not_asked_again(structured, reason):
+    # The first pick is the reference (the most precise plan, the likeliest to run out of
+    # memory); one failure of the plan itself settles it (ledger: error, nan, plan).
+    sampler = sampler_for_context(structured)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    seen = _proposals(structured, study, reason, 3)
+    assert seen[0] == sampler.reference and sampler.reference not in seen[1:]
+    fps = {structured.plan_and_budget(p)[0].fingerprint() for p in seen}
+    assert len(fps) == 3
+
+
+@pytest.mark.parametrize("reason", ["worker_died", "timeout", "driver_died"])
+def test_a_plan_whose_worker_failed_is_asked_again_until_its_failure_budget(structured, reason):
+    # Retryable failures (not the plan's fault) count toward 1 + study.max_trial_retries
+    # failures (2 by default): the reference is proposed twice, then never again.
+    sampler = sampler_for_context(structured)
+    assert sampler.failure_budget == 1 + structured.spec.study.max_trial_retries == 2
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    seen = _proposals(structured, study, reason, 4)
+    assert [p == sampler.reference for p in seen] == [True, True, False, False]
+
+
+def test_the_failure_budget_follows_max_trial_retries(structured):
+    # max_trial_retries = 0: one retryable failure is the whole budget.
+    spec = structured.spec.model_copy(
+        update={"study": structured.spec.study.model_copy(update={"max_trial_retries": 0})}
+    )
+    ctx = dataclasses.replace(structured, spec=spec)
+    sampler = sampler_for_context(ctx)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    seen = _proposals(ctx, study, "worker_died", 2)
+    assert [p == sampler.reference for p in seen] == [True, False]
+
+
+def test_a_trial_stopped_with_the_driver_blames_no_plan(structured):
+    # driver_stopped (Ctrl-C, a driver error) settles nothing and counts nothing: the plan is
+    # proposed again however often the driver stopped on it; so is a retry killed before it
+    # ran its plan (no dispatched mark of its own), and a duplicate parked on a failed trial.
+    for reason, ran in (("driver_stopped", True), ("driver_died", False), ("duplicate", True)):
+        sampler = sampler_for_context(structured)
+        study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+        seen = _proposals(structured, study, reason, 4, ran=ran)
+        assert all(p == sampler.reference for p in seen), reason
+
+
+def test_a_failure_with_no_recorded_reason_counts_as_one_retryable_failure(structured):
+    # A study not run by tenantq's driver (or a trial Optuna failed as stale) records no
+    # reason: each such FAIL counts once toward the budget, so the plan is not burned forever.
     sampler = sampler_for_context(structured)
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
     seen = []
-    for i in range(4):
+    for _ in range(3):
         trial = study.ask()
-        params = suggest(trial, structured.spec.space, structured.config)
-        seen.append(structured.plan_and_budget(params)[0].fingerprint())
-        if i == 1:
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-        else:
-            _tell(study, trial, structured, params)
-    assert len(set(seen)) == 4  # the failed plan (ask 2) was never proposed again
+        seen.append(suggest(trial, structured.spec.space, structured.config))
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    assert [p == sampler.reference for p in seen] == [True, True, False]
+
+
+def test_the_failure_rule_is_decided_from_the_stored_study(structured, tmp_path):
+    # Resume-safe: a new sampler object on the same storage sees the same failures. One
+    # worker death before the stop: the resumed study proposes the plan once more, then not.
+    storage = f"sqlite:///{tmp_path}/o.db"
+    first = optuna.create_study(
+        study_name="f", storage=storage, directions=["maximize", "minimize"],
+        sampler=sampler_for_context(structured),
+    )  # fmt: skip
+    reference = first.sampler.reference
+    assert _proposals(structured, first, "worker_died", 1) == [reference]
+    resumed = optuna.load_study(study_name="f", storage=storage,
+                                sampler=sampler_for_context(structured))  # fmt: skip
+    seen = _proposals(structured, resumed, "worker_died", 2)
+    assert [p == reference for p in seen] == [True, False]
 
 
 def test_resumed_study_picks_what_an_uninterrupted_one_would(structured, tmp_path):
