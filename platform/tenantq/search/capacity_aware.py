@@ -219,6 +219,7 @@ MAX_TRIES = 256  # DP picks checked against the study per ask before falling bac
 # plan and tenant level, so once that plan is measured a level's second best is never seen;
 # on the 168-plan space that left one front level unmeasured at 40 evaluations).
 ENUMERATE_LIMIT = 5000
+TIE_DIGITS = 9  # gains (in units of the known losses' range) are compared to 1e-9
 
 
 class KnapsackSampler(BaseSampler):
@@ -381,8 +382,13 @@ class KnapsackSampler(BaseSampler):
                 spans.append(max(max(vals) - min(vals), 1e-12) if vals else 1.0)
             lam = [lam[j] / spans[j] for j in range(len(lam))]
 
-        def cost(feats) -> float:
-            return sum(lam[j] * fits[j].lcb(f) for j in range(len(fits)) for f in feats)
+        def cost(feats) -> float:  # each value's cost rounded (TIE_DIGITS, in units of span):
+            # values fitted alike must tie exactly in the knapsack whatever the metric's offset
+            return sum(
+                round(lam[j] * fits[j].lcb(f) / span, TIE_DIGITS) * span
+                for j in range(len(fits))
+                for f in feats
+            )
 
         const = sum(lam[j] * base[j] for j in range(len(fits)))
         # incumbents: the best measured (scalarised) loss at >= t tenants; a plan in flight
@@ -408,7 +414,12 @@ class KnapsackSampler(BaseSampler):
                 inc = np.where(n_ge > 0, inc_v[np.maximum(n_ge - 1, 0)], np.inf)
             with np.errstate(invalid="ignore"):
                 gain = (inc - pred) / span
-            return np.where(np.isinf(inc), np.inf, gain)
+            # rounded: a metric's offset (maximize 1 - L vs -L) moves every figure by float
+            # rounding only, which must not break ties between equal gains differently
+            return np.where(np.isinf(inc), np.inf, np.round(gain, TIE_DIGITS))
+
+        def rank(pred):  # the tie-break on the prediction, free of the offset's rounding too
+            return -np.round((np.asarray(pred) - const) / span, TIE_DIGITS)
 
         if self.problem.size() <= ENUMERATE_LIMIT:  # small: every plan scored (exact k-best)
             for si, sec in enumerate(self.problem.sections):
@@ -424,7 +435,7 @@ class KnapsackSampler(BaseSampler):
                     for ki, (g, t, p) in enumerate(
                         zip(gains(ts, pred).tolist(), ts.tolist(), pred.tolist(), strict=True)
                     ):
-                        cands.append((g, t, -p, si, ki, combo))
+                        cands.append((g, t, float(rank(p)), si, ki, combo))
         group_costs: dict[int, list[np.ndarray]] = {}
         for si, sec in enumerate(self.problem.sections if not cands else ()):
             costs = [np.array([cost(self.features(o.params)) for o in g]) for g in sec.groups]
@@ -441,7 +452,7 @@ class KnapsackSampler(BaseSampler):
                 for g, t, p, w in zip(
                     gain.tolist(), ts.tolist(), pred.tolist(), ws.tolist(), strict=True
                 ):
-                    cands.append((g, t, -p, si, ki, w))
+                    cands.append((g, t, float(rank(p)), si, ki, w))
         # A max-heap of candidates. The DP gives one plan per (KV plan, level); when that plan
         # is measured or held, its one-option swaps that keep the level (the width cap) enter
         # the heap with their own prediction and gain, so a level's next-best plans are
@@ -482,11 +493,13 @@ class KnapsackSampler(BaseSampler):
                         for (alt, _), ga, pa in zip(
                             swaps, gs.tolist(), preds.tolist(), strict=True
                         ):
-                            heapq.heappush(heap, (-ga, -t, pa, serial, si, ki, alt, cap))
+                            heapq.heappush(
+                                heap, (-ga, -t, -float(rank(pa)), serial, si, ki, alt, cap)
+                            )
                             serial += 1
                 continue
             self.last_pick = {"reason": "knapsack", "gain": g, "level": t, "tenants": tenants,
-                              "predicted": -negp, "params": params}  # fmt: skip
+                              "predicted": const - negp * span, "params": params}  # fmt: skip
             return params, fits
         return None
 
