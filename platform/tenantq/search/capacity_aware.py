@@ -315,7 +315,10 @@ class KnapsackSampler(BaseSampler):
                 if old is None or losses[0] < old[1][0]:
                     measured[fp] = (tenants, losses, self.features(params))
             elif t.state == TrialState.FAIL:
-                fp, _ = self.locate(params)
+                try:
+                    fp, _ = self.locate(params)
+                except ValueError:  # its parameters made no plan: no plan to blame
+                    continue
                 failed.append((fp, failure_weight(t)))
                 failed_params.setdefault(fp, []).append(_params_key(params))
             elif t.state in (TrialState.RUNNING, TrialState.WAITING):
