@@ -285,3 +285,36 @@ def test_baselines_are_enqueued_unless_the_spec_says_false():
     # the tiny space (embeddings bf16 only, no fp8) expresses only the all-bf16 baseline
     assert baselines(None) == 1 and baselines("capacity_aware") == 1 and baselines("nsga2") == 1
     assert baselines("capacity_aware", False) == 0 and baselines("tpe", False) == 0
+
+
+def test_spread_order_covers_the_range_in_every_prefix():
+    from tenantq.search.efficiency import _spread
+
+    assert _spread(5) == [0, 4, 2, 1, 3]
+    assert sorted(_spread(17)) == list(range(17)) and _spread(17)[:3] == [0, 16, 8]
+
+
+def test_the_one_shot_baseline_never_learns_from_a_measurement():
+    # ModelOpt-style: scores are the single-group plans' losses, read once; every other plan's
+    # measured loss is never used. Reversing those other losses leaves the 20 plans it
+    # measures unchanged. Its first plan is the all-bf16 one (the predicted front's fewest
+    # tenants), and its order lists every plan once.
+    from tenantq.search.efficiency import OneShotSampler, modelopt_order
+
+    land = synthetic_landscape()
+    singles = {p.fingerprint for p in land.points if sorted(p.choice).count("bf16") >= 2}
+    others = sorted(land.loss[f] for f in land.loss if f not in singles)
+    flipped = dict(land.loss)
+    for f, v in zip(
+        sorted((f for f in land.loss if f not in singles), key=land.loss.get),
+        reversed(others),
+        strict=True,
+    ):
+        flipped[f] = v
+    changed = Landscape(land.points, flipped)
+    assert modelopt_order(land) == modelopt_order(changed)
+    order = modelopt_order(land)
+    assert order[0] == ("bf16", "bf16", "bf16") and len(set(order)) == len(order) == 168
+    a = run_sampler(OneShotSampler(order), land, 20)[0]
+    b = run_sampler(OneShotSampler(modelopt_order(changed)), changed, 20)[0]
+    assert [t for t, _ in a] == [t for t, _ in b]

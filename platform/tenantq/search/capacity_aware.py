@@ -120,12 +120,14 @@ class CapacityAwareSampler(BaseSampler):
         quality_sign: float = 1.0,
         seed: int | None = None,
         distributions: dict[str, Any] | None = None,
+        failure_budget: int = 1,
     ):
         if not candidates:
             raise ValueError("capacity_aware sampler: the space has no candidate plans")
         self.candidates = list(candidates)
         self.quality_index = quality_index
         self.quality_sign = quality_sign
+        self.failure_budget = failure_budget  # failed attempts a plan may have (1 + retries)
         self._by_params = {_params_key(c.params): c for c in self.candidates}
         # The distributions `space.suggest` asks with (an int range is an IntDistribution):
         # declaring another kind makes Optuna refuse the suggestion and fail every trial.
@@ -147,7 +149,8 @@ class CapacityAwareSampler(BaseSampler):
         if not search_space:
             return {}
         measured: dict[str, float] = {}
-        pending: set[str] = set()  # in flight, or failed: not to be proposed again
+        pending: set[str] = set()  # in flight, or failed for good: not to be proposed again
+        failed = []
         for t in study.get_trials(deepcopy=False):
             c = self._by_params.get(_params_key(t.params))
             if c is None:
@@ -156,9 +159,10 @@ class CapacityAwareSampler(BaseSampler):
                 loss = self.quality_sign * t.values[self.quality_index]
                 measured[c.key] = min(loss, measured.get(c.key, math.inf))
             elif t.state == TrialState.FAIL:
-                pending.add(c.key)  # a failed plan: its retries are the driver's to enqueue
+                failed.append((c.key, failure_weight(t)))
             elif t.state in (TrialState.RUNNING, TrialState.WAITING) and t.number != trial.number:
                 pending.add(c.key)
+        pending |= failed_for_good(failed, self.failure_budget)
         pick = choose(self.candidates, measured, pending)
         if pick is None:  # everything measured or in flight: any plan (answered from the study)
             return {}
@@ -172,12 +176,50 @@ def _params_key(params: dict[str, Any]) -> tuple:
     return tuple(sorted(params.items(), key=lambda kv: kv[0]))
 
 
+def failure_weight(trial) -> str | None:
+    """What a FAILed trial says about its plan, read from the study (the ledger's rule,
+    tenantq.search.ledger): "settles" (the plan's own failure: error, nan, plan, or a
+    re-proposal of a plan already failed for good), "counts" (one retryable failure:
+    worker_died, timeout, driver_died, of a trial that ran its plan itself), or None (it
+    blames no plan: driver_stopped, duplicate, not_run, a trial copied by --continue-as, a
+    retry killed before it ran). A FAIL with no recorded reason (Optuna's stale-trial fail, or a
+    study not run by tenantq's driver) counts as one retryable failure unless it records that
+    it never ran its plan."""
+    from tenantq.search.ledger import COPIED_ATTR, DISPATCHED_ATTR, REASON_ATTR, RETRYABLE
+
+    attrs = trial.user_attrs
+    if COPIED_ATTR in attrs:
+        return None
+    reason = attrs.get(REASON_ATTR)
+    if reason is None or reason in RETRYABLE:
+        ran = attrs.get(DISPATCHED_ATTR, trial.number if reason is None else None)
+        return "counts" if ran == trial.number else None
+    if reason in ("driver_stopped", "duplicate", "not_run"):
+        return None
+    return "settles"
+
+
+def failed_for_good(failed: Sequence[tuple[Any, str | None]], budget: int) -> set:
+    """Plans (keys) that failed for good, from (key, failure_weight) pairs: one settling
+    failure, or `budget` (= 1 + study.max_trial_retries) retryable ones. Any other failed plan
+    may be proposed again."""
+    counts: dict[Any, int] = {}
+    out = set()
+    for key, weight in failed:
+        if weight == "settles":
+            out.add(key)
+        elif weight == "counts":
+            counts[key] = counts.get(key, 0) + 1
+    return out | {key for key, n in counts.items() if n >= max(1, budget)}
+
+
 # ---------------------------------------------------------------- any space: the knapsack sampler
 MAX_TRIES = 256  # DP picks checked against the study per ask before falling back to random
 # At most this many parameter sets: every plan is scored (the DP gives one best plan per KV
 # plan and tenant level, so once that plan is measured a level's second best is never seen;
 # on the 168-plan space that left one front level unmeasured at 40 evaluations).
 ENUMERATE_LIMIT = 5000
+TIE_DIGITS = 9  # gains (in units of the known losses' range) are compared to 1e-9
 
 
 class KnapsackSampler(BaseSampler):
@@ -188,8 +230,9 @@ class KnapsackSampler(BaseSampler):
     (`Fit.lcb`), and for every KV plan and tenant level t take the least predicted loss at >= t
     tenants; the pick is the level whose prediction improves most on the best measured loss at
     >= t tenants (infinite where none is measured; ties to more tenants), skipping plans the
-    study holds (measured, in flight, failed: the driver re-enqueues a failed plan within its
-    retry budget). The most precise plan is measured first. A space of at most
+    study holds (measured, in flight, failed for good: `failure_weight`; a plan whose
+    retryable failures are under `failure_budget` may be proposed again, and one stopped with
+    the driver always may). The most precise plan is measured first. A space of at most
     ENUMERATE_LIMIT parameter sets is scored plan by plan with the same model and rule.
     Several quality objectives are scalarised: a weight vector drawn per ask from (seed,
     completed trials) on the simplex, each objective scaled by its measured range. Everything
@@ -209,6 +252,7 @@ class KnapsackSampler(BaseSampler):
         prior: dict | None = None,
         seed: int | None = None,
         weight_seed: int | None = None,
+        failure_budget: int = 1,
     ):
         knapsack.check_problem(problem)
         if not quality:
@@ -219,6 +263,7 @@ class KnapsackSampler(BaseSampler):
         self._located: dict[tuple, tuple[str, int]] = {}
         self._space = dict(distributions)
         self.prior = prior or {}
+        self.failure_budget = failure_budget  # failed attempts a plan may have (1 + retries)
         # the scalarisation's draws: the spec's seed, not this start's, so a resumed study
         # draws what an uninterrupted one would
         self.seed = weight_seed if weight_seed is not None else (0 if seed is None else seed)
@@ -251,6 +296,8 @@ class KnapsackSampler(BaseSampler):
         measured: dict[str, tuple[int, list[float], tuple]] = {}
         held: set[str] = set()
         held_params: set[tuple] = set()
+        failed: list[tuple[str, str | None]] = []
+        failed_params: dict[str, list[tuple]] = {}
         for t in study.get_trials(deepcopy=False):
             if t.number == trial.number:
                 continue
@@ -267,7 +314,14 @@ class KnapsackSampler(BaseSampler):
                 old = measured.get(fp)
                 if old is None or losses[0] < old[1][0]:
                     measured[fp] = (tenants, losses, self.features(params))
-            elif t.state in (TrialState.FAIL, TrialState.RUNNING, TrialState.WAITING):
+            elif t.state == TrialState.FAIL:
+                try:
+                    fp, _ = self.locate(params)
+                except ValueError:  # its parameters made no plan: no plan to blame
+                    continue
+                failed.append((fp, failure_weight(t)))
+                failed_params.setdefault(fp, []).append(_params_key(params))
+            elif t.state in (TrialState.RUNNING, TrialState.WAITING):
                 held_params.add(_params_key(params))
                 fp, tenants = self.locate(params)
                 held.add(fp)
@@ -275,6 +329,10 @@ class KnapsackSampler(BaseSampler):
                 if t.state == TrialState.RUNNING and predicted:
                     losses = [sign * predicted[str(i)] for i, sign in self.quality]
                     self._believed[fp] = (tenants, losses)
+        # a failed plan is proposed again while its retryable failures are under its budget
+        for fp in failed_for_good(failed, self.failure_budget):
+            held.add(fp)
+            held_params.update(failed_params[fp])
         return measured, held, held_params
 
     def sample_relative(self, study, trial, search_space) -> dict[str, Any]:
@@ -327,8 +385,13 @@ class KnapsackSampler(BaseSampler):
                 spans.append(max(max(vals) - min(vals), 1e-12) if vals else 1.0)
             lam = [lam[j] / spans[j] for j in range(len(lam))]
 
-        def cost(feats) -> float:
-            return sum(lam[j] * fits[j].lcb(f) for j in range(len(fits)) for f in feats)
+        def cost(feats) -> float:  # each value's cost rounded (TIE_DIGITS, in units of span):
+            # values fitted alike must tie exactly in the knapsack whatever the metric's offset
+            return sum(
+                round(lam[j] * fits[j].lcb(f) / span, TIE_DIGITS) * span
+                for j in range(len(fits))
+                for f in feats
+            )
 
         const = sum(lam[j] * base[j] for j in range(len(fits)))
         # incumbents: the best measured (scalarised) loss at >= t tenants; a plan in flight
@@ -354,7 +417,12 @@ class KnapsackSampler(BaseSampler):
                 inc = np.where(n_ge > 0, inc_v[np.maximum(n_ge - 1, 0)], np.inf)
             with np.errstate(invalid="ignore"):
                 gain = (inc - pred) / span
-            return np.where(np.isinf(inc), np.inf, gain)
+            # rounded: a metric's offset (maximize 1 - L vs -L) moves every figure by float
+            # rounding only, which must not break ties between equal gains differently
+            return np.where(np.isinf(inc), np.inf, np.round(gain, TIE_DIGITS))
+
+        def rank(pred):  # the tie-break on the prediction, free of the offset's rounding too
+            return -np.round((np.asarray(pred) - const) / span, TIE_DIGITS)
 
         if self.problem.size() <= ENUMERATE_LIMIT:  # small: every plan scored (exact k-best)
             for si, sec in enumerate(self.problem.sections):
@@ -370,7 +438,7 @@ class KnapsackSampler(BaseSampler):
                     for ki, (g, t, p) in enumerate(
                         zip(gains(ts, pred).tolist(), ts.tolist(), pred.tolist(), strict=True)
                     ):
-                        cands.append((g, t, -p, si, ki, combo))
+                        cands.append((g, t, float(rank(p)), si, ki, combo))
         group_costs: dict[int, list[np.ndarray]] = {}
         for si, sec in enumerate(self.problem.sections if not cands else ()):
             costs = [np.array([cost(self.features(o.params)) for o in g]) for g in sec.groups]
@@ -387,7 +455,7 @@ class KnapsackSampler(BaseSampler):
                 for g, t, p, w in zip(
                     gain.tolist(), ts.tolist(), pred.tolist(), ws.tolist(), strict=True
                 ):
-                    cands.append((g, t, -p, si, ki, w))
+                    cands.append((g, t, float(rank(p)), si, ki, w))
         # A max-heap of candidates. The DP gives one plan per (KV plan, level); when that plan
         # is measured or held, its one-option swaps that keep the level (the width cap) enter
         # the heap with their own prediction and gain, so a level's next-best plans are
@@ -428,11 +496,13 @@ class KnapsackSampler(BaseSampler):
                         for (alt, _), ga, pa in zip(
                             swaps, gs.tolist(), preds.tolist(), strict=True
                         ):
-                            heapq.heappush(heap, (-ga, -t, pa, serial, si, ki, alt, cap))
+                            heapq.heappush(
+                                heap, (-ga, -t, -float(rank(pa)), serial, si, ki, alt, cap)
+                            )
                             serial += 1
                 continue
             self.last_pick = {"reason": "knapsack", "gain": g, "level": t, "tenants": tenants,
-                              "predicted": -negp, "params": params}  # fmt: skip
+                              "predicted": const - negp * span, "params": params}  # fmt: skip
             return params, fits
         return None
 
@@ -511,6 +581,7 @@ def sampler_for_context(context, seed: int | None = None) -> KnapsackSampler:
         locate=locate,
         distributions=distributions(choices),
         prior=profile_prior(spec.space, choices),
+        failure_budget=1 + spec.study.max_trial_retries,
         seed=spec.sampler.seed if seed is None else seed,
         weight_seed=spec.sampler.seed,
     )

@@ -308,6 +308,16 @@ def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: Sp
             Candidate(axis_params(p.choice), p.tenants, p.fingerprint) for p in landscape.points
         ]
         return CapacityAwareSampler(candidates, quality_index=1, seed=seed)
+    if kind == "gp":  # Optuna 5's GP sampler (logEHVI for two objectives), its defaults
+        import optuna
+
+        return optuna.samplers.GPSampler(seed=seed)
+    if kind == "modelopt":
+        return OneShotSampler(modelopt_order(landscape), seed=seed)
+    if kind == "modelopt_counted":  # its scores paid for: the single-group plans measured first
+        order = modelopt_order(landscape)
+        singles = [c for c in order if sum(x == "bf16" for x in c) >= 2]
+        return OneShotSampler(singles + [c for c in order if c not in set(singles)], seed=seed)
     update: dict[str, Any] = {"kind": kind, "seed": seed}
     if kind == "nsga2":  # the population the quickstart spec had while it named NSGA-II
         update["population_size"] = spec.sampler.population_size or NSGA2_POPULATION
@@ -387,6 +397,112 @@ def landscape_sampler(landscape: Landscape, spec: Spec, seed: int = 0):
         distributions={a: CategoricalDistribution(list(v)) for a, v in AXES.items()},
         seed=seed,
     )
+
+
+# ---------------------------------------------------------------- a one-shot baseline
+def _spread(n: int) -> list[int]:
+    """0..n-1 ordered so that every prefix is spread over the range: ends, middle, quarters..."""
+    if n <= 2:
+        return list(range(n))
+    order, seen, parts = [0, n - 1], {0, n - 1}, [(0, n - 1)]
+    while parts:
+        nxt = []
+        for lo, hi in parts:
+            mid = (lo + hi) // 2
+            if mid not in seen:
+                order.append(mid)
+                seen.add(mid)
+            if mid - lo > 1:
+                nxt.append((lo, mid))
+            if hi - mid > 1:
+                nxt.append((mid, hi))
+        parts = nxt
+    return order + [i for i in range(n) if i not in seen]
+
+
+def modelopt_order(landscape: Landscape) -> list[tuple[str, str, str]]:
+    """The plans a one-shot, ModelOpt auto_quantize-style search measures, in order.
+
+    Sensitivity is scored once per (group, format) and never updated: the loss of the plan
+    that quantizes that group alone (the rest bf16, the KV bf16), read from the landscape free
+    of charge, as a sensitivity profile computed before a study is. Weights are chosen first
+    (for each weight-byte level the (mlp, attn) pair of least summed score: a knapsack over
+    two groups), KV separately after (each KV choice on its own score-vs-bytes front); a plan
+    is a front weight choice with a front KV choice, predicted loss = the sum of the scores.
+    The plans on the predicted (tenants, loss) front are measured spread over the tenant range
+    (ends, middle, quarters, ...), then the other plans by predicted loss; no measurement
+    changes the order."""
+    by_choice = {p.choice: p for p in landscape.points}
+    bf = ("bf16", "bf16", "bf16")
+    base = landscape.loss[by_choice[bf].fingerprint]
+
+    def score(choice):
+        return landscape.loss[by_choice[choice].fingerprint] - base
+
+    s_mlp = {m: score((m, "bf16", "bf16")) for m in MLP_FORMATS}
+    s_attn = {a: score(("bf16", a, "bf16")) for a in ATTN_FORMATS}
+    s_kv = {k: score(("bf16", "bf16", k)) for k in KV_CHOICES}
+
+    weights = pareto_front_keys([((m, a), by_choice[(m, a, "bf16")].tenants, s_mlp[m] + s_attn[a])
+                        for m in MLP_FORMATS for a in ATTN_FORMATS])  # fmt: skip
+    kvs = pareto_front_keys(
+        [(k, by_choice[("bf16", "bf16", k)].tenants, s_kv[k]) for k in KV_CHOICES]
+    )
+    plans = [(m, a, k) for m, a in weights for k in kvs]
+    predicted = {c: s_mlp[c[0]] + s_attn[c[1]] + s_kv[c[2]] for c in plans}
+    front = sorted(
+        pareto_front_keys([(c, by_choice[c].tenants, predicted[c]) for c in plans]),
+        key=lambda c: by_choice[c].tenants,
+    )
+    order = [front[i] for i in _spread(len(front))]
+    chosen = set(order)
+    rest = sorted(
+        (c for c in by_choice if c not in chosen),
+        key=lambda c: (s_mlp[c[0]] + s_attn[c[1]] + s_kv[c[2]], c),
+    )
+    return order + rest
+
+
+def pareto_front_keys(items) -> list:
+    """Keys of the non-dominated (key, tenants up, loss down) items, one per tenant level."""
+    out, best = [], float("inf")
+    for key, _, loss in sorted(items, key=lambda x: (-x[1], x[2])):
+        if loss < best:
+            out.append(key)
+            best = loss
+    return out
+
+
+class OneShotSampler:
+    """Proposes a fixed list of plans in order (the next one the study does not hold), never
+    learning from a measurement: the one-shot baseline as an Optuna sampler."""
+
+    def __new__(cls, order, seed=None):
+        from optuna.distributions import CategoricalDistribution
+        from optuna.samplers import BaseSampler, RandomSampler
+
+        class _OneShot(BaseSampler):
+            def __init__(self):
+                self.order = list(order)
+                self._fallback = RandomSampler(seed=seed)
+                self._space = {a: CategoricalDistribution(list(v)) for a, v in AXES.items()}
+
+            def infer_relative_search_space(self, study, trial):
+                return dict(self._space)
+
+            def sample_relative(self, study, trial, search_space):
+                held = {
+                    tuple(t.params.get(a) for a in AXES) for t in study.get_trials(deepcopy=False)
+                }
+                for c in self.order:
+                    if c not in held:
+                        return axis_params(c)
+                return {}
+
+            def sample_independent(self, study, trial, name, dist):
+                return self._fallback.sample_independent(study, trial, name, dist)
+
+        return _OneShot()
 
 
 # The driver's baselines (space.baseline_params) as this space's choices: all bf16; fp8 weights
