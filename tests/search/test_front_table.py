@@ -136,3 +136,15 @@ def test_a_confirmation_error_alone_adds_the_confirmed_columns() -> None:
     rows[0].confirmed_error = "ValueError: bad suite"
     head = render_front(rows, OBJ).splitlines()[0]
     assert "confirmed kl [CI]" in head and "confirmed flips [CI]" in head
+
+
+def test_a_repeated_plan_keeps_its_first_trial_and_later_plans_still_count() -> None:
+    trials = [_trial(n, 8 * (n + 1), {"kl": 0.0}, fp=fp) for n, fp in enumerate("aab")]
+    rows = front_rows(list(reversed(trials)), OBJ)  # any order in, trial order decides
+    assert [(r.trial, r.fingerprint) for r in rows] == [(2, "b"), (0, "a")]
+
+
+def test_a_figure_with_one_bound_only_is_shown_without_an_interval() -> None:
+    rows = front_rows([_trial(0, 16, {"kl": 0.5, "kl.ci_low": 0.25, "flips": 0.0})], OBJ)
+    assert rows[0].quality["kl"] == (0.5, 0.25, None)
+    assert render_front(rows, OBJ).splitlines()[2].split()[:4] == ["0", "16", "0.5", "0"]
