@@ -148,3 +148,9 @@ def test_a_figure_with_one_bound_only_is_shown_without_an_interval() -> None:
     rows = front_rows([_trial(0, 16, {"kl": 0.5, "kl.ci_low": 0.25, "flips": 0.0})], OBJ)
     assert rows[0].quality["kl"] == (0.5, 0.25, None)
     assert render_front(rows, OBJ).splitlines()[2].split()[:4] == ["0", "16", "0.5", "0"]
+
+
+def test_an_empty_front_says_why_in_one_line() -> None:
+    assert render_front([], OBJ) == (
+        "Pareto front: empty (no completed trial met every constraint)"
+    )
