@@ -47,6 +47,7 @@ def numpy_gptq(w, h, damp, group=None, act_order=False):
     return q[back]
 
 
+@pytest.mark.slow  # three jitted GPTQ sweeps: ~10 s on a quiet core
 @pytest.mark.parametrize(
     ("group", "act_order", "damp"), [(None, False, 0.1), (8, False, 0.01), (8, True, 0.05)]
 )

@@ -13,6 +13,9 @@ from mlflow import MlflowClient
 
 from tenantq.report.study import load_study
 
+# Creating an MLflow sqlite store runs its migrations: ~7 s of CPU for the module.
+pytestmark = pytest.mark.slow
+
 
 def _run(client, exp, *, kind, parent=None, tags=None, params=None, metrics=None, name=None):
     t = {"tenantq.kind": kind} | (tags or {})
