@@ -64,6 +64,9 @@ def test_a_named_trial_is_chosen_as_asked_and_a_failed_or_missing_one_refused() 
         study.choose_trial(2)
     with pytest.raises(ValueError, match=r"^--trial 9 is not in study 's'; completed: 1$"):
         study.choose_trial(9)
+    two = _study(_trial(4, 30), _trial(6, 20))
+    with pytest.raises(ValueError, match=r"completed: 4, 6$"):
+        two.choose_trial(9)
     empty = _study(_trial(2, 60, status="FAILED"))
     with pytest.raises(ValueError, match=r"completed: none$"):
         empty.choose_trial(7)
@@ -131,3 +134,29 @@ def test_the_quality_metrics_are_the_spec_objectives_or_every_metric_with_a_ci()
     )
     assert bare.objectives == []
     assert bare.quality_metrics == ["a", "b"]
+
+
+def test_off_the_front_a_quantized_plan_is_chosen_over_the_bf16_baseline() -> None:
+    study = _study(_trial(0, 50, front=False, params=BF16), _trial(1, 30, front=False))
+    assert study.choose_trial().number == 1
+
+
+def test_a_plan_that_fits_no_tenant_is_not_chosen_over_one_that_fits_one() -> None:
+    assert _study(_trial(1, 0), _trial(2, 1)).choose_trial().number == 2
+
+
+def test_the_plan_summary_names_every_kv_setting_or_a_question_mark() -> None:
+    params = {"weights.mlp": "int4", "kv.key_format": "int4", "kv.key_axis": "channel"}
+    params |= {"kv.value_format": "fp8_e4m3", "kv.value_axis": "token"}
+    params |= {"kv.sink_tokens": "4", "kv.bf16_layers": "0,-1"}
+    assert _trial(0, 1, params=params).plan_summary() == (
+        "weights: mlp=int4\nKV: K int4/channel, V fp8_e4m3/token, sinks 4, bf16 layers 0,-1"
+    )
+    assert _trial(0, 1, params={}).plan_summary() == (
+        "weights: \nKV: K ?/?, V ?/?, sinks ?, bf16 layers ?"
+    )
+
+
+def test_a_gate_without_its_changed_flag_shows_a_question_mark() -> None:
+    t = _trial(0, 1, tags={"tenantq.verdict.kl": "non-inferior"})
+    assert t.gate_words() == "kl: non-inferior; changed: ?"
