@@ -1,0 +1,119 @@
+"""The baselines a study starts with, as each space's parameters, and the parameters a trial
+is asked for: exactly the choices the space declares (Optuna refuses a suggestion whose
+distribution differs from the one a sampler declared)."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from optuna.distributions import CategoricalDistribution, IntDistribution
+
+from tenantq.capacity import get_model_config
+from tenantq.search.space import (
+    SensitivityProfile,
+    baseline_params,
+    distributions,
+    parameter_choices,
+    suggest,
+)
+from tenantq.search.spec import SpaceSpec
+
+CONFIG = get_model_config("tenantq-ref")  # 4 layers, untied lm_head
+WEIGHTS = ["w.attn_qkv", "w.attn_o", "w.mlp_gate_up", "w.mlp_down", "w.embed", "w.lm_head"]
+
+
+def _expected(weights: str, kv: str) -> dict:
+    return {name: weights for name in WEIGHTS} | {
+        "bf16_first_layers": 0,
+        "bf16_last_layers": 0,
+        "kv.key_format": kv,
+        "kv.key_axis": "channel",
+        "kv.value_format": kv,
+        "kv.sink_tokens": 0,
+        "kv.bf16_layers": "none",
+    }
+
+
+def test_the_default_space_starts_from_bf16_fp8_and_int4_with_bf16_kv() -> None:
+    assert baseline_params(SpaceSpec(), CONFIG) == [
+        _expected("bf16", "bf16"),
+        _expected("fp8_e4m3", "fp8_e4m3"),
+        _expected("int4", "bf16"),
+    ]
+
+
+def test_baselines_take_the_spaces_own_choices_where_the_default_is_missing() -> None:
+    space = SpaceSpec(
+        weight_formats=["bf16", "int4"],  # no fp8: its baseline cannot be expressed
+        key_axes=["token"],
+        value_axes=["tensor", "channel"],
+        sink_tokens=[8, 4],
+        kv_scale_dtypes=["bf16", "e8m0"],
+        kv_bf16_layers=["first", "last"],
+    )
+    got = baseline_params(space, CONFIG)
+    assert [b["w.attn_o"] for b in got] == ["bf16", "int4"]
+    for b in got:
+        assert b["kv.key_axis"] == "token" and b["kv.value_axis"] == "tensor"
+        assert b["kv.sink_tokens"] == 4 and b["kv.scale_dtype"] == "bf16"
+        assert b["kv.bf16_layers"] == "first"
+    kept = SpaceSpec(value_axes=["channel", "token"], kv_scale_dtypes=["e8m0", "float32"])
+    first = baseline_params(kept, CONFIG)[0]
+    assert first["kv.value_axis"] == "token" and first["kv.scale_dtype"] == "float32"
+
+
+def test_a_baseline_whose_kv_format_is_not_searched_is_left_out() -> None:
+    space = SpaceSpec(key_formats=["bf16", "int8"], value_formats=["bf16", "int8"])
+    assert [b["w.mlp_down"] for b in baseline_params(space, CONFIG)] == ["bf16", "int4"]
+
+
+def _sensitivity(**kw) -> tuple[SpaceSpec, SensitivityProfile]:
+    space = SpaceSpec(kind="sensitivity", profile="profile.parquet", **kw)
+    order = ("layers/0/mlp/down_proj", "lm_head", "layers/3/attn/o_proj")
+    return space, SensitivityProfile(tensor_order=order, kv_layer_order=(3, 0))
+
+
+def test_sensitivity_baselines_keep_everything_or_nothing_in_bf16() -> None:
+    space, profile = _sensitivity()
+    got = baseline_params(space, CONFIG, profile)
+    # bf16 weights are not a sens.format choice: that baseline is expressed by no other
+    # parameter, so it is left out; fp8 and int4 keep no tensor and no KV layer in bf16.
+    assert got == [
+        {"sens.format": "fp8_e4m3", "sens.keep_bf16": 0, "sens.kv_keep_bf16": 0,
+         "kv.key_format": "fp8_e4m3", "kv.key_axis": "channel",
+         "kv.value_format": "fp8_e4m3", "kv.sink_tokens": 0},
+        {"sens.format": "int4", "sens.keep_bf16": 0, "sens.kv_keep_bf16": 0,
+         "kv.key_format": "bf16", "kv.key_axis": "channel",
+         "kv.value_format": "bf16", "kv.sink_tokens": 0},
+    ]  # fmt: skip
+    only_bf16, profile = _sensitivity(weight_formats=["bf16"])
+    (b,) = baseline_params(only_bf16, CONFIG, profile)
+    assert b["sens.format"] == "bf16" and b["sens.keep_bf16"] == 3  # every ranked tensor
+
+
+def test_a_trial_is_asked_each_parameter_with_the_declared_distribution() -> None:
+    space, profile = _sensitivity(max_keep_bf16=2)
+    choices = parameter_choices(space, CONFIG, profile)
+    declared = distributions(choices)
+    assert declared["sens.keep_bf16"] == IntDistribution(0, 2)
+    assert declared["sens.kv_keep_bf16"] == IntDistribution(0, 2)  # two profiled KV layers
+    assert declared["sens.format"] == CategoricalDistribution(["fp8_e4m3", "int8", "int4"])
+    assert declared["kv.sink_tokens"] == CategoricalDistribution([0, 4])
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(12):
+        trial = study.ask()
+        params = suggest(trial, space, CONFIG, profile)
+        assert trial.distributions == declared and trial.params == params
+        assert list(params) == list(choices)
+        study.tell(trial, 0.0)
+    asked = {t.params["sens.keep_bf16"] for t in study.trials}
+    assert asked <= {0, 1, 2} and len(asked) > 1
+
+
+def test_edge_layer_choices_up_to_the_model_depth_are_accepted() -> None:
+    space = SpaceSpec(bf16_first_layers=[0, 4], bf16_last_layers=[4])
+    assert parameter_choices(space, CONFIG)["bf16_first_layers"] == [0, 4]
+    with pytest.raises(
+        ValueError, match=r"^space: bf16 edge-layer choices \[5\] exceed the model's 4 layers$"
+    ):
+        parameter_choices(SpaceSpec(bf16_last_layers=[1, 5]), CONFIG)
