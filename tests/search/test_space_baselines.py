@@ -11,9 +11,11 @@ from optuna.distributions import CategoricalDistribution, IntDistribution
 from tenantq.capacity import get_model_config
 from tenantq.search.space import (
     SensitivityProfile,
+    _edge_layers,
     baseline_params,
     distributions,
     parameter_choices,
+    read_profile_table,
     suggest,
 )
 from tenantq.search.spec import SpaceSpec
@@ -57,9 +59,15 @@ def test_baselines_take_the_spaces_own_choices_where_the_default_is_missing() ->
         assert b["kv.key_axis"] == "token" and b["kv.value_axis"] == "tensor"
         assert b["kv.sink_tokens"] == 4 and b["kv.scale_dtype"] == "bf16"
         assert b["kv.bf16_layers"] == "first"
-    kept = SpaceSpec(value_axes=["channel", "token"], kv_scale_dtypes=["e8m0", "float32"])
-    first = baseline_params(kept, CONFIG)[0]
-    assert first["kv.value_axis"] == "token" and first["kv.scale_dtype"] == "float32"
+    kept = SpaceSpec(
+        key_axes=["token", "channel"],
+        value_axes=["channel", "token"],
+        kv_scale_dtypes=["e8m0", "float32"],
+        kv_bf16_layers=["first_last", "none"],
+    )
+    first = baseline_params(kept, CONFIG)[0]  # the defaults, wherever they are listed
+    assert first["kv.key_axis"] == "channel" and first["kv.value_axis"] == "token"
+    assert first["kv.scale_dtype"] == "float32" and first["kv.bf16_layers"] == "none"
 
 
 def test_a_baseline_whose_kv_format_is_not_searched_is_left_out() -> None:
@@ -117,3 +125,57 @@ def test_edge_layer_choices_up_to_the_model_depth_are_accepted() -> None:
         ValueError, match=r"^space: bf16 edge-layer choices \[5\] exceed the model's 4 layers$"
     ):
         parameter_choices(SpaceSpec(bf16_last_layers=[1, 5]), CONFIG)
+
+
+def test_edge_layers_cover_the_first_and_last_layers_asked_for() -> None:
+    assert _edge_layers(0, 0, CONFIG) == []
+    assert _edge_layers(1, 1, CONFIG) == [0, 3]
+    assert _edge_layers(0, 4, CONFIG) == [0, 1, 2, 3]  # every layer from the end
+    assert _edge_layers(9, 9, CONFIG) == [0, 1, 2, 3]
+
+
+def _profile(tmp_path, name: str, rows: dict[str, list]):
+    import pyarrow as pa
+    import pyarrow.feather as feather
+    import pyarrow.parquet as pq
+
+    path = tmp_path / name
+    table = pa.table(rows)
+    pq.write_table(table, path) if path.suffix == ".parquet" else feather.write_feather(table, path)
+    return path
+
+
+ROWS = {"tensor": ["lm_head", "kv/3"], "format": ["int4", "int8"], "kl_mean": [0.5, 0.25]}
+
+
+@pytest.mark.parametrize("name", ["p.parquet", "p.arrow"])
+def test_a_profile_is_read_in_the_format_its_suffix_names(tmp_path, name) -> None:
+    path = _profile(tmp_path, name, ROWS)
+    assert read_profile_table(path, 4).column("tensor").to_pylist() == ["lm_head", "kv/3"]
+    with pytest.raises(ValueError, match=rf"^sensitivity profile {path}: row 'kv/3' names no "
+                                         r"KV layer of the model \(3 layers\)"):  # fmt: skip
+        read_profile_table(path, 3)
+
+
+def test_an_unreadable_profile_names_the_file_and_the_format_tried(tmp_path) -> None:
+    missing = tmp_path / "none.parquet"
+    with pytest.raises(
+        ValueError,
+        match=rf"^sensitivity profile {missing} does not exist; "
+        r"give a file `tenantq sensitivity --out` wrote$",
+    ):
+        read_profile_table(missing)
+    arrow = _profile(tmp_path, "p.arrow", ROWS)
+    as_parquet = tmp_path / "arrow.parquet"
+    as_parquet.write_bytes(arrow.read_bytes())
+    parquet = _profile(tmp_path, "p.parquet", ROWS)
+    as_arrow = tmp_path / "parquet.feather"
+    as_arrow.write_bytes(parquet.read_bytes())
+    tail = (r"; give the table `tenantq sensitivity --out` wrote "
+            r"\(.parquet, or Arrow IPC for other suffixes\)$")  # fmt: skip
+    with pytest.raises(ValueError, match=rf"^sensitivity profile {as_parquet}: cannot read it "
+                                         rf"as Parquet \(.*\){tail}"):  # fmt: skip
+        read_profile_table(as_parquet)
+    with pytest.raises(ValueError, match=rf"^sensitivity profile {as_arrow}: cannot read it "
+                                         rf"as Arrow IPC \(Feather\) \(.*\){tail}"):  # fmt: skip
+        read_profile_table(as_arrow)
