@@ -179,3 +179,43 @@ def test_an_unreadable_profile_names_the_file_and_the_format_tried(tmp_path) -> 
     with pytest.raises(ValueError, match=rf"^sensitivity profile {as_arrow}: cannot read it "
                                          rf"as Arrow IPC \(Feather\) \(.*\){tail}"):  # fmt: skip
         read_profile_table(as_arrow)
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ({"tensor": ["lm_head"], "kl_mean": [0.5]},
+         "needs columns ['format', 'kl_mean', 'tensor'], has ['tensor', 'kl_mean']"),
+        ({"tensor": [""], "format": ["int4"], "kl_mean": [0.5]},
+         "a row has tensor ''; expected a tensor path or kv/LAYER"),
+        ({"tensor": [None], "format": ["int4"], "kl_mean": [0.5]},
+         "a row has tensor None; expected a tensor path or kv/LAYER"),
+        ({"tensor": ["lm_head"], "format": ["int4"], "kl_mean": [float("nan")]},
+         "kl_mean of lm_head (int4) is nan; a KL is a finite number >= 0 (re-measure it with "
+         "`tenantq sensitivity`)"),
+        ({"tensor": ["lm_head"], "format": ["int8"], "kl_mean": [-0.5]},
+         "kl_mean of lm_head (int8) is -0.5; a KL is a finite number >= 0"),
+        ({"tensor": ["kv/x"], "format": ["int8"], "kl_mean": [0.5]},
+         "row 'kv/x' names no KV layer of the model (None layers); valid rows: "
+         "kv/LAYER (0, 1, ...) (was it measured on another model?)"),
+    ],
+)  # fmt: skip
+def test_a_bad_profile_row_is_one_line_naming_it(rows, message) -> None:
+    import pyarrow as pa
+
+    from tenantq.search.space import check_profile_table
+
+    with pytest.raises(ValueError) as err:
+        check_profile_table(pa.table(rows), "prof.parquet")
+    assert str(err.value).startswith(f"sensitivity profile prof.parquet: {message}")
+
+
+def test_a_zero_kl_and_any_kv_layer_of_an_unknown_model_are_accepted() -> None:
+    import pyarrow as pa
+
+    from tenantq.search.space import check_profile_table
+
+    rows = {"tensor": ["lm_head", "kv/9"], "format": ["int4", "int4"], "kl_mean": [0.0, 1.0]}
+    check_profile_table(pa.table(rows), "prof.parquet")  # no model given: any layer index
+    with pytest.raises(ValueError, match=r"row 'kv/9' names no KV layer .*kv/0\.\.kv/3 "):
+        check_profile_table(pa.table(rows), "prof.parquet", 4)
