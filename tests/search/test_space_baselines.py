@@ -219,3 +219,12 @@ def test_a_zero_kl_and_any_kv_layer_of_an_unknown_model_are_accepted() -> None:
     check_profile_table(pa.table(rows), "prof.parquet")  # no model given: any layer index
     with pytest.raises(ValueError, match=r"row 'kv/9' names no KV layer .*kv/0\.\.kv/3 "):
         check_profile_table(pa.table(rows), "prof.parquet", 4)
+
+
+def test_a_profile_loaded_for_a_model_refuses_a_kv_row_past_its_last_layer(tmp_path) -> None:
+    rows = {"tensor": ["lm_head", "kv/4"], "format": ["int4", "int4"], "kl_mean": [0.5, 1.0]}
+    path = _profile(tmp_path, "p.parquet", rows)
+    with pytest.raises(ValueError, match=r"row 'kv/4' names no KV layer of the model \(4 layers\)"):
+        SensitivityProfile.load(path, CONFIG)  # layers 0..3
+    ok = _profile(tmp_path, "q.parquet", rows | {"tensor": ["lm_head", "kv/3"]})
+    assert SensitivityProfile.load(ok, CONFIG) == SensitivityProfile(("lm_head",), (3,))
