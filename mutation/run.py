@@ -51,6 +51,8 @@ def stage(name: str, target: dict, jobs: int, keep: bool = False) -> Path:
     if keep and (where / "mutants").is_dir():
         for dest in (where / "tests", where / "mutants" / "tests"):
             shutil.copytree(ROOT / "tests", dest, ignore=skip, dirs_exist_ok=True)
+        # The target's test files may have grown since: mutmut runs the new tests' stats.
+        (where / "setup.cfg").write_text(_setup_cfg(target))
         return where
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
@@ -59,6 +61,12 @@ def stage(name: str, target: dict, jobs: int, keep: bool = False) -> Path:
     # Some tests read the shipped plans and specs (tests/test_experiment_plans.py).
     shutil.copytree(ROOT / "experiments", where / "experiments", ignore=skip)
     shutil.copy2(ROOT / "pyproject.toml", where / "pyproject.toml")
+    (where / "setup.cfg").write_text(_setup_cfg(target))
+    return where
+
+
+def _setup_cfg(target: dict) -> str:
+    """mutmut's configuration for one target: what to mutate, which tests judge it."""
     lines = [
         "[mutmut]",
         "source_paths = src",
@@ -79,8 +87,7 @@ def stage(name: str, target: dict, jobs: int, keep: bool = False) -> Path:
         "process_isolation = forkserver",
         "forkserver_warmup = collect",
     ]
-    (where / "setup.cfg").write_text("\n".join(lines) + "\n")
-    return where
+    return "\n".join(lines) + "\n"
 
 
 def run_target(
