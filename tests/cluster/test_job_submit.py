@@ -24,6 +24,7 @@ from tenantq.testing import TINY_SUITE, tiny_study_spec
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
 RAY = str(Path(sys.executable).parent / "ray")
+REPO = Path(__file__).resolve().parents[2]
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
 
 # The job exports the study's metrics the way the driver will (ray.util.metrics, from the
@@ -238,3 +239,88 @@ def _sid(process: psutil.Process) -> int | None:
         return os.getsid(process.pid)
     except (ProcessLookupError, PermissionError):
         return None
+
+
+# Appended to the submitted copy's tenantq/__init__.py: every process that imports it leaves
+# a file named by its pid with the package path it imported and its command line.
+MARKER = """
+import os as _os
+if _os.path.isdir({folder!r}):
+    with open(_os.path.join({folder!r}, str(_os.getpid())), "w") as _f:
+        _f.write(__file__ + "\\n" + open("/proc/self/cmdline").read().replace("\\0", " "))
+"""
+
+
+def test_submitted_tree_is_the_code_the_driver_and_workers_run(local_cluster, tmp_path) -> None:
+    import shutil
+
+    from mlflow import MlflowClient
+
+    # A copy of this tree (cluster/submit.sh and platform/tenantq), committed, then edited:
+    # the workers must import the edited copy, and MLflow must name its commit as dirty.
+    tree = tmp_path / "tree"
+    shutil.copytree(
+        REPO / "platform" / "tenantq",
+        tree / "platform" / "tenantq",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    (tree / "cluster").mkdir()
+    shutil.copy2(REPO / "cluster" / "submit.sh", tree / "cluster" / "submit.sh")
+    git = ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "submitted"], check=True)
+    sha = subprocess.run(
+        [*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    with (tree / "platform" / "tenantq" / "__init__.py").open("a") as f:
+        f.write(MARKER.format(folder=str(markers)))
+
+    state = tmp_path / "state"
+    job = state / "job"
+    job.mkdir(parents=True)
+    (job / "spec.toml").write_text(
+        tiny_study_spec(
+            state,
+            name="submitted",
+            trials=2,
+            suite="tiny_suite.toml",
+            sampler="random",
+            seed=0,
+            workers=1,
+            key_formats=("bf16", "fp8_e4m3"),
+            bf16_first_layers=(0,),
+        )
+    )
+    (job / "tiny_suite.toml").write_text(TINY_SUITE)
+    submission_id = f"tq-test-{uuid.uuid4().hex[:8]}"
+    env = client_env(local_cluster.env)
+    env["RAY_BIN"] = RAY
+    done = subprocess.run(
+        [str(tree / "cluster" / "submit.sh"), "--no-wait", "--submission-id", submission_id]
+        + ["--", "tenantq", "search", "spec.toml", "--no-progress", "--out", str(state / "o")],
+        cwd=job,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = local_cluster.wait_for_job(submission_id, timeout_s=480)
+    logs = local_cluster.job_logs(submission_id)
+    assert record["status"] == "SUCCEEDED", logs
+
+    seen = [p.read_text().split("\n", 1) for p in markers.iterdir()]
+    workers = [path for path, cmdline in seen if "default_worker.py" in cmdline]
+    drivers = [path for path, cmdline in seen if "-m tenantq search" in cmdline]
+    assert workers and drivers, seen  # the copy was imported by a worker and by the driver
+    # ...from Ray's unpacked upload, not from this tree or the venv's install
+    assert all(str(REPO) not in p and str(tree) not in p for p in workers + drivers), seen
+    client = MlflowClient(f"sqlite:///{state}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("submitted").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("tenantq.kind") == "study"]
+    assert parent.data.tags["mlflow.source.git.commit"] == sha
+    assert parent.data.tags["tenantq.source.dirty"] == "true"
+    assert parent.data.tags["tenantq.source.origin"] == "submitted"
