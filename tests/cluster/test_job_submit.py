@@ -313,8 +313,9 @@ def test_submitted_tree_is_the_code_the_driver_and_workers_run(local_cluster, tm
     assert record["status"] == "SUCCEEDED", logs
 
     seen = [p.read_text().split("\n", 1) for p in markers.iterdir()]
-    workers = [path for path, cmdline in seen if "default_worker.py" in cmdline]
     drivers = [path for path, cmdline in seen if "-m tenantq search" in cmdline]
+    # A Ray worker process renames itself (`ray::HostWorker...`, setproctitle) once started.
+    workers = [path for path, cmdline in seen if cmdline.startswith("ray::")]
     assert workers and drivers, seen  # the copy was imported by a worker and by the driver
     # ...from Ray's unpacked upload, not from this tree or the venv's install
     assert all(str(REPO) not in p and str(tree) not in p for p in workers + drivers), seen

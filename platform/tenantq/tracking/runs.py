@@ -248,6 +248,12 @@ class StudyTracker:
     def log_artifact(self, run_id: str, name: str, value: Any) -> None:
         self._log_artifact(run_id, name, value)
 
+    def log_files(self, run_id: str, paths: list[Path], artifact_path: str) -> None:
+        """Files as they are on disk, under `artifact_path/` of the run (through the
+        tracking server when it serves artifacts: the job's own folder may be temporary)."""
+        for path in paths:
+            self.client.log_artifact(run_id, str(path), artifact_path=artifact_path)
+
     # ---------------------------------------------------------------- helpers
     def _log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
