@@ -50,7 +50,11 @@ class Postgres:
 
         with contextlib.closing(
             psycopg2.connect(
-                host="127.0.0.1", port=self.port, user="tenantq", password=PASSWORD, dbname="postgres"
+                host="127.0.0.1",
+                port=self.port,
+                user="tenantq",
+                password=PASSWORD,
+                dbname="postgres",
             )
         ) as conn:
             conn.autocommit = True
@@ -84,7 +88,8 @@ def postgres(port: int) -> Iterator[Postgres]:
             capture_output=True,
             timeout=120,
         )
-        options = f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories='' -c fsync=off"
+        options = f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories=''"
+        options += " -c fsync=off"  # a throwaway test database
         subprocess.run(
             _as_server_user(
                 [pg_binary("pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w"]
@@ -128,10 +133,12 @@ def mlflow_server(backend_store_uri: str, artifacts: Path, port: int) -> Iterato
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(url + "/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(url + "/health", timeout=5) as response,
+            ):
+                if response.status == 200:
+                    break
             if process.poll() is not None or time.monotonic() > deadline:
                 log.flush()
                 tail = (artifacts.parent / "mlflow-server.log").read_text()[-3000:]

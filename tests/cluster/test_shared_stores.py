@@ -131,8 +131,9 @@ def test_study_on_postgres_and_mlflow_server_survives_a_killed_driver(stores, tm
     front = {a.path for a in client.list_artifacts(parent.info.run_id, "front")}
     assert "front/front.json" in front and any(p.startswith("front/trial-") for p in front)
     listing = json.loads(
-        Path(client.download_artifacts(parent.info.run_id, "front/front.json", str(tmp_path)))
-        .read_text()
+        Path(
+            client.download_artifacts(parent.info.run_id, "front/front.json", str(tmp_path))
+        ).read_text()
     )
     assert {f"front/trial-{r['trial']:04d}-{r['fingerprint']}.json" for r in listing} <= front
     # The files sit in the server's --artifacts-destination, not in the client's folders.
