@@ -81,17 +81,21 @@ def test_study_on_postgres_and_mlflow_server_survives_a_killed_driver(stores, tm
     (tmp_path / "spec.toml").write_text(spec)
     (tmp_path / "tiny_suite.toml").write_text(TINY_SUITE)
 
+    client = MlflowClient(server.url)
     first = _search(tmp_path)
     S = optuna.trial.TrialState
     deadline = time.monotonic() + 300
     try:
         while time.monotonic() < deadline and first.poll() is None:
             time.sleep(1)
-            try:
-                trials = optuna.load_study(study_name="shared", storage=optuna_url).trials
-            except KeyError:  # not created yet
+            experiment = client.get_experiment_by_name("shared")
+            if experiment is None:  # not created yet
                 continue
-            if any(t.state == S.COMPLETE for t in trials):
+            logged = client.search_runs(
+                [experiment.experiment_id],
+                filter_string="tags.`tenantq.kind` = 'trial' and attributes.status = 'FINISHED'",
+            )
+            if logged:  # a trial told and logged: kill while the next one runs
                 break
         assert first.poll() is None, (tmp_path / "search0.log").read_text()[-3000:]
         os.kill(first.pid, signal.SIGKILL)  # the driver dies mid-study
@@ -112,7 +116,6 @@ def test_study_on_postgres_and_mlflow_server_survives_a_killed_driver(stores, tm
     assert sum(t.state == S.COMPLETE for t in trials) == TRIALS
     assert not [t.number for t in trials if t.state == S.RUNNING]
 
-    client = MlflowClient(server.url)
     experiment = client.get_experiment_by_name("shared")
     runs = client.search_runs([experiment.experiment_id])
     assert [r.info.run_name for r in runs if r.info.status == "RUNNING"] == []
@@ -125,9 +128,17 @@ def test_study_on_postgres_and_mlflow_server_survives_a_killed_driver(stores, tm
         if r.data.tags.get("tenantq.kind") == "trial" and r.info.status == "FINISHED"
     }
     assert sorted(nested) == sorted(complete)
-    for number in complete:  # through the server (proxied artifacts: mlflow-artifacts:/)
+    # Through the server (proxied artifacts: mlflow-artifacts:/). A trial the killed driver
+    # told Optuna but did not log is logged on resume from Optuna's record: its plan, params
+    # and metrics, not the per-example table, which only the worker's result carried.
+    live = [n for n in complete if "tenantq.logged_on_resume" not in nested[n].data.tags]
+    assert live  # at least the trial logged before the kill
+    for number in complete:
         names = {a.path for a in client.list_artifacts(nested[number].info.run_id)}
-        assert {"examples.parquet", "budget.json", "plan.json"} <= names
+        expected = (
+            {"examples.parquet", "budget.json", "plan.json"} if number in live else {"plan.json"}
+        )
+        assert expected <= names, (number, names)
     front = {a.path for a in client.list_artifacts(parent.info.run_id, "front")}
     assert "front/front.json" in front and any(p.startswith("front/trial-") for p in front)
     listing = json.loads(
