@@ -29,7 +29,9 @@
 #   TENANTQ_RAY_JOIN_CPUS      CPUs of a joined node [1]
 #   TENANTQ_RAY_JOIN_AGENT_PORT, TENANTQ_RAY_JOIN_METRICS_PORT  a joined node's dashboard agent
 #                              and metrics ports [dashboard agent port + 1, metrics port + 1]
-#   TENANTQ_RAY_JOIN_IP        a joined node's address, a loopback one [127.0.0.2]
+#   TENANTQ_RAY_HEAD_IP        the head node's address, a loopback one [127.0.0.1]; a cluster
+#                              that nodes will `join` needs another, e.g. 127.0.0.2 (see join)
+#   TENANTQ_RAY_JOIN_IP        a joined node's address, another loopback one [127.0.0.3]
 #   RAY_AUTH_TOKEN_PATH        token file [$TENANTQ_RAY_DIR/auth_token, created if missing]
 #   RAY_BIN                    the `ray` executable [.venv/bin/ray of this repo, else PATH]
 set -euo pipefail
@@ -37,6 +39,7 @@ set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STATE_DIR="${TENANTQ_RAY_DIR:-/tmp/tenantq-ray-$(id -u)}"
 GCS_PORT="${TENANTQ_RAY_PORT:-6380}"
+HEAD_IP="${TENANTQ_RAY_HEAD_IP:-127.0.0.1}"
 DASHBOARD_PORT="${TENANTQ_RAY_DASHBOARD_PORT:-8266}"
 CLIENT_PORT="${TENANTQ_RAY_CLIENT_PORT:-23001}"
 AGENT_PORT="${TENANTQ_RAY_AGENT_PORT:-52366}"
@@ -150,7 +153,7 @@ cmd_start() {
         export PATH="$(dirname "$RAY"):$PATH"
         unset RAY_ADDRESS RAY_AUTH_TOKEN
         setsid "$RAY" start --head --block \
-            --node-ip-address 127.0.0.1 \
+            --node-ip-address "$HEAD_IP" \
             --port "$GCS_PORT" \
             --dashboard-host 127.0.0.1 \
             --dashboard-port "$DASHBOARD_PORT" \
@@ -179,7 +182,7 @@ cmd_start() {
         sleep 1
         waited=$((waited + 1))
     done
-    echo "Ray head running (pid $pid), dashboard and job API at $(dashboard_url), GCS 127.0.0.1:$GCS_PORT"
+    echo "Ray head running (pid $pid), dashboard and job API at $(dashboard_url), GCS $HEAD_IP:$GCS_PORT"
     echo "Token: $TOKEN_FILE. To submit jobs:"
     print_env
 }
@@ -200,11 +203,13 @@ cmd_join() {
         die "join: node '$name' already runs (pid $pid)"
     fi
     local log="$STATE_DIR/node-$name.log"
-    # The node's address: another loopback address (127.0.0.0/8 is all loopback on Linux).
-    # Ray refuses `--address` while multi-node mode is off (the head's setting above), and in
-    # multi-node mode turns a 127.0.0.1 node address into the machine's routable one; any
-    # other loopback address is kept as given, so every socket stays on loopback.
-    local JOIN_IP="${TENANTQ_RAY_JOIN_IP:-127.0.0.2}"
+    # Both addresses are loopback ones (127.0.0.0/8 is all loopback on Linux). A joining
+    # `ray start` must run in multi-node mode, and there Ray replaces 127.0.0.1 (and
+    # `localhost`), in --address and --node-ip-address alike, with the machine's routable
+    # address; any other loopback address is kept as given, so every socket stays on loopback.
+    local JOIN_IP="${TENANTQ_RAY_JOIN_IP:-127.0.0.3}"
+    [[ "$HEAD_IP" != "127.0.0.1" && "$HEAD_IP" != "localhost" ]] ||
+        die "join: start the head with TENANTQ_RAY_HEAD_IP=127.0.0.2 (another loopback address): Ray rewrites 127.0.0.1 into this machine's routable address for a joining node"
     (
         export RAY_AUTH_MODE=token
         export RAY_AUTH_TOKEN_PATH="$TOKEN_FILE"
@@ -212,7 +217,7 @@ cmd_join() {
         export PATH="$(dirname "$RAY"):$PATH"
         unset RAY_ADDRESS RAY_AUTH_TOKEN
         setsid "$RAY" start --block \
-            --address "127.0.0.1:$GCS_PORT" \
+            --address "$HEAD_IP:$GCS_PORT" \
             --node-ip-address "$JOIN_IP" \
             --num-cpus "${TENANTQ_RAY_JOIN_CPUS:-1}" \
             --resources "{\"node:$name\": 1}" \
@@ -283,7 +288,7 @@ cmd_status() {
         return 3
     fi
     if job_api_answers; then
-        echo "running (pid $pid), job API at $(dashboard_url), GCS 127.0.0.1:$GCS_PORT"
+        echo "running (pid $pid), job API at $(dashboard_url), GCS $HEAD_IP:$GCS_PORT"
         return 0
     fi
     echo "head process $pid runs but the job API at $(dashboard_url) does not answer"
