@@ -6,6 +6,11 @@
 #   cluster/local.sh stop      stop what `start` started, and nothing else
 #   cluster/local.sh status    exit 0 when the head runs and its dashboard answers, 3 when not
 #   cluster/local.sh env       print the exports that `ray job submit` needs
+#   cluster/local.sh join NAME a second Ray node on this machine joins the head (ray start
+#                              --address, its own CPUs, resource `node:NAME` and label
+#                              tenantq.node=NAME), in its own session
+#   cluster/local.sh leave NAME stop that node (SIGTERM; `leave NAME --now`: SIGKILL its whole
+#                              session at once, as a lost or preempted host would go)
 #
 # Why not `ray start`/`ray stop` as usual: `ray stop` kills every Ray process on the machine
 # (it matches process names), and the default ports and /tmp/ray are shared by everyone on a
@@ -21,6 +26,12 @@
 #   TENANTQ_RAY_METRICS_PORT   Prometheus metrics export port [8090]
 #   TENANTQ_RAY_NUM_CPUS       CPUs Ray may schedule [all]
 #   TENANTQ_RAY_START_TIMEOUT_S seconds to wait for the job API [180]
+#   TENANTQ_RAY_JOIN_CPUS      CPUs of a joined node [1]
+#   TENANTQ_RAY_JOIN_AGENT_PORT, TENANTQ_RAY_JOIN_METRICS_PORT  a joined node's dashboard agent
+#                              and metrics ports [dashboard agent port + 1, metrics port + 1]
+#   TENANTQ_RAY_HEAD_IP        the head node's address, a loopback one [127.0.0.1]; a cluster
+#                              that nodes will `join` needs another, e.g. 127.0.0.2 (see join)
+#   TENANTQ_RAY_JOIN_IP        a joined node's address, another loopback one [127.0.0.3]
 #   RAY_AUTH_TOKEN_PATH        token file [$TENANTQ_RAY_DIR/auth_token, created if missing]
 #   RAY_BIN                    the `ray` executable [.venv/bin/ray of this repo, else PATH]
 set -euo pipefail
@@ -28,6 +39,7 @@ set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STATE_DIR="${TENANTQ_RAY_DIR:-/tmp/tenantq-ray-$(id -u)}"
 GCS_PORT="${TENANTQ_RAY_PORT:-6380}"
+HEAD_IP="${TENANTQ_RAY_HEAD_IP:-127.0.0.1}"
 DASHBOARD_PORT="${TENANTQ_RAY_DASHBOARD_PORT:-8266}"
 CLIENT_PORT="${TENANTQ_RAY_CLIENT_PORT:-23001}"
 AGENT_PORT="${TENANTQ_RAY_AGENT_PORT:-52366}"
@@ -141,7 +153,7 @@ cmd_start() {
         export PATH="$(dirname "$RAY"):$PATH"
         unset RAY_ADDRESS RAY_AUTH_TOKEN
         setsid "$RAY" start --head --block \
-            --node-ip-address 127.0.0.1 \
+            --node-ip-address "$HEAD_IP" \
             --port "$GCS_PORT" \
             --dashboard-host 127.0.0.1 \
             --dashboard-port "$DASHBOARD_PORT" \
@@ -170,13 +182,95 @@ cmd_start() {
         sleep 1
         waited=$((waited + 1))
     done
-    echo "Ray head running (pid $pid), dashboard and job API at $(dashboard_url), GCS 127.0.0.1:$GCS_PORT"
+    echo "Ray head running (pid $pid), dashboard and job API at $(dashboard_url), GCS $HEAD_IP:$GCS_PORT"
     echo "Token: $TOKEN_FILE. To submit jobs:"
     print_env
 }
 
+node_pid() {
+    local file="$STATE_DIR/node-$1.pid" pid
+    [[ -f "$file" ]] || return 1
+    pid="$(cat "$file")"
+    [[ "$pid" =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null && echo "$pid"
+}
+
+cmd_join() {
+    local name="${1:-}" pid waited=0
+    [[ "$name" =~ ^[a-z0-9][a-z0-9-]{0,30}$ ]] ||
+        die "join: give the node a name of 1-31 lowercase letters, digits and '-' (got '$name')"
+    head_pid >/dev/null || die "join: no head running; run \`cluster/local.sh start\` first"
+    if pid="$(node_pid "$name")"; then
+        die "join: node '$name' already runs (pid $pid)"
+    fi
+    local log="$STATE_DIR/node-$name.log"
+    # Both addresses are loopback ones (127.0.0.0/8 is all loopback on Linux). A joining
+    # `ray start` must run in multi-node mode, and there Ray replaces 127.0.0.1 (and
+    # `localhost`), in --address and --node-ip-address alike, with the machine's routable
+    # address; any other loopback address is kept as given, so every socket stays on loopback.
+    local JOIN_IP="${TENANTQ_RAY_JOIN_IP:-127.0.0.3}"
+    [[ "$HEAD_IP" != "127.0.0.1" && "$HEAD_IP" != "localhost" ]] ||
+        die "join: start the head with TENANTQ_RAY_HEAD_IP=127.0.0.2 (another loopback address): Ray rewrites 127.0.0.1 into this machine's routable address for a joining node"
+    (
+        export RAY_AUTH_MODE=token
+        export RAY_AUTH_TOKEN_PATH="$TOKEN_FILE"
+        export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1
+        export PATH="$(dirname "$RAY"):$PATH"
+        unset RAY_ADDRESS RAY_AUTH_TOKEN
+        setsid "$RAY" start --block \
+            --address "$HEAD_IP:$GCS_PORT" \
+            --node-ip-address "$JOIN_IP" \
+            --num-cpus "${TENANTQ_RAY_JOIN_CPUS:-1}" \
+            --resources "{\"node:$name\": 1}" \
+            --labels "tenantq.node=$name" \
+            --dashboard-agent-listen-port "${TENANTQ_RAY_JOIN_AGENT_PORT:-$((AGENT_PORT + 1))}" \
+            --metrics-export-port "${TENANTQ_RAY_JOIN_METRICS_PORT:-$((METRICS_PORT + 1))}" \
+            --disable-usage-stats \
+            >"$log" 2>&1 </dev/null &
+        echo $! >"$STATE_DIR/node-$name.pid"
+    )
+    pid="$(cat "$STATE_DIR/node-$name.pid")"
+    # `ray start --block` prints this once its raylet has registered with the head's GCS.
+    until grep -q "Ray runtime started" "$log" 2>/dev/null; do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            tail -n 20 "$log" >&2 || true
+            rm -f "$STATE_DIR/node-$name.pid"
+            die "join: node '$name' exited during start-up (log: $log)"
+        fi
+        if [[ $waited -ge $START_TIMEOUT_S ]]; then
+            stop_session "$pid"
+            die "join: node '$name' did not start within ${START_TIMEOUT_S}s (log: $log)"
+        fi
+        sleep 1
+        waited=$((waited + 1))
+    done
+    echo "node '$name' joined (pid $pid, ${TENANTQ_RAY_JOIN_CPUS:-1} CPUs, resource node:$name)"
+}
+
+cmd_leave() {
+    local name="${1:-}" pid
+    if ! pid="$(node_pid "$name")"; then
+        rm -f "$STATE_DIR/node-$name.pid"
+        echo "node '$name' not running"
+        return 0
+    fi
+    if [[ "${2:-}" == "--now" ]]; then
+        # shellcheck disable=SC2046
+        kill -KILL $(session_members "$pid") 2>/dev/null || true
+    else
+        stop_session "$pid"
+    fi
+    rm -f "$STATE_DIR/node-$name.pid"
+    echo "node '$name' stopped (pid $pid)"
+}
+
 cmd_stop() {
     local pid
+    local file
+    for file in "$STATE_DIR"/node-*.pid; do  # joined nodes first, then the head
+        [[ -f "$file" ]] || continue
+        file="${file##*/node-}"
+        cmd_leave "${file%.pid}" >/dev/null
+    done
     if ! pid="$(head_pid)"; then
         rm -f "$PID_FILE"
         echo "not running"
@@ -194,7 +288,7 @@ cmd_status() {
         return 3
     fi
     if job_api_answers; then
-        echo "running (pid $pid), job API at $(dashboard_url), GCS 127.0.0.1:$GCS_PORT"
+        echo "running (pid $pid), job API at $(dashboard_url), GCS $HEAD_IP:$GCS_PORT"
         return 0
     fi
     echo "head process $pid runs but the job API at $(dashboard_url) does not answer"
@@ -206,5 +300,7 @@ start) cmd_start ;;
 stop) cmd_stop ;;
 status) cmd_status ;;
 env) print_env ;;
-*) die "usage: cluster/local.sh start|stop|status|env (got '${1:-}')" ;;
+join) cmd_join "${2:-}" ;;
+leave) cmd_leave "${2:-}" "${3:-}" ;;
+*) die "usage: cluster/local.sh start|stop|status|env|join NAME|leave NAME [--now] (got '${1:-}')" ;;
 esac

@@ -28,6 +28,7 @@ API_VERSIONS = {
     "ConfigMap": "v1",
     "Service": "v1",
     "PersistentVolumeClaim": "v1",
+    "PersistentVolume": "v1",
     "StatefulSet": "apps/v1",
     "Deployment": "apps/v1",
     "NetworkPolicy": "networking.k8s.io/v1",
@@ -164,7 +165,7 @@ def test_every_manifest_has_a_known_kind_api_version_name_and_namespace() -> Non
     for d in docs:
         assert d["apiVersion"] == API_VERSIONS[d["kind"]], (d["_file"], d["kind"])
         assert d["metadata"]["name"]
-        if d["kind"] != "Namespace":
+        if d["kind"] not in ("Namespace", "PersistentVolume"):  # cluster-scoped kinds
             assert d["metadata"]["namespace"] == NAMESPACE, (d["_file"], d["kind"])
     assert [d["metadata"]["name"] for d in _of_kind("Namespace")] == [NAMESPACE]
 
@@ -312,3 +313,51 @@ def test_raycluster_matches_installed_ray_and_rays_tpu_tables() -> None:
     assert any(t["key"] == "google.com/tpu" for t in pod["tolerations"])
     assert worker["image"].split("/")[-1].startswith("tenantq-tpu:")
     assert "JAX_EXTRA" in dockerfile  # the TPU image is the same Dockerfile with libtpu
+
+
+# The versions tests/cluster ran with (the shared venv's): the image and the TPU VMs pin them.
+def _tested_pins() -> list[str]:
+    from importlib.metadata import version
+
+    return [
+        f'"ray[default]=={ray.__version__}"',
+        f'"mlflow=={version("mlflow")}"',
+        f'"optuna=={version("optuna")}"',
+        f'"psycopg2-binary=={version("psycopg2-binary")}"',
+    ]
+
+
+def test_image_and_tpu_vms_pin_the_versions_the_tests_ran_with() -> None:
+    dockerfile = (CLUSTER / "Dockerfile").read_text()
+    setup = " ".join(_launcher()["setup_commands"])
+    for pin in _tested_pins():
+        assert pin in dockerfile, pin
+        assert pin in setup, pin
+
+
+def test_every_ray_pod_mounts_the_shared_model_volume_read_only() -> None:
+    (rc,) = _of_kind("RayCluster")
+    pods = [rc["spec"]["headGroupSpec"]["template"]]
+    pods += [g["template"] for g in rc["spec"]["workerGroupSpecs"]]
+    (claim,) = [c for c in _of_kind("PersistentVolumeClaim") if c["_file"] == "models.yaml"]
+    (volume,) = _of_kind("PersistentVolume")
+    assert claim["spec"]["accessModes"] == volume["spec"]["accessModes"] == ["ReadOnlyMany"]
+    assert volume["spec"]["csi"]["readOnly"] is True
+    assert volume["spec"]["claimRef"]["name"] == claim["metadata"]["name"]
+    for pod in pods:
+        (models,) = [v for v in pod["spec"]["volumes"] if v["name"] == "models"]
+        assert models["persistentVolumeClaim"] == {
+            "claimName": claim["metadata"]["name"],
+            "readOnly": True,
+        }
+        (container,) = pod["spec"]["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "models"]
+        assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
+        assert pod["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"
+    # TPU VMs: the same disk, read-only, on the head and on every worker, mounted at /models.
+    nodes = _launcher()["available_node_types"]
+    head_disks = nodes["ray_head"]["node_config"]["disks"]
+    assert any(d.get("mode") == "READ_ONLY" and "tenantq-models" in d["source"] for d in head_disks)
+    (data,) = nodes["tpu_v6e_8"]["node_config"]["dataDisks"]
+    assert data["mode"] == "READ_ONLY" and data["sourceDisk"].endswith("/disks/tenantq-models")
+    assert any("mount -o ro" in c and "/models" in c for c in _launcher()["setup_commands"])

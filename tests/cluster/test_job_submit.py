@@ -1,4 +1,5 @@
-"""`ray job submit` for real against `cluster/local.sh`: token auth, loopback, study metrics.
+"""`ray job submit` for real against `cluster/local.sh`: token auth, loopback, study metrics,
+and `cluster/submit.sh` running the submitted tree's tenantq (not the installed one).
 
 One cluster per module (`local_cluster` in conftest.py; helpers in _cluster.py):
 `cluster/local.sh start` with token authentication, free ports and its own state dir, and
@@ -25,6 +26,7 @@ from tenantq.testing import TINY_SUITE, tiny_study_spec
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
 RAY = str(Path(sys.executable).parent / "ray")
+REPO = Path(__file__).resolve().parents[2]
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
 
 # The job exports the study's metrics the way the driver will (ray.util.metrics, from the
@@ -138,8 +140,46 @@ def test_submitted_job_runs_and_exports_the_study_metrics(local_cluster, tmp_pat
     assert expected <= found, f"missing {sorted(expected - found)}; saw {sorted(found)}"
 
 
-def _run_study(cluster, tmp_path: Path, name: str) -> tuple[Path, dict, str]:
-    """Submit `tenantq search` on a fresh spec; returns its state dir, job record and logs."""
+# Appended to the submitted copy's tenantq/__init__.py: every process that imports it leaves
+# a file named by its pid with the package path it imported and its command line.
+MARKER = """
+import os as _os
+if _os.path.isdir({folder!r}):
+    with open(_os.path.join({folder!r}, str(_os.getpid())), "w") as _f:
+        _f.write(__file__ + "\\n" + open("/proc/self/cmdline").read().replace("\\0", " "))
+"""
+
+
+def _marked_tree(tmp_path: Path) -> tuple[Path, str, Path]:
+    """A copy of this tree (cluster/submit.sh and platform/tenantq), committed, then edited to
+    leave a marker from every process that imports it; returns (tree, commit, marker dir)."""
+    import shutil
+
+    tree = tmp_path / "tree"
+    shutil.copytree(
+        REPO / "platform" / "tenantq",
+        tree / "platform" / "tenantq",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    (tree / "cluster").mkdir()
+    shutil.copy2(REPO / "cluster" / "submit.sh", tree / "cluster" / "submit.sh")
+    git = ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "submitted"], check=True)
+    sha = subprocess.run(
+        [*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    with (tree / "platform" / "tenantq" / "__init__.py").open("a") as f:
+        f.write(MARKER.format(folder=str(markers)))
+    return tree, sha, markers
+
+
+def _run_study(cluster, tmp_path: Path, name: str, tree: Path) -> tuple[Path, dict, str]:
+    """Submit `tenantq search` on a fresh spec with `tree`'s cluster/submit.sh; returns its
+    state dir, job record and logs."""
     state = tmp_path / name
     working_dir = state / "job"
     working_dir.mkdir(parents=True)
@@ -156,11 +196,19 @@ def _run_study(cluster, tmp_path: Path, name: str) -> tuple[Path, dict, str]:
     )
     (working_dir / "spec.toml").write_text(spec)
     (working_dir / "tiny_suite.toml").write_text(TINY_SUITE)
-    submission_id = _submit(
-        cluster,
-        working_dir,
-        *("tenantq", "search", "spec.toml", "--no-progress", "--out", str(state / "front")),
+    submission_id = f"tq-test-{uuid.uuid4().hex[:8]}"
+    env = client_env(cluster.env)
+    env["RAY_BIN"] = RAY
+    done = subprocess.run(
+        [str(tree / "cluster" / "submit.sh"), "--no-wait", "--submission-id", submission_id]
+        + ["--", "tenantq", "search", "spec.toml", "--no-progress", "--out", str(state / "o")],
+        cwd=working_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
+    assert done.returncode == 0, done.stdout + done.stderr
     record = cluster.wait_for_job(submission_id, timeout_s=480)
     return state, record, cluster.job_logs(submission_id)
 
@@ -169,9 +217,21 @@ def test_study_submitted_as_a_ray_job_is_tracked_in_mlflow(local_cluster, tmp_pa
     import optuna
     from mlflow import MlflowClient
 
-    # The documented form: `ray job submit --working-dir . -- tenantq search SPEC`, no address.
-    state, record, logs = _run_study(local_cluster, tmp_path, "study")
+    # The documented form: `cluster/submit.sh -- tenantq search SPEC` (ray job submit with
+    # the tree's tenantq as py_modules), no address; from a copy of this tree whose tenantq
+    # differs from the installed one (a marker) and has uncommitted edits.
+    tree, sha, markers = _marked_tree(tmp_path)
+    state, record, logs = _run_study(local_cluster, tmp_path, "study", tree)
     assert record["status"] == "SUCCEEDED", logs
+
+    # The driver and the worker imported the submitted copy, from Ray's unpacked upload (not
+    # from this tree or the venv's install).
+    seen = [p.read_text().split("\n", 1) for p in markers.iterdir()]
+    drivers = [path for path, cmdline in seen if "-m tenantq search" in cmdline]
+    # A Ray worker process renames itself (`ray::HostWorker...`, setproctitle) once started.
+    workers = [path for path, cmdline in seen if cmdline.startswith("ray::")]
+    assert workers and drivers, seen
+    assert all(str(REPO) not in p and str(tree) not in p for p in workers + drivers), seen
 
     study = optuna.load_study(study_name="jobsubmit", storage=f"sqlite:///{state}/optuna.db")
     trials = study.trials
@@ -185,6 +245,10 @@ def test_study_submitted_as_a_ray_job_is_tracked_in_mlflow(local_cluster, tmp_pa
         if r.data.tags.get("tenantq.kind") == "trial"
     }
     assert parent.info.status == "FINISHED"
+    # The submitted tree's commit, and that it had uncommitted edits (the marker).
+    assert parent.data.tags["mlflow.source.git.commit"] == sha
+    assert parent.data.tags["tenantq.source.dirty"] == "true"
+    assert parent.data.tags["tenantq.source.origin"] == "submitted"
     # One nested run per trial, under the study's parent run, carrying the trial's figures.
     assert sorted(nested) == [t.number for t in trials]
     for t in trials:

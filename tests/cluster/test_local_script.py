@@ -27,8 +27,21 @@ def test_unknown_command_names_the_valid_ones() -> None:
     assert done.returncode == 1
     assert (
         done.stderr.strip()
-        == "cluster/local.sh: usage: cluster/local.sh start|stop|status|env (got 'restart')"
+        == "cluster/local.sh: usage: cluster/local.sh start|stop|status|env|join NAME|"
+        "leave NAME [--now] (got 'restart')"
     )
+
+
+def test_join_names_what_a_node_name_may_be_and_needs_a_running_head() -> None:
+    state = f"/tmp/tq-none-{os.getpid()}"  # short, never created
+    bad = _run("join", "Second Node", TENANTQ_RAY_DIR=state)
+    assert bad.returncode == 1 and "lowercase letters, digits and '-'" in bad.stderr
+    alone = _run("join", "second", TENANTQ_RAY_DIR=state)
+    assert alone.returncode == 1 and "no head running" in alone.stderr
+    assert _run("leave", "second", TENANTQ_RAY_DIR=state).stdout.strip() == (
+        "node 'second' not running"
+    )
+    assert not os.path.exists(state)
 
 
 def test_state_dir_too_long_for_rays_socket_paths_is_refused(tmp_path) -> None:

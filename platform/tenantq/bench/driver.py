@@ -82,6 +82,9 @@ class NullTracker:
     def log_artifact(self, *a) -> None:
         pass
 
+    def log_files(self, *a) -> None:
+        pass
+
     def delete_run(self, run_id: str) -> None:
         pass
 

@@ -415,6 +415,9 @@ class SearchDriver:
         rows = front_.front(self.study, self.spec, pool, self.context.capacity)
         front_.tag_front(self.tracker, rows)
         exported = front_.export(rows, self.out_dir)
+        # The plans and front.json reach MLflow too: on a cluster the job's folder is temporary.
+        front_files = [*exported, self.out_dir / "front" / "front.json"]
+        self.tracker.log_files(self.tracker.parent_run_id, front_files, "front")
         table = render_front(rows, self.spec.objectives)
         self.tracker.log_artifact(self.tracker.parent_run_id, "pareto.txt", table)
         return StudyOutcome(

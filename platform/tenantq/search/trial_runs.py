@@ -20,7 +20,7 @@ DONE_STATUSES = ("FINISHED", "FAILED")
 
 def open_parent(tracker, study, context, workers: int) -> None:
     """Reopen the study's parent run, or start it (params: what the study measures)."""
-    from tenantq.tracking import code_version
+    from tenantq.tracking import code_version, source_tags
 
     spec = context.spec
     parent = study.user_attrs.get(PARENT_RUN_ATTR)
@@ -54,6 +54,7 @@ def open_parent(tracker, study, context, workers: int) -> None:
         "workers.kind": spec.workers.kind,
     }
     tags = {"tenantq.code_version": code_version(), "tenantq.study": spec.study.name}
+    tags.update(source_tags())  # mlflow.source.git.commit and the dirty flag
     run_id = tracker.start_study(spec.study.name, params, tags, context.spec_text)
     study.set_user_attr(PARENT_RUN_ATTR, run_id)
 

@@ -7,7 +7,13 @@ artifacts). Uses `MlflowClient` with explicit run ids, so nothing depends on an 
 """
 
 from tenantq.tracking.flatten import flatten_plan
-from tenantq.tracking.runs import StudyTracker, check_sqlite_file, check_tracking_uri, code_version
+from tenantq.tracking.runs import (
+    StudyTracker,
+    check_sqlite_file,
+    check_tracking_uri,
+    code_version,
+    source_tags,
+)
 
 __all__ = [
     "StudyTracker",
@@ -15,4 +21,5 @@ __all__ = [
     "check_tracking_uri",
     "code_version",
     "flatten_plan",
+    "source_tags",
 ]

@@ -24,10 +24,24 @@ RUN_NAME_TAG = "mlflow.runName"
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 
 
-def code_version(root: str | Path | None = None) -> str:
-    """`git describe`-style commit of the tenantq source tree, '+dirty' if it has edits."""
+# A tree shipped without its .git (a Ray job's upload, an image) carries what the submitter
+# knew: `cluster/submit.sh` sets these from `git` in the runtime_env of the job it submits.
+SOURCE_COMMIT_ENV = "TENANTQ_SOURCE_COMMIT"
+SOURCE_DIRTY_ENV = "TENANTQ_SOURCE_DIRTY"  # "true" / "false"
+
+
+def source_version(root: str | Path | None = None) -> dict[str, str]:
+    """Where the running tenantq came from: `commit` (a sha, or "" when unknown), `dirty`
+    ("true", "false" or "unknown") and `origin` ("git": read from the tree's .git;
+    "submitted": the submitter's environment; "unknown: ..." saying why neither)."""
+    import os
+
     import tenantq
 
+    commit = os.environ.get(SOURCE_COMMIT_ENV, "").strip()
+    if commit:
+        dirty = os.environ.get(SOURCE_DIRTY_ENV, "unknown").strip().lower() or "unknown"
+        return {"commit": commit, "dirty": dirty, "origin": "submitted"}
     where = Path(root) if root else Path(tenantq.__file__).resolve().parent
     try:
         sha = subprocess.run(
@@ -36,9 +50,31 @@ def code_version(root: str | Path | None = None) -> str:
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "."], cwd=where, capture_output=True, text=True
         ).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
+        return {"commit": sha, "dirty": "true" if dirty else "false", "origin": "git"}
     except (OSError, subprocess.CalledProcessError):
+        why = f"no .git above {where} and no {SOURCE_COMMIT_ENV} (submit with cluster/submit.sh)"
+        return {"commit": "", "dirty": "unknown", "origin": f"unknown: {why}"}
+
+
+def code_version(root: str | Path | None = None) -> str:
+    """`git describe`-style commit of the tenantq source tree, '+dirty' if it has edits
+    (`tenantq-VERSION` when the commit is unknown)."""
+    import tenantq
+
+    found = source_version(root)
+    if not found["commit"]:
         return f"tenantq-{getattr(tenantq, '__version__', 'unknown')}"
+    return found["commit"] + ("+dirty" if found["dirty"] == "true" else "")
+
+
+def source_tags(root: str | Path | None = None) -> dict[str, str]:
+    """MLflow tags of the code a run ran: MLflow's own `mlflow.source.git.commit` (shown in
+    its UI) when the commit is known, plus tenantq's dirty flag and where the two came from."""
+    found = source_version(root)
+    tags = {"tenantq.source.dirty": found["dirty"], "tenantq.source.origin": found["origin"]}
+    if found["commit"]:
+        tags["mlflow.source.git.commit"] = found["commit"]
+    return tags
 
 
 def check_tracking_uri(uri: str, key: str = "tracking.uri") -> None:
@@ -211,6 +247,12 @@ class StudyTracker:
 
     def log_artifact(self, run_id: str, name: str, value: Any) -> None:
         self._log_artifact(run_id, name, value)
+
+    def log_files(self, run_id: str, paths: list[Path], artifact_path: str) -> None:
+        """Files as they are on disk, under `artifact_path/` of the run (through the
+        tracking server when it serves artifacts: the job's own folder may be temporary)."""
+        for path in paths:
+            self.client.log_artifact(run_id, str(path), artifact_path=artifact_path)
 
     # ---------------------------------------------------------------- helpers
     def _log_params(self, run_id: str, params: Mapping[str, Any]) -> None:

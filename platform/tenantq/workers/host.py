@@ -2,13 +2,17 @@
 
 Resources follow the host: `{"TPU": chips_per_host}` from `ray.util.tpu` on a TPU host,
 `num_gpus` on a GPU, otherwise CPU cores, with XLA's and BLAS's threads limited to the
-worker's share and the process pinned to its own cores, so two CPU workers on two cores run
-side by side instead of fighting. Only workers open accelerators; the driver stays on CPU.
+worker's share and the process pinned to cores it claims on its own node (a lock file per
+core, held for the actor's life), so two CPU workers on two cores run side by side instead of
+fighting, whatever node each lands on. Only workers open accelerators; the driver stays on CPU.
+A worker checks at start that it can read the model, and names its node and the path if not.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +21,72 @@ from typing import Any
 # Where workers keep compiled executables: `<cache_dir>/xla` unless this names a folder (the
 # test suite shares one across its studies; several studies may share one the same way).
 XLA_CACHE_ENV = "TENANTQ_XLA_CACHE_DIR"
+# Where CPU workers of one node claim their cores (one lock file per core; the kernel drops a
+# dead worker's locks with its process).
+CORE_LOCK_DIR_ENV = "TENANTQ_CORE_LOCK_DIR"
+
+
+class ModelUnreadableError(RuntimeError):
+    """The worker's node cannot read the model: every trial there would fail the same way."""
+
+
+def node_name() -> str:
+    """This worker's node as Ray names it (its IP and id), or the host name outside Ray."""
+    try:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return f"{ray.util.get_node_ip_address()} (node {ctx.get_node_id()[:12]})"
+    except Exception:  # not in a Ray worker
+        return socket.gethostname()
+
+
+def check_model_readable(model_path: str) -> None:
+    """One line naming the node and the path when this node cannot read the model folder:
+    on a cluster the model lives on a shared read-only volume mounted at the same path on
+    every node (cluster/README.md, "Shared model volume")."""
+    folder = Path(model_path)
+    config = folder / "config.json"
+    try:
+        with config.open("rb") as f:
+            f.read(1)
+        weights = sorted(folder.glob("*.safetensors"))
+        if not weights:
+            raise FileNotFoundError(f"no *.safetensors in {folder}")
+        with weights[0].open("rb") as f:
+            f.read(1)
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise ModelUnreadableError(
+            f"node {node_name()} cannot read the model at {folder} ({reason}); mount the "
+            "shared model volume at this path on every worker node"
+        ) from None
+
+
+def claim_cores(cpus: int, lock_dir: Path | None = None) -> tuple[list[int], list[int]]:
+    """The first `cpus` cores of this process's affinity that no other worker on this node
+    holds, and the lock file descriptors that hold them (kept open for the actor's life).
+    ([], []) when every core is taken: the worker then runs unpinned."""
+    folder = lock_dir or Path(
+        os.environ.get(CORE_LOCK_DIR_ENV) or f"/tmp/tenantq-cores-{os.getuid()}"
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    got: list[int] = []
+    fds: list[int] = []
+    for core in sorted(os.sched_getaffinity(0)):
+        fd = os.open(folder / f"core-{core}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        got.append(core)
+        fds.append(fd)
+        if len(got) == cpus:
+            return got, fds
+    for fd in fds:
+        os.close(fd)
+    return [], []
 
 
 @dataclass
@@ -85,7 +155,12 @@ class HostWorker:
         kind: str = "cpu",
         cores: list[int] | None = None,
         calibration: dict[str, Any] | None = None,
+        cpus: int | None = None,
     ) -> None:
+        check_model_readable(model_path)
+        self._core_locks: list[int] = []
+        if kind == "cpu" and cpus and not cores and hasattr(os, "sched_setaffinity"):
+            cores, self._core_locks = claim_cores(cpus)  # this node's cores, not the driver's
         if kind == "cpu" and cores and hasattr(os, "sched_setaffinity"):
             usable = os.sched_getaffinity(0)
             pinned = {c for c in cores if c in usable}
@@ -118,7 +193,12 @@ class HostWorker:
         return self._evaluators[key]
 
     def ping(self) -> dict[str, Any]:
-        return {"name": self.name, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0))}
+        return {
+            "name": self.name,
+            "pid": os.getpid(),
+            "cores": sorted(os.sched_getaffinity(0)),
+            "node": node_name(),
+        }
 
     def evaluate(
         self, plan_json: str, suite: str | None = None, split: str = "search"

@@ -88,8 +88,6 @@ class WorkerPool:
         self._generation += 1
         name = f"{self._prefix}-{slot}-g{self._generation}"
         cpus = getattr(self._spec, "cpus_per_worker", 1)
-        ncpu = os.cpu_count() or 1
-        cores = [(slot * cpus + c) % ncpu for c in range(cpus)]
         self._actors[slot] = self._actor_cls.options(
             name=name, namespace=ACTOR_NAMESPACE, **worker_options(self._spec)
         ).remote(
@@ -97,7 +95,7 @@ class WorkerPool:
             *self._args,
             cache_dir=self._cache_dir,
             kind=self._spec.kind,
-            cores=cores,
+            cpus=cpus,  # the worker claims cores on its own node (workers.host.claim_cores)
             calibration=self._calibration,
         )
         self._names[slot] = name
