@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tenantq.workers.host import HostWorker, TrialResult, worker_options
+from tenantq.workers.slice import SLICE_KINDS, SliceWorker, slice_args
 
 # How long a new worker may take to load the model, data and baseline before the study stops.
 WORKER_START_TIMEOUT_S = 900.0
@@ -66,7 +67,7 @@ class WorkerPool:
         self._cache_dir = cache_dir
         self._calibration = calibration
         self._count = count or workers_spec.count
-        self._actor_cls = ray.remote(worker_class or HostWorker)
+        self._actor_cls = ray.remote(worker_class or default_worker_class(workers_spec))
         self._prefix = f"{name_prefix}-{os.getpid()}"
         self._actors: dict[int, Any] = {}
         self._names: dict[int, str] = {}
@@ -99,6 +100,7 @@ class WorkerPool:
             kind=self._spec.kind,
             cores=cores,
             calibration=self._calibration,
+            **slice_args(self._spec),
         )
         self._names[slot] = name
         self._loading[self._actors[slot].ping.remote()] = slot
@@ -253,6 +255,11 @@ class WorkerPool:
         with contextlib.suppress(ValueError, ray.exceptions.RayError):  # already gone
             ray.kill(self._actors[slot], no_restart=True)
         self._start(slot)
+
+
+def default_worker_class(spec: Any) -> type:
+    """One HostWorker per host; for a slice kind one SliceWorker per slice (its hosts' gang)."""
+    return SliceWorker if getattr(spec, "kind", None) in SLICE_KINDS else HostWorker
 
 
 def _start_error(err: BaseException) -> str:
