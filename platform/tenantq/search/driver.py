@@ -282,6 +282,8 @@ class SearchDriver:
         entry.trial.set_user_attr("timings_s", timings)
         if r.pid:
             entry.trial.set_user_attr("worker_pid", r.pid)
+        if r.extra.get("slice"):  # which gang of a slice worker ran it (tenantq.workers.slice)
+            entry.trial.set_user_attr("slice", r.extra["slice"])
         numeric = {k: v for k, v in r.summary.items() if isinstance(v, int | float)}
         entry.log = {
             "metrics": numeric | {f"time.{k}_s": v for k, v in timings.items()},

@@ -355,6 +355,23 @@ class Spec(_Strict):
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
 
     @model_validator(mode="after")
+    def _slice_chips(self) -> Spec:
+        """A slice runs the engine at tp = every device of the slice; the capacity side must
+        budget that layout (deployment.chips), or planner and engine count different bytes."""
+        if self.workers.kind not in ("tpu_slice", "cpu_slice"):
+            return self
+        from tenantq.workers.slice import slice_shape
+
+        devices = slice_shape(self.workers).devices
+        if self.deployment.chips != devices:
+            raise ValueError(
+                f"deployment.chips = {self.deployment.chips}, but each trial runs on a "
+                f"{self.workers.kind} of {devices} devices (tensor parallel over all of them): "
+                f"set deployment.chips = {devices}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _objectives(self) -> Spec:
         from tenantq.evals.suite import higher_is_better
 

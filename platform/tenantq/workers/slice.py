@@ -164,6 +164,7 @@ class SliceWorker:
         self._hosts: list[Any] = []
         self._group: Any = None  # SlicePlacementGroup or PlacementGroup
         self._joined: list[dict[str, Any]] = []
+        self._groups_made: list[Any] = []  # every gang's placement group, for `group_states`
         self._start_gang()
 
     # ------------------------------------------------------------ the gang
@@ -181,6 +182,7 @@ class SliceWorker:
             group = pg = placement_group(
                 [{"CPU": self.shape.cpus_per_host}] * self.shape.hosts, strategy="PACK"
             )
+        self._groups_made.append(pg)
         try:
             ray.get(pg.ready(), timeout=GANG_START_TIMEOUT_S)
         except BaseException:
@@ -251,9 +253,12 @@ class SliceWorker:
             "hosts": list(self._joined),
         }
 
-    def host_names(self) -> list[str]:
-        """The live gang's actor names (tests kill one)."""
-        return [f"{self.name}-host{i}-g{self.generation}" for i in range(len(self._hosts))]
+    def group_states(self) -> list[str]:
+        """Ray's state of each gang's placement group, oldest first ("REMOVED" for a gang
+        that was replaced, "CREATED" for the live one)."""
+        from ray.util import placement_group_table
+
+        return [placement_group_table(pg).get("state", "?") for pg in self._groups_made]
 
     def evaluate(
         self, plan_json: str, suite: str | None = None, split: str = "search"
@@ -282,6 +287,7 @@ class SliceWorker:
                 "generation": self.generation,
                 "gangs_lost": lost,
                 "host_pids": [r.pid for r in results],
+                "placement_groups": self.group_states(),
             }
             return lead
         self._stop_gang()
