@@ -21,10 +21,7 @@ from tenantq.testing import tiny_study_spec
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SUITE = Path(__file__).parents[1] / "search" / "tiny_suite.toml"
-SLICE = (
-    '[workers]\nkind = "cpu_slice"\ncpu_slice_hosts = 2\ncpu_devices_per_host = 1\n'
-    "cpus_per_worker = 1\n"
-)
+SLICE = '[workers]\nkind = "cpu_slice"\ncpu_slice_hosts = 2\ncpu_devices_per_host = 1\n'
 
 
 def _slice_spec(tmp: Path, trials: int):
@@ -32,8 +29,7 @@ def _slice_spec(tmp: Path, trials: int):
     # tp = 2 splits o_proj's 192 input rows in shards of 96: int4 groups of 32 fit them
     text = text.replace("group_size = 64", "group_size = 32")
     text = text.replace("[deployment]", "[deployment]\nchips = 2")
-    head, _, rest = text.partition("[workers]")
-    text = head + SLICE + rest
+    text = text.replace("[workers]\n", SLICE)
     return parse_spec(tomllib.loads(text)), text
 
 

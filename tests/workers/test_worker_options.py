@@ -76,3 +76,17 @@ def test_a_cpu_slice_forces_its_devices_per_process() -> None:
 def test_a_tpu_slice_needs_its_topology() -> None:
     with pytest.raises(ValueError, match="needs tpu_topology"):
         WorkersSpec(kind="tpu_slice")
+
+
+def test_a_v6e_2x4_of_two_four_chip_vms_is_a_two_host_slice() -> None:
+    # v6e 2x4 is one 8-chip VM (ct6e-standard-8t) or two 4-chip VMs (ct6e-standard-4t): Ray's
+    # chips_per_vm tells them apart; the single-host kind refuses the two-VM shape.
+    spec = WorkersSpec(
+        kind="tpu_slice", tpu_topology="2x4", tpu_accelerator_type="TPU-V6E", tpu_chips_per_host=4
+    )
+    shape = slice_shape(spec)
+    assert (shape.hosts, shape.devices_per_host, shape.devices) == (2, 4, 8)
+    with pytest.raises(ValueError, match="spans 2 hosts"):
+        WorkersSpec(
+            kind="tpu", tpu_topology="2x4", tpu_accelerator_type="TPU-V6E", tpu_chips_per_host=4
+        )

@@ -214,6 +214,12 @@ class WorkersSpec(_Strict):
     tpu_accelerator_type: str | None = Field(
         None, description="Ray's accelerator type, e.g. 'TPU-V6E' (tpu, tpu_slice)"
     )
+    tpu_chips_per_host: int | None = Field(
+        None,
+        ge=1,
+        description="tpu_slice: chips per TPU VM where a topology has two shapes (v6e 2x4 is "
+        "one 8-chip VM, or two 4-chip VMs with 4); absent: Ray's default for the topology",
+    )
     cpu_slice_hosts: int = Field(2, ge=1, description="cpu_slice: JAX processes per slice")
     cpu_devices_per_host: int = Field(
         2, ge=1, description="cpu_slice: forced CPU devices per process"
@@ -238,7 +244,9 @@ class WorkersSpec(_Strict):
         from ray.util.tpu import get_tpu_worker_resources
 
         try:
-            hosts, _ = get_tpu_worker_resources(self.tpu_topology, self.tpu_accelerator_type)
+            hosts, _ = get_tpu_worker_resources(
+                self.tpu_topology, self.tpu_accelerator_type, chips_per_vm=self.tpu_chips_per_host
+            )
         except ValueError as err:
             raise ValueError(f"workers.tpu_topology / tpu_accelerator_type: {err}") from None
         if self.kind == "tpu" and hosts > 1:

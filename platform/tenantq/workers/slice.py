@@ -60,7 +60,10 @@ def slice_shape(spec: Any) -> SliceShape:
         )  # fmt: skip
     from ray.util.tpu import get_tpu_version_from_type, get_tpu_worker_resources
 
-    hosts, resources = get_tpu_worker_resources(spec.tpu_topology, spec.tpu_accelerator_type)
+    per_host = getattr(spec, "tpu_chips_per_host", None)
+    hosts, resources = get_tpu_worker_resources(
+        spec.tpu_topology, spec.tpu_accelerator_type, chips_per_vm=per_host
+    )
     version = get_tpu_version_from_type(spec.tpu_accelerator_type)
     return SliceShape(
         "tpu_slice", hosts, int(resources["TPU"]), spec.tpu_topology, version,
@@ -176,7 +179,10 @@ class SliceWorker:
         if self.shape.kind == "tpu_slice":
             from ray.util.tpu import slice_placement_group
 
-            group = slice_placement_group(self.shape.topology, self.shape.accelerator)
+            shape = self.shape
+            group = slice_placement_group(
+                shape.topology, shape.accelerator, chips_per_vm=shape.devices_per_host
+            )
             pg = group.placement_group
         else:  # one node cannot STRICT_SPREAD: PACK the N hosts on what there is
             group = pg = placement_group(
