@@ -356,7 +356,9 @@ class SearchDriver:
             if address:
                 ray.init(address=address, namespace="tenantq", log_to_driver=False)
             else:
-                cpus = self.workers * self.spec.workers.cpus_per_worker
+                w = self.spec.workers  # a cpu_slice worker holds cores on each of its hosts
+                hosts = w.cpu_slice_hosts if w.kind == "cpu_slice" else 1
+                cpus = self.workers * w.cpus_per_worker * hosts
                 ray.init(
                     num_cpus=max(cpus, os.cpu_count() or 1),
                     include_dashboard=False,

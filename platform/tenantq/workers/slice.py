@@ -119,7 +119,7 @@ class SliceHost(HostWorker):
     def join(self, coordinator: str, num_processes: int, process_id: int) -> dict[str, Any]:
         import jax
 
-        if jax.config.jax_platforms == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
+        if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU collectives across processes
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator, num_processes, process_id)
         self.engine_options = {"tp": jax.device_count()}
@@ -287,6 +287,11 @@ class SliceWorker:
                 self._stop_gang()
                 continue
             lead = results[0]
+            hosts = [r.memory_report.get("host") for r in results]
+            if all(hosts):  # what each host's devices hold, and the slice's sum
+                lead.memory_report["hosts"] = hosts
+                lead.memory_report["slice_bytes"] = sum(h["bytes"] for h in hosts)
+                lead.memory_report.pop("host", None)
             lead.extra["slice"] = {
                 "hosts": self.shape.hosts,
                 "devices": self.shape.devices,
@@ -294,6 +299,7 @@ class SliceWorker:
                 "gangs_lost": lost,
                 "host_pids": [r.pid for r in results],
                 "placement_groups": self.group_states(),
+                "host_bytes": [h["bytes"] for h in hosts] if all(hosts) else None,
             }
             return lead
         self._stop_gang()
