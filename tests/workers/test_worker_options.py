@@ -90,3 +90,15 @@ def test_a_v6e_2x4_of_two_four_chip_vms_is_a_two_host_slice() -> None:
         WorkersSpec(
             kind="tpu", tpu_topology="2x4", tpu_accelerator_type="TPU-V6E", tpu_chips_per_host=4
         )
+
+
+def test_the_shipped_70b_slice_spec_budgets_the_slice_it_runs_on() -> None:
+    from pathlib import Path
+
+    from tenantq.search.spec import load_spec
+
+    root = Path(__file__).parents[2]
+    spec = load_spec(root / "experiments" / "llama-3.1-70b-v6e-2x4-slice.toml")
+    shape = slice_shape(spec.workers)
+    assert spec.workers.kind == "tpu_slice" and (shape.hosts, shape.devices_per_host) == (2, 4)
+    assert spec.deployment.chips == shape.devices == 8
