@@ -90,3 +90,32 @@ class SliceLosingAHostOnce(SliceWorker):
     """A SliceWorker whose gang loses host 1 on the first int4 plan (DieOnceOnInt4SliceHost)."""
 
     host_class = DieOnceOnInt4SliceHost
+
+
+QUICK_TRIAL_S = 3.0  # long enough to kill a host while its trial runs
+
+
+class QuickSliceHost(SliceHost):
+    """A slice host with no model and no JAX: `join` returns at once and a trial sleeps
+    QUICK_TRIAL_S, for the tests of the gang's own bookkeeping (loss, retry, release)."""
+
+    def join(self, coordinator: str, num_processes: int, process_id: int):
+        import os
+
+        self.name, self._process_id = self._args[0], process_id
+        return {"name": self.name, "pid": os.getpid(), "process_index": process_id}
+
+    def evaluate(self, plan_json: str, suite: str | None = None, split: str = "search"):
+        import os
+        import time
+
+        from tenantq.workers.host import TrialResult
+
+        time.sleep(QUICK_TRIAL_S)
+        return TrialResult({}, {}, {}, {}, worker=self.name, pid=os.getpid())
+
+
+class QuickSlice(SliceWorker):
+    """A SliceWorker over QuickSliceHosts."""
+
+    host_class = QuickSliceHost

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tenantq.workers.host import HostWorker, TrialResult, worker_options
-from tenantq.workers.slice import SLICE_KINDS, SliceWorker, slice_args
+from tenantq.workers.slice import SLICE_KINDS, SliceWorker, release_slice, slice_args
 
 # How long a new worker may take to load the model, data and baseline before the study stops.
 WORKER_START_TIMEOUT_S = 900.0
@@ -147,8 +147,9 @@ class WorkerPool:
     def shutdown(self) -> None:
         import ray
 
-        for actor in self._actors.values():
+        for slot, actor in self._actors.items():
             ray.kill(actor, no_restart=True)
+            self._release(slot)
         self._actors.clear()
 
     # ---------------------------------------------------------------- work
@@ -235,12 +236,19 @@ class WorkerPool:
             name = self._names[slot]
             with contextlib.suppress(ValueError, ray.exceptions.RayError):
                 ray.kill(self._actors[slot], no_restart=True)
+            self._release(slot)
             self._start(slot)  # not counted against max_replacements: the plan's fault
             error = TimeoutError(
                 f"trial ran past its deadline of {self.trial_timeout_s:g} s on {name}"
             )
             out.append(Finished(key, name, now - start, error=error, reason="timeout"))
         return out
+
+    def _release(self, slot: int) -> None:
+        """After killing a slice worker: the placement groups it reserved (Ray scopes them to
+        the job, not to the actor that made them)."""
+        if getattr(self._spec, "kind", None) in SLICE_KINDS:
+            release_slice(self._names[slot])
 
     def _replace(self, slot: int, err: BaseException | None) -> None:
         import ray
@@ -254,6 +262,7 @@ class WorkerPool:
         self.losses_in_a_row += 1
         with contextlib.suppress(ValueError, ray.exceptions.RayError):  # already gone
             ray.kill(self._actors[slot], no_restart=True)
+        self._release(slot)
         self._start(slot)
 
 

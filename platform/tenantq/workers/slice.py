@@ -8,8 +8,8 @@ placement group of N bundles), starts one `SliceHost` per bundle, gives each the
 address of the first, and sends every plan to all of them. A lost host loses the whole
 program: the gang's actors are killed, its placement group removed, and the trial retried on
 a fresh gang (retries keyed on Ray's ActorDiedError / NodeDiedError, as marin's fray does).
-The gang's actors and placement group belong to the SliceWorker, so killing it (the pool's
-timeout, a replacement) frees the chips too: Ray kills an owner's actors and groups with it.
+Killing the SliceWorker (the pool's deadline, a replacement) kills its hosts, whose owner it
+is; its placement group is scoped to the job, so the pool removes it (`release_slice`).
 """
 
 from __future__ import annotations
@@ -133,8 +133,24 @@ class SliceHost(HostWorker):
         }
 
 
-class GangLost(RuntimeError):
-    """A host of the slice was lost more often than MAX_GANG_RETRIES within one trial."""
+def release_slice(worker_name: str) -> int:
+    """Remove every placement group the SliceWorker `worker_name` reserved and still holds.
+
+    Ray scopes a placement group to its job, not to the actor that made it: a SliceWorker
+    killed from outside (the pool's deadline, a replacement) takes its host actors with it
+    (their owner) but not its groups, so the pool calls this after killing one. Returns how
+    many groups were removed."""
+    from ray.util import get_placement_group, placement_group_table
+    from ray.util.placement_group import remove_placement_group
+
+    removed = 0
+    for info in placement_group_table().values():
+        name = info.get("name") or ""
+        if name.startswith(f"{worker_name}-g") and info.get("state") != "REMOVED":
+            with contextlib.suppress(ValueError):
+                remove_placement_group(get_placement_group(name))
+                removed += 1
+    return removed
 
 
 class SliceWorker:
@@ -176,21 +192,24 @@ class SliceWorker:
         import ray
         from ray.util.placement_group import placement_group
 
+        name = f"{self.name}-g{self.generation}"  # release_slice finds it by this prefix
         if self.shape.kind == "tpu_slice":
             from ray.util.tpu import slice_placement_group
 
             shape = self.shape
             group = slice_placement_group(
-                shape.topology, shape.accelerator, chips_per_vm=shape.devices_per_host
+                shape.topology, shape.accelerator, chips_per_vm=shape.devices_per_host, name=name
             )
             pg = group.placement_group
         else:  # one node cannot STRICT_SPREAD: PACK the N hosts on what there is
             group = pg = placement_group(
-                [{"CPU": self.shape.cpus_per_host}] * self.shape.hosts, strategy="PACK"
+                [{"CPU": self.shape.cpus_per_host}] * self.shape.hosts, strategy="PACK", name=name
             )
         self._groups_made.append(pg)
         try:
             ray.get(pg.ready(), timeout=GANG_START_TIMEOUT_S)
+            if hasattr(group, "release_head_pgs"):  # the slice is chosen: its head is free
+                group.release_head_pgs()
         except BaseException:
             self._release(group)
             raise
@@ -258,6 +277,10 @@ class SliceWorker:
             "generation": self.generation,
             "hosts": list(self._joined),
         }
+
+    def host_names(self) -> list[str]:
+        """The live gang's actor names, host 0 first."""
+        return [f"{self.name}-host{i}-g{self.generation}" for i in range(len(self._hosts))]
 
     def group_states(self) -> list[str]:
         """Ray's state of each gang's placement group, oldest first ("REMOVED" for a gang
