@@ -22,6 +22,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _sharding_check import CAPACITY_PLANS, CAPACITY_POOL, CONFIG  # noqa: E402
 from test_sharding import LOGITS_ATOL, LOGITS_RTOL  # noqa: E402
 
+# slow; e2e: the jax.distributed coordinator binds a port (the serial xdist group)
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
 SCRIPT = Path(__file__).with_name("_slice_check.py")
 
 
@@ -59,13 +62,11 @@ def slice_run(tmp_path_factory) -> dict:
     return {n: {"logits": dict(np.load(out / f"{n}.npz")), **runs[n]} for n in names}
 
 
-@pytest.mark.slow
 def test_two_hosts_form_one_four_device_program(slice_run):
     for host in ("multi-0", "multi-1"):
         assert slice_run[host]["devices"] == 4 and slice_run[host]["local"] == 2
 
 
-@pytest.mark.slow
 def test_sliced_logits_equal_the_single_process_tp4_and_unsharded_runs(slice_run):
     # Bound: test_sharding.py's (float32 sums reordered, Higham's gamma_K, plus the random
     # model's measured conditioning); the multi-host all-reduce is one more reordering.
@@ -84,7 +85,6 @@ def test_sliced_logits_equal_the_single_process_tp4_and_unsharded_runs(slice_run
         np.testing.assert_array_equal(got, slice_run["multi-1"]["logits"][key])
 
 
-@pytest.mark.slow
 def test_each_host_holds_half_and_the_hosts_sum_to_one_host_with_four_devices(slice_run):
     hosts = [slice_run[h]["host_memory"] for h in ("multi-0", "multi-1")]
     assert [h["process_index"] for h in hosts] == [0, 1]
@@ -98,7 +98,6 @@ def test_each_host_holds_half_and_the_hosts_sum_to_one_host_with_four_devices(sl
     assert slice_run["multi-0"]["memory_total"] == slice_run["single"]["memory_total"]
 
 
-@pytest.mark.slow
 def test_planner_equals_what_every_device_of_the_slice_holds(slice_run):
     # DESIGN: capacity = the engine's real allocation, byte for byte; here per device of a
     # two-host slice (each host reports its own devices).
