@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STATE_WAIT_S = 60.0  # Ray frees a dead owner's actors and groups asynchronously
 
