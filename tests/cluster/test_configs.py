@@ -102,7 +102,7 @@ def test_launcher_config_passes_rays_own_schema() -> None:
         validate_config(prepare_config(broken))
 
 
-def test_launcher_tpu_workers_are_single_v6e_8_hosts() -> None:
+def test_launcher_tpu_workers_are_a_v6e_8_host_and_a_four_host_v6e_16_pod() -> None:
     from ray._private.accelerators.tpu import (
         TPUAcceleratorManager,
         get_num_tpu_visible_chips_per_host,
@@ -121,19 +121,22 @@ def test_launcher_tpu_workers_are_single_v6e_8_hosts() -> None:
         if name != config["head_node_type"]
     }
     assert tpu_types
-    for node_type in tpu_types.values():
+    shapes = {}
+    for name, node_type in tpu_types.items():
         node = node_type["node_config"]
         accelerator = node["acceleratorType"]
         assert "machineType" not in node
         assert TPUAcceleratorManager.is_valid_tpu_accelerator_type(accelerator)
         assert accelerator.startswith("v6e-") and "tpuv6e" in node["runtimeVersion"]
-        # acceleratorType counts TensorCores; v6e has one per chip, so v6e-8 is 8 chips, and
-        # all of them are visible on one host (a single-host slice).
+        # acceleratorType counts TensorCores; v6e has one per chip, so v6e-8 is 8 chips on
+        # one host, v6e-16 16 chips on hosts of 4 (Ray's table of visible chips per host).
         chips = int(accelerator.split("-")[1]) // get_tpu_cores_per_chip(accelerator)
-        assert chips == get_num_tpu_visible_chips_per_host(accelerator) == 8
-        # The autoscaler plans with the declared resources: exactly the host's chips.
+        per_host = get_num_tpu_visible_chips_per_host(accelerator)
+        shapes[name] = (chips // per_host, per_host)
+        # The autoscaler plans with the declared resources: exactly the node's (pod's) chips.
         assert node_type["resources"] == {"TPU": chips}
         assert node_type["max_workers"] <= config["max_workers"]
+    assert shapes == {"tpu_v6e_8": (1, 8), "tpu_v6e_16": (4, 4)}
 
 
 def test_launcher_starts_every_node_with_token_auth_and_a_loopback_dashboard() -> None:
@@ -297,21 +300,28 @@ def test_raycluster_matches_installed_ray_and_rays_tpu_tables() -> None:
     } <= head_env
     assert "google.com/tpu" not in head["resources"]["limits"]
 
-    (group,) = spec["workerGroupSpecs"]
-    pod = group["template"]["spec"]
-    selector = pod["nodeSelector"]
-    accelerator = selector["cloud.google.com/gke-tpu-accelerator"]
-    topology = selector["cloud.google.com/gke-tpu-topology"]
-    assert accelerator == "tpu-v6e-slice"
-    assert topology in VALID_TPU_TOPOLOGY["v6e"]
-    chips_per_host = get_chips_per_host(topology, "v6e")
-    (worker,) = pod["containers"]
-    assert int(worker["resources"]["requests"]["google.com/tpu"]) == chips_per_host
-    assert int(worker["resources"]["limits"]["google.com/tpu"]) == chips_per_host
-    assert group["numOfHosts"] == get_num_chips_from_topology(topology) // chips_per_host == 1
-    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-    assert any(t["key"] == "google.com/tpu" for t in pod["tolerations"])
-    assert worker["image"].split("/")[-1].startswith("tenantq-tpu:")
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    # a single-host v6e-8 group (HostWorkers) and a multi-host v6e-16 group (SliceWorkers)
+    assert set(groups) == {"tpu-v6e-8", "tpu-v6e-16"}
+    hosts = {}
+    for group in groups.values():
+        pod = group["template"]["spec"]
+        selector = pod["nodeSelector"]
+        accelerator = selector["cloud.google.com/gke-tpu-accelerator"]
+        topology = selector["cloud.google.com/gke-tpu-topology"]
+        assert accelerator == "tpu-v6e-slice"
+        assert topology in VALID_TPU_TOPOLOGY["v6e"]
+        chips_per_host = get_chips_per_host(topology, "v6e")
+        (worker,) = pod["containers"]
+        assert int(worker["resources"]["requests"]["google.com/tpu"]) == chips_per_host
+        assert int(worker["resources"]["limits"]["google.com/tpu"]) == chips_per_host
+        # one replica = one slice: every host of the topology, as Ray's tables count them
+        assert group["numOfHosts"] == get_num_chips_from_topology(topology) // chips_per_host
+        hosts[group["groupName"]] = (group["numOfHosts"], chips_per_host)
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        assert any(t["key"] == "google.com/tpu" for t in pod["tolerations"])
+        assert worker["image"].split("/")[-1].startswith("tenantq-tpu:")
+    assert hosts == {"tpu-v6e-8": (1, 8), "tpu-v6e-16": (4, 4)}
     assert "JAX_EXTRA" in dockerfile  # the TPU image is the same Dockerfile with libtpu
 
 

@@ -371,6 +371,17 @@ class Engine:
         kv_layers = self.cache.kv_report() if hasattr(self.cache, "kv_report") else ()
         return memory_report(self.params, self.cache.nbytes, kv_layers)
 
+    def host_memory(self) -> dict[str, Any]:
+        """What this process's devices hold (params and KV cache), device by device: on a
+        multi-host slice, one host's share (a slice worker sums the hosts); on one host,
+        everything. Read from the arrays' shards, like `sharding.device_bytes`."""
+        held = sharding.device_bytes((self.params, self.cache.state))
+        return {
+            "process_index": jax.process_index(),
+            "device_bytes": {str(d): b for d, b in sorted(held.items())},
+            "bytes": sum(held.values()),
+        }
+
     def settings(self) -> dict[str, Any]:
         """Everything about this engine that changes its results or its memory, as one flat
         dict of plain values: log it with a run, key caches of its outputs by it."""
@@ -526,7 +537,7 @@ class Engine:
             tokens=tokens, positions=positions,
             valid=valid, targets=tgt, stats=self.stats,
         )  # fmt: skip
-        out = jax.block_until_ready(out)
+        out = jax.block_until_ready(sharding.to_every_host(out, self.mesh))
         # Run time only: a first call's compile is counted in stats.compile_s instead.
         elapsed = time.perf_counter() - began - (self.stats.compile_s - compile_before)
         if phase == "decode":

@@ -5,11 +5,14 @@ The layout is `tenantq.quant.storage`'s table, the one the capacity planner budg
 embed and an untied lm_head the vocabulary when tp divides it, norms replicated), and the
 KV cache by KV head. Arrays are placed with `NamedSharding` and jit propagates the rest.
 A quantized tensor's scales either come from the whole tensor ("global") or from each
-device's slice alone ("shard").
+device's slice alone ("shard"). Under multi-controller JAX (one process per host of a slice,
+`jax.distributed`) the mesh spans every process's devices: each process places only its own
+shards (`place`) and the engine's outputs are replicated to every host (`to_every_host`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,11 +35,24 @@ HEAD_AXIS = 2  # every KV-cache array is [..., ..., kv_heads, ...]
 
 
 def make_mesh(tp: int, config: ModelConfig | None = None) -> Mesh:
-    """A 1-d mesh named "tp" over the first `tp` local devices (checked against `config`)."""
+    """A 1-d mesh named "tp" over the first `tp` local devices (checked against `config`).
+
+    Under multi-controller JAX (`jax.process_count() > 1`) the mesh is every device of every
+    process, in process order: tp must be the slice's whole device count, since a process
+    outside the mesh would wait for a program that never includes it."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
     if config is not None:
         check_tp(config, tp)
+    if jax.process_count() > 1:
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        if tp != len(devices):
+            raise ValueError(
+                f"tp={tp} but this slice runs {jax.process_count()} processes with "
+                f"{len(devices)} devices in all: under multi-controller JAX tp must be "
+                f"{len(devices)} (every device of every host)"
+            )
+        return Mesh(np.array(devices), (AXIS,), axis_types=(AxisType.Auto,))
     devices = jax.local_devices()
     if tp > len(devices):
         raise ValueError(
@@ -207,8 +223,38 @@ def shard_params(
             else:
                 value = quantize_tensor(value, how)
         specs = param_spec(path, value, config, tp)
-        out[path] = jax.device_put(value, _named(specs, mesh))
+        out[path] = jax.tree.map(place, value, _named(specs, mesh))
     return out
+
+
+def spans_processes(mesh: Mesh | None) -> bool:
+    """Whether `mesh` holds devices of more than one process (a multi-host slice)."""
+    return mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def place(value: Any, sharding: NamedSharding) -> jax.Array:
+    """`value` (the same host or device array on every process) laid out as `sharding`.
+
+    On one process this is `jax.device_put`. Across processes each one builds only the shards
+    its own devices hold (`jax.make_array_from_callback` slices the host copy), so no process
+    sends another's shards anywhere: the per-host memory is the per-host share."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+@functools.cache
+def _replicator(mesh: Mesh):
+    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
+
+
+def to_every_host(tree: Any, mesh: Mesh | None) -> Any:
+    """Outputs of a step replicated on every device of `mesh`, when it spans processes (an
+    all-gather), so each host can read them (`np.asarray`); unchanged otherwise."""
+    if not spans_processes(mesh):
+        return tree
+    return _replicator(mesh)(tree)
 
 
 def _named(specs, mesh: Mesh):
@@ -223,21 +269,22 @@ def shard_cache_state(state: Any, mesh: Mesh) -> Any:
     """Every KV-cache array split on its KV-head axis (index 2); smaller arrays replicated."""
     tp = mesh.shape[AXIS]
 
-    def place(array):
+    def by_head(array):
         if array.ndim <= HEAD_AXIS:
-            return jax.device_put(array, NamedSharding(mesh, P()))
+            return place(array, NamedSharding(mesh, P()))
         if array.shape[HEAD_AXIS] % tp:
             raise ValueError(
                 f"cache array {tuple(array.shape)}: tp={tp} does not divide its KV-head axis "
                 f"(index {HEAD_AXIS}) of {array.shape[HEAD_AXIS]}"
             )
-        return jax.device_put(array, NamedSharding(mesh, _spec(array.ndim, HEAD_AXIS)))
+        return place(array, NamedSharding(mesh, _spec(array.ndim, HEAD_AXIS)))
 
-    return jax.tree.map(place, state)
+    return jax.tree.map(by_head, state)
 
 
 def device_bytes(tree: Any) -> dict[int, int]:
-    """Bytes each device holds for the arrays of `tree` (a replicated array counts on each)."""
+    """Bytes each device holds for the arrays of `tree` (a replicated array counts on each);
+    on a multi-host slice, the devices of this process only."""
     out: dict[int, int] = {}
     for leaf in jax.tree.leaves(tree):
         for shard in leaf.addressable_shards:

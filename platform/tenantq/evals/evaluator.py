@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
@@ -414,10 +415,13 @@ class Evaluator:
             "identity.plan": plan.fingerprint(), "examples.n": len(rows),
             "passed": int(all(g.constraint <= 0 for g in gates.values())),
         })  # fmt: skip
+        memory = engine.memory_report().as_dict()
+        if engine.mesh is not None and jax.process_count() > 1:  # one host of a slice
+            memory["host"] = engine.host_memory()
         return EvalResult(
             summary=summary, gates=gates, examples=_examples_table(rows),
             timings_s={k: round(v, 4) for k, v in timings.items()},
-            memory_report=engine.memory_report().as_dict(),
+            memory_report=memory,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ summaries

@@ -285,6 +285,8 @@ class SearchDriver:
         entry.trial.set_user_attr("timings_s", timings)
         if r.pid:
             entry.trial.set_user_attr("worker_pid", r.pid)
+        if r.extra.get("slice"):  # which gang of a slice worker ran it (tenantq.workers.slice)
+            entry.trial.set_user_attr("slice", r.extra["slice"])
         numeric = {k: v for k, v in r.summary.items() if isinstance(v, int | float)}
         entry.log = {
             "metrics": numeric | {f"time.{k}_s": v for k, v in timings.items()},
@@ -357,7 +359,9 @@ class SearchDriver:
             if address:
                 ray.init(address=address, namespace="tenantq", log_to_driver=False)
             else:
-                cpus = self.workers * self.spec.workers.cpus_per_worker
+                w = self.spec.workers  # a cpu_slice worker holds cores on each of its hosts
+                hosts = w.cpu_slice_hosts if w.kind == "cpu_slice" else 1
+                cpus = self.workers * w.cpus_per_worker * hosts
                 ray.init(
                     num_cpus=max(cpus, os.cpu_count() or 1),
                     include_dashboard=False,

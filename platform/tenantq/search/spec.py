@@ -220,13 +220,31 @@ class SamplerSpec(_Strict):
 
 
 class WorkersSpec(_Strict):
-    count: int = Field(2, ge=1, description="HostWorker actors (one per host)")
-    kind: Literal["cpu", "gpu", "tpu"] = "cpu"
-    cpus_per_worker: int = Field(1, ge=1, description="CPU cores a CPU worker owns")
+    count: int = Field(2, ge=1, description="HostWorker actors (one per host); slice kinds: slices")
+    kind: Literal["cpu", "gpu", "tpu", "tpu_slice", "cpu_slice"] = Field(
+        "cpu",
+        description="tpu: one worker per TPU host; tpu_slice: one trial across every host of "
+        "a multi-host slice (tenantq.workers.slice); cpu_slice: the same on CPU processes",
+    )
+    cpus_per_worker: int = Field(
+        1, ge=1, description="CPU cores a CPU worker owns (cpu_slice: per host process)"
+    )
     gpus_per_worker: int = Field(1, ge=1)
-    tpu_topology: str | None = Field(None, description="e.g. '2x4' (tpu workers)")
+    tpu_topology: str | None = Field(
+        None, description="e.g. '2x4' (tpu: one host), '4x4' (tpu_slice: 4 v6e hosts)"
+    )
     tpu_accelerator_type: str | None = Field(
-        None, description="Ray's accelerator type, e.g. 'TPU-V6E' (tpu workers)"
+        None, description="Ray's accelerator type, e.g. 'TPU-V6E' (tpu, tpu_slice)"
+    )
+    tpu_chips_per_host: int | None = Field(
+        None,
+        ge=1,
+        description="tpu_slice: chips per TPU VM where a topology has two shapes (v6e 2x4 is "
+        "one 8-chip VM, or two 4-chip VMs with 4); absent: Ray's default for the topology",
+    )
+    cpu_slice_hosts: int = Field(2, ge=1, description="cpu_slice: JAX processes per slice")
+    cpu_devices_per_host: int = Field(
+        2, ge=1, description="cpu_slice: forced CPU devices per process"
     )
     max_restarts: int = Field(2, ge=0, description="Ray actor restarts per worker")
     max_task_retries: int = Field(
@@ -238,10 +256,26 @@ class WorkersSpec(_Strict):
 
     @model_validator(mode="after")
     def _tpu_fields(self) -> WorkersSpec:
-        if self.kind == "tpu" and not (self.tpu_topology and self.tpu_accelerator_type):
+        if self.kind not in ("tpu", "tpu_slice"):
+            return self
+        if not (self.tpu_topology and self.tpu_accelerator_type):
             raise ValueError(
-                "workers.kind = 'tpu' needs tpu_topology (e.g. '2x4') and "
+                f"workers.kind = {self.kind!r} needs tpu_topology (e.g. '2x4') and "
                 "tpu_accelerator_type (e.g. 'TPU-V6E')"
+            )
+        from ray.util.tpu import get_tpu_worker_resources
+
+        try:
+            hosts, _ = get_tpu_worker_resources(
+                self.tpu_topology, self.tpu_accelerator_type, chips_per_vm=self.tpu_chips_per_host
+            )
+        except ValueError as err:
+            raise ValueError(f"workers.tpu_topology / tpu_accelerator_type: {err}") from None
+        if self.kind == "tpu" and hosts > 1:
+            raise ValueError(
+                f"workers.tpu_topology = {self.tpu_topology!r} on {self.tpu_accelerator_type} "
+                f"spans {hosts} hosts, but kind = 'tpu' runs one host per worker: use "
+                "kind = 'tpu_slice' to run each trial across the slice's hosts"
             )
         return self
 
@@ -351,6 +385,23 @@ class Spec(_Strict):
     study: StudySpec
     workers: WorkersSpec = Field(default_factory=WorkersSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+
+    @model_validator(mode="after")
+    def _slice_chips(self) -> Spec:
+        """A slice runs the engine at tp = every device of the slice; the capacity side must
+        budget that layout (deployment.chips), or planner and engine count different bytes."""
+        if self.workers.kind not in ("tpu_slice", "cpu_slice"):
+            return self
+        from tenantq.workers.slice import slice_shape
+
+        devices = slice_shape(self.workers).devices
+        if self.deployment.chips != devices:
+            raise ValueError(
+                f"deployment.chips = {self.deployment.chips}, but each trial runs on a "
+                f"{self.workers.kind} of {devices} devices (tensor parallel over all of them): "
+                f"set deployment.chips = {devices}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _objectives(self) -> Spec:

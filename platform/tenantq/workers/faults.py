@@ -10,6 +10,7 @@ so that Ray's workers import it by name.
 from __future__ import annotations
 
 from tenantq.workers.host import HostWorker
+from tenantq.workers.slice import SliceHost, SliceWorker
 
 INJECTED_ERROR = "injected failure (tenantq.workers.faults): this worker refuses quantized plans"
 
@@ -62,3 +63,59 @@ class DieOnInt4Weights(HostWorker):
                     f.write(f"{os.getpid()}\n")
             os._exit(1)
         return super().evaluate(plan_json, suite, split)
+
+
+class DieOnceOnInt4SliceHost(SliceHost):
+    """A slice host whose process 1 exits on the first plan with int4 weights of the run (the
+    pid goes to TENANTQ_FAULT_LOG, whose existence marks it done): one host lost mid-trial,
+    so its slice must retry the trial on a fresh gang; later attempts succeed."""
+
+    def join(self, coordinator: str, num_processes: int, process_id: int):
+        self._process_id = process_id
+        return super().join(coordinator, num_processes, process_id)
+
+    def evaluate(self, plan_json: str, suite: str | None = None, split: str = "search"):
+        import os
+
+        log = os.environ.get("TENANTQ_FAULT_LOG")
+        first = log and not os.path.exists(log)
+        if first and self._process_id == 1 and _is_int4_weights(plan_json):
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            os._exit(1)
+        return super().evaluate(plan_json, suite, split)
+
+
+class SliceLosingAHostOnce(SliceWorker):
+    """A SliceWorker whose gang loses host 1 on the first int4 plan (DieOnceOnInt4SliceHost)."""
+
+    host_class = DieOnceOnInt4SliceHost
+
+
+QUICK_TRIAL_S = 3.0  # long enough to kill a host while its trial runs
+
+
+class QuickSliceHost(SliceHost):
+    """A slice host with no model and no JAX: `join` returns at once and a trial sleeps
+    QUICK_TRIAL_S, for the tests of the gang's own bookkeeping (loss, retry, release)."""
+
+    def join(self, coordinator: str, num_processes: int, process_id: int):
+        import os
+
+        self.name, self._process_id = self._args[0], process_id
+        return {"name": self.name, "pid": os.getpid(), "process_index": process_id}
+
+    def evaluate(self, plan_json: str, suite: str | None = None, split: str = "search"):
+        import os
+        import time
+
+        from tenantq.workers.host import TrialResult
+
+        time.sleep(QUICK_TRIAL_S)
+        return TrialResult({}, {}, {}, {}, worker=self.name, pid=os.getpid())
+
+
+class QuickSlice(SliceWorker):
+    """A SliceWorker over QuickSliceHosts."""
+
+    host_class = QuickSliceHost

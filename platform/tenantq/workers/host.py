@@ -123,7 +123,11 @@ def worker_options(spec: Any) -> dict[str, Any]:
         "max_task_retries": spec.max_task_retries,
         "max_concurrency": 2,  # a health probe may run beside a trial
     }
-    if spec.kind == "tpu":
+    if spec.kind.endswith("_slice"):
+        # A SliceWorker only coordinates the actors of its slice's hosts (tenantq.workers.slice),
+        # which hold the chips; it holds nothing itself.
+        opts["num_cpus"] = 0
+    elif spec.kind == "tpu":
         from ray.util.tpu import get_tpu_worker_resources
 
         _, resources = get_tpu_worker_resources(spec.tpu_topology, spec.tpu_accelerator_type)
@@ -144,6 +148,9 @@ def worker_options(spec: Any) -> dict[str, Any]:
 
 class HostWorker:
     """Ray actor body (wrapped with `ray.remote` by the pool). Holds the host's evaluators."""
+
+    # Options for the evaluators' engines (a slice host sets tp to the slice's device count).
+    engine_options: dict[str, Any] | None = None
 
     def __init__(
         self,
@@ -187,6 +194,7 @@ class HostWorker:
                 self.model_path,
                 load_suite(suite).with_split(split),
                 cache_dir=self.cache_dir,
+                engine_options=self.engine_options,
                 calibration=CalibrationData(**self.calibration) if self.calibration else None,
             )
             self._load_s[key] = time.perf_counter() - start

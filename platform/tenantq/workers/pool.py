@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tenantq.workers.host import HostWorker, TrialResult, worker_options
+from tenantq.workers.slice import SLICE_KINDS, SliceWorker, release_slice, slice_args
 
 # How long a new worker may take to load the model, data and baseline before the study stops.
 WORKER_START_TIMEOUT_S = 900.0
@@ -66,7 +67,7 @@ class WorkerPool:
         self._cache_dir = cache_dir
         self._calibration = calibration
         self._count = count or workers_spec.count
-        self._actor_cls = ray.remote(worker_class or HostWorker)
+        self._actor_cls = ray.remote(worker_class or default_worker_class(workers_spec))
         self._prefix = f"{name_prefix}-{os.getpid()}"
         self._actors: dict[int, Any] = {}
         self._names: dict[int, str] = {}
@@ -97,6 +98,7 @@ class WorkerPool:
             kind=self._spec.kind,
             cpus=cpus,  # the worker claims cores on its own node (workers.host.claim_cores)
             calibration=self._calibration,
+            **slice_args(self._spec),
         )
         self._names[slot] = name
         self._loading[self._actors[slot].ping.remote()] = slot
@@ -143,8 +145,9 @@ class WorkerPool:
     def shutdown(self) -> None:
         import ray
 
-        for actor in self._actors.values():
+        for slot, actor in self._actors.items():
             ray.kill(actor, no_restart=True)
+            self._release(slot)
         self._actors.clear()
 
     # ---------------------------------------------------------------- work
@@ -231,12 +234,19 @@ class WorkerPool:
             name = self._names[slot]
             with contextlib.suppress(ValueError, ray.exceptions.RayError):
                 ray.kill(self._actors[slot], no_restart=True)
+            self._release(slot)
             self._start(slot)  # not counted against max_replacements: the plan's fault
             error = TimeoutError(
                 f"trial ran past its deadline of {self.trial_timeout_s:g} s on {name}"
             )
             out.append(Finished(key, name, now - start, error=error, reason="timeout"))
         return out
+
+    def _release(self, slot: int) -> None:
+        """After killing a slice worker: the placement groups it reserved (Ray scopes them to
+        the job, not to the actor that made them)."""
+        if getattr(self._spec, "kind", None) in SLICE_KINDS:
+            release_slice(self._names[slot])
 
     def _replace(self, slot: int, err: BaseException | None) -> None:
         import ray
@@ -250,7 +260,13 @@ class WorkerPool:
         self.losses_in_a_row += 1
         with contextlib.suppress(ValueError, ray.exceptions.RayError):  # already gone
             ray.kill(self._actors[slot], no_restart=True)
+        self._release(slot)
         self._start(slot)
+
+
+def default_worker_class(spec: Any) -> type:
+    """One HostWorker per host; for a slice kind one SliceWorker per slice (its hosts' gang)."""
+    return SliceWorker if getattr(spec, "kind", None) in SLICE_KINDS else HostWorker
 
 
 def _start_error(err: BaseException) -> str:
