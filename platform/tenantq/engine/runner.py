@@ -155,7 +155,8 @@ class Engine:
 
         A compressed-tensors folder (`tenantq export`) loads under its own plan and static
         KV scales when `plan` is None."""
-        from tenantq.model.compressed import checkpoint_plan, is_compressed_tensors
+        from tenantq.model.compressed import checkpoint_plan
+        from tenantq.model.config import is_compressed_tensors
         from tenantq.model.tokenizer import load_tokenizer
         from tenantq.quant.apply import load_quantized
 

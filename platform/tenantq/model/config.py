@@ -396,6 +396,28 @@ class ModelConfig:
         return cls.from_hf_dict(raw, source=str(p))
 
 
+# ---------------------------------------------------------------- a folder's quantization
+# Read here, beside the rest of config.json, so the plain loader can refuse a compressed
+# folder without importing the compressed-tensors reader (which builds on the loader).
+def quantization_config(folder: str | Path) -> dict | None:
+    """config.json's `quantization_config` when it is a compressed-tensors one, else None."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # ModelConfig.from_file names the fault
+    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
+        return qc
+    return None
+
+
+def is_compressed_tensors(folder: str | Path) -> bool:
+    return quantization_config(folder) is not None
+
+
 _ARCH_NAMES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",

@@ -31,8 +31,8 @@ from tenantq.numerics import FORMATS, get_format
 KV_ONLY_FORMATS = tuple(n for n, s in FORMATS.items() if s.asymmetric_only)
 # Weight formats: the numerics registry's names, in its order, less the KV-only ones.
 FORMAT_NAMES = tuple(n for n in FORMATS if n not in KV_ONLY_FORMATS)
-# Algorithms a rule may name. Only "rtn" is built in; GPTQ/AWQ/SmoothQuant register
-# themselves in tenantq.quant.apply when they land.
+# Algorithms a rule may name; tenantq.quant.algorithms.ALGORITHMS holds their functions under
+# these names (a test asserts the two agree).
 ALGORITHM_NAMES = ("rtn", "gptq", "awq", "smoothquant")
 # W8A8: activations quantized per token at run time; the weight must be in the same family,
 # or int4 (W4A8: its codes -8..7 are exact in int8 and in fp8_e4m3, so the product runs on
