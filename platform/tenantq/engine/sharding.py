@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.model.layers import StaticActQArray
 from tenantq.numerics import QArray, get_format
@@ -33,8 +34,7 @@ HEAD_AXIS = 2  # every KV-cache array is [..., ..., kv_heads, ...]
 
 def make_mesh(tp: int, config: ModelConfig | None = None) -> Mesh:
     """A 1-d mesh named "tp" over the first `tp` local devices (checked against `config`)."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    check_positive_int("tp", tp)
     if config is not None:
         check_tp(config, tp)
     devices = jax.local_devices()
