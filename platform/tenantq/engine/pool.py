@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ from tenantq.engine.paged import PagedLayout, layout_nbytes
 from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.quant.kv_calibration import KVScales
-from tenantq.quant.plan import QuantPlan
+from tenantq.quant.plan import LayerKV, QuantPlan
 from tenantq.quant.storage import (
     DEFAULT_RESERVE_FRACTION,
     kv_storage,
@@ -218,6 +219,27 @@ class PagedPool:
             )
         self.sized_by = f"memory: {pool:,} of {source}"
         return min(max_seqs * max_pages, (pool - slots) // page)
+
+    # ---------------------------------------------------------------- engine questions
+    def check_plan(self, plan: QuantPlan, config: ModelConfig) -> None:
+        """The pool is built from a plan's KV part and holds any plan's formats."""
+
+    def settings(self, compute_dtype: str) -> dict[str, Any]:
+        """The pool's part of `Engine.settings()`; static KV scales change results, so their
+        fingerprint is in it where a plan uses them."""
+        scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales.fingerprint()}
+        return {
+            **scales,
+            "cache": "paged",
+            "kv_store_dtype": self.layout.store_dtype,
+            "page_tokens": self.page_tokens,
+            "pool_pages": self.num_pages,
+            "max_seqs": self.max_seqs,
+            "max_seq_tokens": self.max_seq_tokens,
+        }
+
+    def kv_layers(self) -> list[LayerKV]:
+        return [storage.kv for storage in self.layout.layers]
 
     # ---------------------------------------------------------------- tenants
     def add_tenant(self, name: str, guaranteed_pages: int = 0) -> None:
