@@ -8,7 +8,7 @@ from tenantq.engine.allocator import PoolExhausted
 from tenantq.engine.cache import CacheFull, ContiguousCache, KVCache
 from tenantq.engine.memory import MemoryReport
 from tenantq.engine.pool import PagedPool, SequencePreempted
-from tenantq.engine.runner import Batch, Engine
+from tenantq.engine.engine import Batch, Engine
 
 __all__ = [
     "Batch",
