@@ -86,7 +86,8 @@ def _plan_on_model(raw: dict):
 
 
 def _profile(tmp: Path, rows: list[tuple[str, float]], on_model: bool = False):
-    from tenantq.search.space import SensitivityProfile, read_profile_table
+    from tenantq.evals.profile import read_profile_table
+    from tenantq.search.space import SensitivityProfile
 
     path = tmp / "profile.parquet"
     table = pa.table(
@@ -491,7 +492,7 @@ CASES = [
         ["kv.bf16_layers: layer 7 is out of range for a model of 4 layers"],
     ),
     ("plan-top-level-list", lambda t: _plan_json(t, "[1, 2]"), ["a plan must be an object"]),
-    # ---- sensitivity profiles (search.space.read_profile_table / SensitivityProfile.load)
+    # ---- sensitivity profiles (evals.profile.read_profile_table / SensitivityProfile.load)
     (
         "profile-nan-kl",
         lambda t: _profile(t, [("layers/0/mlp/up_proj", 0.1), ("embed", math.nan)]),

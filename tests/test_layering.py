@@ -3,7 +3,9 @@
 Every module under platform/tenantq is parsed with `ast`; every `import` and `from ... import`
 counts, including those inside functions (a lazy import is still a dependency), and so does a
 path built into another package's folder (`... / "reference"`). A failure names the file,
-the line and the import, and says what that package may import.
+the line and the import, and says what that package may import. Inside a package, modules
+import each other without circles (a cycle means two modules are one concept split in two,
+or a registry filled by import side effects).
 """
 
 from __future__ import annotations
@@ -119,6 +121,66 @@ def layering_violations(root: Path = PACKAGE) -> list[str]:
     return problems
 
 
+def _module_name(path: Path, root: Path) -> str:
+    return ".".join(["tenantq", *path.relative_to(root).with_suffix("").parts])
+
+
+def import_cycles(root: Path = PACKAGE) -> list[list[str]]:
+    """Cycles among the modules of one package (lazy imports count, `__init__` files do not:
+    importing any submodule runs them, so they are the package's door, not a room in it).
+    Each cycle is its modules, sorted; `from pkg import mod` counts as importing `pkg.mod`."""
+    modules = {_module_name(p, root): p for p in root.rglob("*.py") if p.name != "__init__.py"}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name.rsplit(".", 1)[0]
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.ImportFrom):  # relative: resolved as _imports does
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+                targets = [module, *(f"{module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for target in targets:
+                if target in modules and target != name and target.rsplit(".", 1)[0] == package:
+                    graph[name].add(target)
+    # Tarjan's strongly connected components: every component of two or more is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
+
+
 def test_no_package_imports_one_below_it() -> None:
     problems = layering_violations()
     assert not problems, "layering violations:\n" + "\n".join(problems)
@@ -156,3 +218,27 @@ def test_the_order_matches_the_design_doc() -> None:
     design = [r[0] if not r[1] else (r[0], r[1]) for r in rows]
     assert design, f"{DESIGN}: no package table found"
     assert design == [row for row in ORDER if row != "testing"]
+
+
+def test_no_import_cycle_inside_a_package() -> None:
+    cycles = import_cycles()
+    assert not cycles, "import cycles (modules that import each other, lazily or not):\n" + (
+        "\n".join(" <-> ".join(c) for c in cycles)
+    )
+
+
+def test_the_cycle_check_sees_lazy_and_relative_imports_around_a_loop(tmp_path: Path) -> None:
+    # a -> b at module level, b -> c lazily, c -> a relatively: one cycle of three; d imports
+    # a one way only and the package door (__init__) imports everything without making one.
+    root = tmp_path / "platform" / "tenantq"
+    for name, body in {
+        "quant/__init__.py": "from tenantq.quant import a, b, c, d\n",
+        "quant/a.py": "from tenantq.quant.b import f\n",
+        "quant/b.py": "def f():\n    from tenantq.quant import c\n",
+        "quant/c.py": "from .a import g\n",
+        "quant/d.py": "import tenantq.quant.a\nfrom tenantq.quant import x\n",
+        "model/e.py": "from tenantq.quant import d\n",
+    }.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(body)
+    assert import_cycles(root) == [["tenantq.quant.a", "tenantq.quant.b", "tenantq.quant.c"]]

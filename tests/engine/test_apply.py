@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tenantq.numerics import QArray, dequantize, quantize
-from tenantq.quant import apply as apply_mod
+from tenantq.quant import algorithms as algorithms_mod
 from tenantq.quant.apply import UnusedRuleWarning, apply_plan, quantize_tensor
 from tenantq.quant.plan import QuantPlan, Rule, TensorQuant
 
@@ -64,10 +64,10 @@ def test_algorithm_seam_dispatches_by_rule_name(config, params, monkeypatch):
         return quantize(weight, how.format, axis=how.axis, group_size=how.group_size)
 
     plan = QuantPlan(rules=(Rule("layers/0/mlp/up_proj", "int4", algorithm="gptq"),))
-    monkeypatch.delitem(apply_mod._ALGORITHMS, "gptq")  # tenantq.quant.gptq registers the real one
+    monkeypatch.delitem(algorithms_mod.ALGORITHMS, "gptq")  # the table holds the real one
     with pytest.raises(ValueError, match="algorithm 'gptq' is not available; registered: rtn"):
         apply_plan(params, plan, config)
-    monkeypatch.setitem(apply_mod._ALGORITHMS, "gptq", fake_gptq)
+    monkeypatch.setitem(algorithms_mod.ALGORITHMS, "gptq", fake_gptq)
     inputs = {"layers/0/mlp/up_proj": {"hessian": np.eye(32)}}
     out = apply_plan(params, plan, config, inputs=inputs)
     assert calls == [("layers/0/mlp/up_proj", ["hessian"])]

@@ -100,3 +100,11 @@ def test_from_file_errors(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         ModelConfig.from_file(tmp_path)
+
+
+def test_every_known_model_type_has_exactly_one_architecture_adapter() -> None:
+    # from_hf_dict reads what differs by model_type from ARCHITECTURES; a type known to the
+    # planner without an adapter would fail with a KeyError instead of a config error.
+    from tenantq.model.config import ARCHITECTURES, KNOWN_MODEL_TYPES
+
+    assert tuple(ARCHITECTURES) == KNOWN_MODEL_TYPES

@@ -27,7 +27,7 @@ def _plan(algorithm: str, fmt: str = "int4", group_size: int | None = 16) -> Qua
     return QuantPlan(rules=(Rule("layers/.*", fmt, group_size=group_size, algorithm=algorithm),))
 
 
-def test_algorithms_register_when_apply_loads_and_quant_imports_no_jax():
+def test_algorithms_are_available_when_apply_loads_and_quant_imports_no_jax():
     code = (
         "import sys, tenantq.quant, tenantq.quant.plan; assert 'jax' not in sys.modules; "
         "from tenantq.quant.apply import registered_algorithms as r; print(sorted(r()))"
@@ -36,6 +36,15 @@ def test_algorithms_register_when_apply_loads_and_quant_imports_no_jax():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['awq', 'gptq', 'rtn', 'smoothquant']"
     assert {"gptq", "awq", "smoothquant"} <= set(registered_algorithms())
+
+
+def test_the_algorithm_table_holds_exactly_the_plans_algorithm_names():
+    # A rule may name only plan.ALGORITHM_NAMES; each must have a function in the one table,
+    # and the table must hold nothing a plan cannot name.
+    from tenantq.quant.algorithms import ALGORITHMS
+    from tenantq.quant.plan import ALGORITHM_NAMES
+
+    assert tuple(ALGORITHMS) == ALGORITHM_NAMES
 
 
 @pytest.mark.parametrize("algorithm", ["awq", "gptq", "smoothquant"])

@@ -110,7 +110,7 @@ def test_a_store_that_cannot_hold_the_study_is_one_line(uri, message, tmp_path, 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
 def test_a_profile_that_is_not_a_table_names_the_file_and_the_format(suffix, tmp_path):
-    from tenantq.search.space import read_profile_table
+    from tenantq.evals.profile import read_profile_table
 
     path = tmp_path / f"profile{suffix}"
     path.write_text("tensor,format,kl_mean\n")  # a CSV under a table's name

@@ -19,6 +19,7 @@ from tenantq.capacity.hardware import Deployment
 from tenantq.capacity.kv import kv_layers, pool_bytes_from_layers, tenant_pages
 from tenantq.capacity.units import exact_bytes, human_bytes
 from tenantq.capacity.weights import WEIGHT_LINE_ORDER, TensorBytes, sharding_label, tensor_bytes
+from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import QuantPlan
 from tenantq.quant.storage import LayerKVStorage, pool_bytes_left, vocab_replicated
@@ -162,8 +163,7 @@ def budget(
         raise ValueError(f"context must be a whole number of tokens, got {context_tokens!r}")
     if context_tokens < 1:
         raise ValueError(f"context must be a positive number of tokens, got {context_tokens}")
-    if not isinstance(target_tenants, int) or target_tenants < 1:
-        raise ValueError(f"target tenants must be a positive integer, got {target_tenants!r}")
+    check_positive_int("target tenants", target_tenants)
     config, tp, page = model_config, deployment.chips, deployment.page_tokens
     tensors = tensor_bytes(config, plan, tp)
     layers = kv_layers(config, plan, page, tp)
@@ -243,8 +243,7 @@ def max_context_for(
 ) -> int:
     """The longest context each of `tenants` tenants can hold at once (0 if not one token),
     capped at the model's `max_position_embeddings`."""
-    if not isinstance(tenants, int) or tenants < 1:
-        raise ValueError(f"tenants must be a positive integer, got {tenants!r}")
+    check_positive_int("tenants", tenants)
     return budget(model_config, plan, deployment, 1, target_tenants=tenants).max_context_tokens
 
 

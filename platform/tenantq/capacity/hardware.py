@@ -15,6 +15,7 @@ from fractions import Fraction
 from tenantq.capacity.units import GiB, MiB, exact_bytes, human_bytes, parse_bytes, parse_reserve
 
 # The default runtime reserve (10% of HBM, as vLLM) is the one the engine sizes its pool with.
+from tenantq.model.checks import check_positive_int
 from tenantq.quant.storage import DEFAULT_RESERVE_FRACTION
 
 GB_S = 10**9  # bandwidth figures are decimal: GB/s
@@ -205,10 +206,8 @@ class Deployment:
     reserve: Reserve = field(default_factory=Reserve.parse)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.chips, int) or isinstance(self.chips, bool) or self.chips < 1:
-            raise ValueError(f"chips must be a positive integer, got {self.chips!r}")
-        if not isinstance(self.page_tokens, int) or self.page_tokens < 1:
-            raise ValueError(f"page_tokens must be a positive integer, got {self.page_tokens!r}")
+        check_positive_int("chips", self.chips)
+        check_positive_int("page_tokens", self.page_tokens)
         object.__setattr__(self, "reserve", Reserve.parse(self.reserve))
 
     @property

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from tenantq.capacity.hardware import COMPUTE_FORMATS, Deployment, HardwareProfile
 from tenantq.capacity.kv import kv_layers, pool_bytes_from_layers, tenant_pages
 from tenantq.capacity.weights import tensor_bytes
+from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import QuantPlan
 
@@ -195,8 +196,7 @@ def decode_step(
 ) -> StepTime:
     """The roofline time of one decode step: `batch` tenants, each holding `context_tokens`."""
     for name, value in (("batch", batch), ("context", context_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_int(name, value)
     if not overhead_s >= 0:
         raise ValueError(f"step overhead must not be negative, got {overhead_s!r}")
     bandwidth, peaks = _rates(deployment.hardware)
@@ -244,8 +244,7 @@ def prefill_s(
     weights are read once, not once per prompt; what grows with the batch on the bytes side
     is each prompt's KV pages written (the budget's per-tenant rows at `prompt_tokens`)."""
     for name, value in (("prompt tokens", prompt_tokens), ("batch", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_int(name, value)
     bandwidth, peaks = _rates(deployment.hardware)
     flops = step_flops(config, plan, deployment.chips, prompt_tokens, prompt_tokens, causal=True)
     compute = batch * sum(n / peaks[f] for f, n in flops.items())

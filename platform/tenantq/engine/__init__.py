@@ -6,9 +6,9 @@ the paged pool (the default: `PagedPool`) and the contiguous cache are interchan
 
 from tenantq.engine.allocator import PoolExhausted
 from tenantq.engine.cache import CacheFull, ContiguousCache, KVCache
+from tenantq.engine.engine import Batch, Engine
 from tenantq.engine.memory import MemoryReport
 from tenantq.engine.pool import PagedPool, SequencePreempted
-from tenantq.engine.runner import Batch, Engine
 
 __all__ = [
     "Batch",

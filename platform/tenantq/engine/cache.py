@@ -4,7 +4,9 @@ The runner talks to a cache only through `KVCache` (host side: allocate / free /
 plus a device `state` it threads through jit) and its static `layout` (device side: write
 and read-for-attention inside jit). The paged pool (pages of 16 tokens, per-layer formats
 from `plan.kv`) replaces `ContiguousCache` by implementing the same two halves; nothing in
-the runner's public methods knows which one it holds.
+the runner's public methods knows which one it holds: what differs (settings, KV reports,
+tenants, which KV tensors are quantized, which plans the cache can hold) is asked of the
+cache through the protocol, never decided by its type.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tenantq.model.config import ModelConfig
+from tenantq.quant.plan import LayerKV, QuantPlan
 
 
 class CacheFull(RuntimeError):
@@ -58,6 +61,14 @@ class KVCache(Protocol):
 
     @property
     def nbytes(self) -> int: ...
+
+    # What the engine reports and checks, answered by the cache itself.
+    def check_plan(self, plan: QuantPlan, config: ModelConfig) -> None: ...  # can it hold
+    def settings(self, compute_dtype: str) -> dict[str, Any]: ...  # results/memory identity
+    def kv_layers(self) -> Sequence[LayerKV]: ...  # each layer's KV formats ([]: compute dtype)
+    def kv_report(self) -> list[dict]: ...  # per layer bytes ([]: none to report)
+    def kv_clip_report(self) -> list[dict]: ...  # per static-scale tensor ([]: none)
+    def add_tenant(self, name: str, guaranteed_pages: int = 0) -> None: ...  # or ValueError
 
 
 class CacheView:
@@ -184,3 +195,34 @@ class ContiguousCache:
     @property
     def nbytes(self) -> int:
         return self.layout.nbytes
+
+    def check_plan(self, plan: QuantPlan, config: ModelConfig) -> None:
+        quantized = [i for i, kv in enumerate(plan.kv_layers(config)) if not kv.is_bf16]
+        if quantized:
+            raise NotImplementedError(
+                f"plan stores the KV cache of layers {quantized} in "
+                f"{plan.kv.key_format}/{plan.kv.value_format}; the contiguous cache holds only "
+                "the compute dtype (the paged KV pool implements KV formats)"
+            )
+
+    def settings(self, compute_dtype: str) -> dict[str, Any]:
+        return {
+            "cache": type(self).__name__,
+            "kv_store_dtype": compute_dtype,
+            "page_tokens": None,
+            "pool_pages": None,
+            "max_seqs": self.max_seqs,
+            "max_seq_tokens": self.max_seq_tokens,
+        }
+
+    def kv_layers(self) -> list[LayerKV]:
+        return []  # keys and values in the compute dtype, nothing quantized
+
+    def kv_report(self) -> list[dict]:
+        return []
+
+    def kv_clip_report(self) -> list[dict]:
+        return []
+
+    def add_tenant(self, name: str, guaranteed_pages: int = 0) -> None:
+        raise ValueError("this engine's cache has no tenants; use the paged pool")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +25,10 @@ import numpy as np
 from tenantq.engine.allocator import DEFAULT_TENANT, PageAllocator, PoolExhausted
 from tenantq.engine.cache import CacheFull
 from tenantq.engine.paged import PagedLayout, layout_nbytes
+from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.quant.kv_calibration import KVScales
-from tenantq.quant.plan import QuantPlan
+from tenantq.quant.plan import LayerKV, QuantPlan
 from tenantq.quant.storage import (
     DEFAULT_RESERVE_FRACTION,
     kv_storage,
@@ -107,10 +109,10 @@ class PagedPool:
                 "the plan's KV uses static scales (key_axis/value_axis 'tensor' or 'head'); "
                 "pass kv_scales=tenantq.quant.kv_calibration.kv_static_scales(model_path, plan)"
             )
-        _check_count("page_tokens", page_tokens)
-        _check_count("max_seqs", max_seqs)
+        check_positive_int("page_tokens", page_tokens, numpy_ints=True)
+        check_positive_int("max_seqs", max_seqs, numpy_ints=True)
         tokens = config.max_position_embeddings if max_seq_tokens is None else max_seq_tokens
-        _check_count("max_seq_tokens", tokens)
+        check_positive_int("max_seq_tokens", tokens, numpy_ints=True)
         if tokens > config.max_position_embeddings:
             raise ValueError(
                 f"max_seq_tokens={tokens} exceeds the model's context "
@@ -132,7 +134,7 @@ class PagedPool:
             self.sized_by = f"pool_bytes={int(pool_bytes):,}"
         elif num_pages is None:
             num_pages = self._pages_from_memory(per_device, max_seqs, tokens, weights_bytes)
-        _check_count("num_pages", num_pages)
+        check_positive_int("num_pages", num_pages, numpy_ints=True)
         self.layout = PagedLayout(
             num_pages=int(num_pages),
             max_seqs=max_seqs,
@@ -217,6 +219,27 @@ class PagedPool:
             )
         self.sized_by = f"memory: {pool:,} of {source}"
         return min(max_seqs * max_pages, (pool - slots) // page)
+
+    # ---------------------------------------------------------------- engine questions
+    def check_plan(self, plan: QuantPlan, config: ModelConfig) -> None:
+        """The pool is built from a plan's KV part and holds any plan's formats."""
+
+    def settings(self, compute_dtype: str) -> dict[str, Any]:
+        """The pool's part of `Engine.settings()`; static KV scales change results, so their
+        fingerprint is in it where a plan uses them."""
+        scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales.fingerprint()}
+        return {
+            **scales,
+            "cache": "paged",
+            "kv_store_dtype": self.layout.store_dtype,
+            "page_tokens": self.page_tokens,
+            "pool_pages": self.num_pages,
+            "max_seqs": self.max_seqs,
+            "max_seq_tokens": self.max_seq_tokens,
+        }
+
+    def kv_layers(self) -> list[LayerKV]:
+        return [storage.kv for storage in self.layout.layers]
 
     # ---------------------------------------------------------------- tenants
     def add_tenant(self, name: str, guaranteed_pages: int = 0) -> None:
@@ -304,8 +327,3 @@ class PagedPool:
     @property
     def nbytes(self) -> int:
         return sum(r["total_bytes"] for r in self.kv_report())
-
-
-def _check_count(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.model.layers import StaticActQArray
 from tenantq.numerics import QArray, get_format
@@ -40,8 +41,7 @@ def make_mesh(tp: int, config: ModelConfig | None = None) -> Mesh:
     Under multi-controller JAX (`jax.process_count() > 1`) the mesh is every device of every
     process, in process order: tp must be the slice's whole device count, since a process
     outside the mesh would wait for a program that never includes it."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    check_positive_int("tp", tp)
     if config is not None:
         check_tp(config, tp)
     if jax.process_count() > 1:

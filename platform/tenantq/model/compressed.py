@@ -11,7 +11,6 @@ tenantq has no format for (asymmetric zero points, nvfp4, MX, blocks) are one-li
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from tenantq.model.config import ModelConfig
+from tenantq.model.config import ModelConfig, quantization_config
 from tenantq.model.safetensors_header import SafetensorsHeader
 
 # safetensors dtype codes a compressed-tensors checkpoint uses.
@@ -37,25 +36,6 @@ _DTYPES: dict[str, Any] = {
     "U8": np.uint8,
 }
 _FLOAT_CODES = ("F64", "F32", "F16", "BF16")
-
-
-def quantization_config(folder: str | Path) -> dict | None:
-    """config.json's `quantization_config` when it is a compressed-tensors one, else None."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None  # ModelConfig.from_file names the fault
-    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
-    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
-        return qc
-    return None
-
-
-def is_compressed_tensors(folder: str | Path) -> bool:
-    return quantization_config(folder) is not None
 
 
 @dataclass(frozen=True)

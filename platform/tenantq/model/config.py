@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -257,59 +258,19 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
         """Read a Hugging Face config dict; a missing or out-of-range field is an error
-        naming it and its valid range."""
-        if not isinstance(raw, dict):
-            raise ValueError(
-                f"{source}: expected a JSON object of model fields (model_type, hidden_size, "
-                f"...), got a JSON {_json_type(raw)}"
-            )
-        if "text_config" in raw and isinstance(raw["text_config"], dict):
-            # Multimodal wrappers (Gemma 3 12B/27B) keep the decoder under text_config.
-            inner = dict(raw["text_config"])
-            inner.setdefault("model_type", raw.get("model_type", ""))
-            if "tie_word_embeddings" in raw:  # the wrapper's setting applies to the decoder
-                inner.setdefault("tie_word_embeddings", raw["tie_word_embeddings"])
-            raw = inner
+        naming it and its valid range. What differs by model_type is its `Architecture`."""
+        raw = _decoder_fields(raw, source)
         model_type = raw.get("model_type")
         if model_type not in KNOWN_MODEL_TYPES:
             raise ValueError(
                 f"{source}: unsupported model_type {model_type!r}; "
                 f"supported: {', '.join(KNOWN_MODEL_TYPES)}"
             )
-
-        def need(key: str) -> Any:
-            if key not in raw or raw[key] is None:
-                raise ValueError(f"{source}: missing required field {key!r} for {model_type}")
-            return raw[key]
-
-        def integer(key: str, value: Any) -> int:
-            if _is_int(value) or (isinstance(value, float) and value.is_integer()):
-                return int(value)
-            raise ValueError(
-                f"{source}: {key} must be an integer >= 1, got {value!r} ({_json_type(value)})"
-            )
-
-        def number(key: str, default: float) -> float:
-            value = raw.get(key, default)
-            if value is None:
-                return default
-            if not _is_number(value):
-                raise ValueError(
-                    f"{source}: {key} must be a finite number, got {value!r} ({_json_type(value)})"
-                )
-            return float(value)
-
-        def flag(key: str, default: bool) -> bool:
-            value = raw.get(key, default)
-            if not isinstance(value, bool):
-                raise ValueError(
-                    f"{source}: {key} must be true or false, got {value!r} ({_json_type(value)})"
-                )
-            return value
-
-        num_heads = integer("num_attention_heads", need("num_attention_heads"))
-        hidden = integer("hidden_size", need("hidden_size"))
-        num_layers = integer("num_hidden_layers", need("num_hidden_layers"))
+        arch = ARCHITECTURES[model_type]
+        hf = _HFFields(raw, source, model_type)
+        num_heads = hf.integer("num_attention_heads", hf.need("num_attention_heads"))
+        hidden = hf.integer("hidden_size", hf.need("hidden_size"))
+        num_layers = hf.integer("num_hidden_layers", hf.need("num_hidden_layers"))
         if num_heads <= 0:
             raise ValueError(
                 f"{source}: num_attention_heads must be an integer >= 1, got {num_heads}"
@@ -324,50 +285,47 @@ class ModelConfig:
                 )
             head_dim = hidden // num_heads
         rope_theta, rope_scaling = _rope_fields(raw, source)
-        if rope_scaling is not None:
+        if rope_scaling is not None and arch.rope_scaling_types is not None:
             rtype = rope_scaling.get("rope_type", rope_scaling.get("type"))
-            if model_type in ENGINE_MODEL_TYPES and rtype not in ("llama3", "default", None):
+            if rtype not in arch.rope_scaling_types:
                 raise ValueError(
                     f"{source}: rope_scaling type {rtype!r} is not supported; "
                     "supported: llama3 (or none)"
                 )
         sliding_window = raw.get("sliding_window")
-        layer_types = _layer_types(raw, model_type, num_layers, sliding_window)
+        layer_types = _layer_types(raw, arch, num_layers, sliding_window)
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        qk_norm = model_type in ("qwen3", "gemma3", "gemma3_text")
-        attention_bias = flag("attention_bias", model_type == "qwen2")
+        attention_bias = hf.flag("attention_bias", arch.attention_bias)
         hidden_act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
         if not isinstance(hidden_act, str):
             raise ValueError(f"{source}: hidden_act must be a string such as 'silu'")
+        kv_heads = raw.get("num_key_value_heads")  # absent or null: one per query head
         try:
             return cls(
                 model_type=model_type,
-                vocab_size=integer("vocab_size", need("vocab_size")),
+                vocab_size=hf.integer("vocab_size", hf.need("vocab_size")),
                 hidden_size=hidden,
-                intermediate_size=integer("intermediate_size", need("intermediate_size")),
+                intermediate_size=hf.integer("intermediate_size", hf.need("intermediate_size")),
                 num_layers=num_layers,
                 num_heads=num_heads,
-                num_kv_heads=integer(  # absent or null: one KV head per query head
-                    "num_key_value_heads",
-                    num_heads
-                    if raw.get("num_key_value_heads") is None
-                    else raw["num_key_value_heads"],
+                num_kv_heads=hf.integer(
+                    "num_key_value_heads", num_heads if kv_heads is None else kv_heads
                 ),
-                head_dim=integer("head_dim", head_dim),
-                max_position_embeddings=integer(
-                    "max_position_embeddings", need("max_position_embeddings")
+                head_dim=hf.integer("head_dim", head_dim),
+                max_position_embeddings=hf.integer(
+                    "max_position_embeddings", hf.need("max_position_embeddings")
                 ),
                 rope_theta=rope_theta,
                 rope_scaling_items=None
                 if rope_scaling is None
                 else tuple(sorted((k, _freeze(v)) for k, v in rope_scaling.items())),
-                rms_norm_eps=number("rms_norm_eps", 1e-6),
-                tie_word_embeddings=flag("tie_word_embeddings", model_type.startswith("gem")),
+                rms_norm_eps=hf.number("rms_norm_eps", 1e-6),
+                tie_word_embeddings=hf.flag("tie_word_embeddings", arch.tie_word_embeddings),
                 attention_bias=attention_bias,
-                qk_norm=qk_norm,
+                qk_norm=arch.qk_norm,
                 layer_types=layer_types,
-                sliding_window=integer("sliding_window", sliding_window)
+                sliding_window=hf.integer("sliding_window", sliding_window)
                 if "sliding" in layer_types
                 else None,
                 hidden_act=hidden_act,
@@ -394,6 +352,28 @@ class ModelConfig:
         except json.JSONDecodeError as err:
             raise ValueError(f"{p}: not valid JSON ({err})") from err
         return cls.from_hf_dict(raw, source=str(p))
+
+
+# ---------------------------------------------------------------- a folder's quantization
+# Read here, beside the rest of config.json, so the plain loader can refuse a compressed
+# folder without importing the compressed-tensors reader (which builds on the loader).
+def quantization_config(folder: str | Path) -> dict | None:
+    """config.json's `quantization_config` when it is a compressed-tensors one, else None."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # ModelConfig.from_file names the fault
+    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
+        return qc
+    return None
+
+
+def is_compressed_tensors(folder: str | Path) -> bool:
+    return quantization_config(folder) is not None
 
 
 _ARCH_NAMES = {
@@ -485,8 +465,125 @@ def _freeze(value: Any) -> Any:
     return value
 
 
+def _decoder_fields(raw: Any, source: str) -> dict[str, Any]:
+    """The decoder's fields of a config.json object: multimodal wrappers (Gemma 3 12B/27B)
+    keep them under `text_config`, with the wrapper's model_type and tie setting."""
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"{source}: expected a JSON object of model fields (model_type, hidden_size, "
+            f"...), got a JSON {_json_type(raw)}"
+        )
+    if "text_config" in raw and isinstance(raw["text_config"], dict):
+        inner = dict(raw["text_config"])
+        inner.setdefault("model_type", raw.get("model_type", ""))
+        if "tie_word_embeddings" in raw:  # the wrapper's setting applies to the decoder
+            inner.setdefault("tie_word_embeddings", raw["tie_word_embeddings"])
+        return inner
+    return raw
+
+
+@dataclass(frozen=True)
+class _HFFields:
+    """Typed reads of one config.json's fields; a bad value is one line naming file and key."""
+
+    raw: dict[str, Any]
+    source: str
+    model_type: str
+
+    def need(self, key: str) -> Any:
+        if key not in self.raw or self.raw[key] is None:
+            raise ValueError(f"{self.source}: missing required field {key!r} for {self.model_type}")
+        return self.raw[key]
+
+    def integer(self, key: str, value: Any) -> int:
+        if _is_int(value) or (isinstance(value, float) and value.is_integer()):
+            return int(value)
+        raise ValueError(
+            f"{self.source}: {key} must be an integer >= 1, got {value!r} ({_json_type(value)})"
+        )
+
+    def number(self, key: str, default: float) -> float:
+        value = self.raw.get(key, default)
+        if value is None:
+            return default
+        if not _is_number(value):
+            raise ValueError(
+                f"{self.source}: {key} must be a finite number, got {value!r} ({_json_type(value)})"
+            )
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.raw.get(key, default)
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"{self.source}: {key} must be true or false, got {value!r} ({_json_type(value)})"
+            )
+        return value
+
+
+# ---------------------------------------------------------------- one adapter per architecture
+SlidingLayers = Callable[[dict[str, Any], int, Any], tuple[str, ...] | None]
+
+
+def _no_sliding_layers(raw: dict[str, Any], num_layers: int, window: Any) -> None:
+    return None
+
+
+def _mistral_sliding_layers(raw: dict[str, Any], num_layers: int, window: Any):
+    """Mistral: a sliding_window makes every layer sliding."""
+    return ("sliding",) * num_layers if window else None
+
+
+def _qwen_sliding_layers(raw: dict[str, Any], num_layers: int, window: Any):
+    """Qwen2/3: layers from `max_window_layers` on slide, only with `use_sliding_window`."""
+    if not (raw.get("use_sliding_window") and window):
+        return None
+    max_window_layers = int(raw.get("max_window_layers", num_layers))
+    return tuple("full" if i < max_window_layers else "sliding" for i in range(num_layers))
+
+
+def _gemma3_sliding_layers(raw: dict[str, Any], num_layers: int, window: Any):
+    """Gemma 3: five local (sliding) layers to one global; `sliding_window_pattern` = 6
+    (Gemma 3 technical report, sec. 2; HF Gemma3TextConfig default)."""
+    if not window:
+        return None
+    pattern = int(raw.get("sliding_window_pattern", 6))
+    return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What one model_type's config.json means its own way; every other field is shared.
+
+    Defaults are those of a field the file leaves out (transformers' config classes)."""
+
+    qk_norm: bool = False  # RMSNorm over each head's q and k (Qwen3, Gemma 3)
+    attention_bias: bool = False  # q/k/v projections with biases (Qwen2)
+    tie_word_embeddings: bool = False  # lm_head is the embedding (Gemma)
+    # rope_scaling types the engine runs; None: not checked (the engine does not run it)
+    rope_scaling_types: tuple[str | None, ...] | None = ("llama3", "default", None)
+    sliding_layers: SlidingLayers = _no_sliding_layers  # layer types without `layer_types`
+
+
+_QWEN = {"sliding_layers": _qwen_sliding_layers}
+_GEMMA3 = Architecture(
+    qk_norm=True,
+    tie_word_embeddings=True,
+    rope_scaling_types=None,
+    sliding_layers=_gemma3_sliding_layers,
+)
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture(),
+    "mistral": Architecture(sliding_layers=_mistral_sliding_layers),
+    "qwen2": Architecture(attention_bias=True, **_QWEN),
+    "qwen3": Architecture(qk_norm=True, **_QWEN),
+    "gemma3": _GEMMA3,
+    "gemma3_text": _GEMMA3,
+}
+
+
 def _layer_types(
-    raw: dict[str, Any], model_type: str, num_layers: int, sliding_window: Any
+    raw: dict[str, Any], arch: Architecture, num_layers: int, sliding_window: Any
 ) -> tuple[str, ...]:
     explicit = raw.get("layer_types")
     if explicit:
@@ -498,14 +595,4 @@ def _layer_types(
                 f"layer_types entry {err.args[0]!r} unknown; expected sliding_attention or "
                 "full_attention"
             ) from None
-    if model_type.startswith("gemma3") and sliding_window:
-        # Gemma 3: five local (sliding) layers to one global; `sliding_window_pattern` = 6
-        # (Gemma 3 technical report, sec. 2; HF Gemma3TextConfig default).
-        pattern = int(raw.get("sliding_window_pattern", 6))
-        return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
-    if model_type == "mistral" and sliding_window:
-        return ("sliding",) * num_layers
-    if model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window") and sliding_window:
-        max_window_layers = int(raw.get("max_window_layers", num_layers))
-        return tuple("full" if i < max_window_layers else "sliding" for i in range(num_layers))
-    return ("full",) * num_layers
+    return arch.sliding_layers(raw, num_layers, sliding_window) or ("full",) * num_layers

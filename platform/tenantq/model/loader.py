@@ -32,7 +32,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from tenantq.model.config import ATTN_PROJ, ModelConfig
+from tenantq.model.config import ATTN_PROJ, ModelConfig, is_compressed_tensors
 from tenantq.model.safetensors_header import SafetensorsHeader, TensorEntry
 
 # safetensors dtype codes the loader reads; others (ints, fp8, packed GPTQ) are rejected.
@@ -193,7 +193,6 @@ def check_checkpoint(
     its config.json shape. `iter_checkpoint` runs it before the first tensor is read, and
     `tenantq search --check` (`search.checks.check_study`) runs it alone; NaN/inf need the
     data and are left to the load. Returns (HF tensor name -> file, file -> header)."""
-    from tenantq.model.compressed import is_compressed_tensors
     from tenantq.model.decoder import check_supported
 
     folder = Path(folder)

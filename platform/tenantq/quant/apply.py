@@ -2,7 +2,7 @@
 
 A plan resolves to one `TensorQuant` per quantized tensor; each is produced by the
 algorithm its rule names, looked up in a registry. Round-to-nearest ("rtn") is built in;
-GPTQ, AWQ and SmoothQuant register themselves with `register_algorithm` and receive
+GPTQ, AWQ and SmoothQuant are the other entries of `quant.algorithms.ALGORITHMS` and receive
 whatever calibration inputs the caller passes through. `load_quantized` is where a plan
 meets a checkpoint: it quantizes the loader's tensor stream one tensor at a time with the
 same `quantize_tensor`, so both paths store identical bytes.
@@ -11,7 +11,7 @@ same `quantize_tensor`, so both paths store identical bytes.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,37 +21,17 @@ import numpy as np
 
 from tenantq.model.config import ModelConfig, TensorInfo
 from tenantq.model.layers import StaticActQArray
-from tenantq.numerics import QArray, compute_scale_zero_point, quantize
+from tenantq.numerics import QArray, compute_scale_zero_point
+from tenantq.quant.algorithms import ALGORITHMS
 from tenantq.quant.plan import QuantPlan, TensorQuant, check_w8a8
-
-# fn(weight float32 [in, out] (embedding [vocab, hidden]), how, **inputs) -> QArray
-Algorithm = Callable[..., QArray]
-_ALGORITHMS: dict[str, Algorithm] = {}
 
 
 class UnusedRuleWarning(UserWarning):
     """A plan rule was the first match for no tensor (a typo, or shadowed by an earlier rule)."""
 
 
-def register_algorithm(name: str) -> Callable[[Algorithm], Algorithm]:
-    """Decorator: make `fn(weight, how: TensorQuant, **inputs) -> QArray` the `name` algorithm."""
-
-    def decorate(fn: Algorithm) -> Algorithm:
-        _ALGORITHMS[name] = fn
-        return fn
-
-    return decorate
-
-
 def registered_algorithms() -> tuple[str, ...]:
-    return tuple(_ALGORITHMS)
-
-
-@register_algorithm("rtn")
-def _round_to_nearest(weight, how: TensorQuant, **_: Any) -> QArray:
-    return quantize(
-        weight, how.format, axis=how.axis, group_size=how.group_size, symmetric=how.symmetric
-    )
+    return tuple(ALGORITHMS)
 
 
 def quantize_tensor(weight, how: TensorQuant, *, act_amax=None, **inputs: Any) -> QArray:
@@ -62,11 +42,11 @@ def quantize_tensor(weight, how: TensorQuant, *, act_amax=None, **inputs: Any) -
     the activation format's own scale for that amax, stored with the weight.
     """
     check_w8a8(how)
-    algorithm = _ALGORITHMS.get(how.algorithm)
+    algorithm = ALGORITHMS.get(how.algorithm)
     if algorithm is None:
         raise ValueError(
             f"{how.path}: algorithm {how.algorithm!r} is not available; "
-            f"registered: {', '.join(_ALGORITHMS)}"
+            f"registered: {', '.join(ALGORITHMS)}"
         )
     if how.activation_scale != "static":
         return algorithm(jnp.asarray(weight, dtype=jnp.float32), how, **inputs)
@@ -178,7 +158,8 @@ def load_quantized(
     """
     import numpy as np
 
-    from tenantq.model.compressed import is_compressed_tensors, iter_compressed
+    from tenantq.model.compressed import iter_compressed
+    from tenantq.model.config import is_compressed_tensors
     from tenantq.model.loader import iter_checkpoint
 
     resolved = (plan or QuantPlan()).resolve(config)
@@ -201,8 +182,3 @@ def load_quantized(
             params[path] = quantize_tensor(np.asarray(array, dtype=np.float32), how)
         del array
     return params
-
-
-# The calibrated algorithms register themselves on import; importing them once the registry
-# above exists makes them available to every caller of this module.
-from tenantq.quant import awq, gptq, smoothquant  # noqa: E402, F401, I001

@@ -27,7 +27,6 @@ from tenantq.numerics import (
     quantize,
     quantize_with_scale_zero_point,
 )
-from tenantq.quant.apply import register_algorithm
 from tenantq.quant.calibration import InputStats
 from tenantq.quant.folding import FoldSite, share_within_groups, source_column_scale
 from tenantq.quant.plan import TensorQuant
@@ -222,7 +221,6 @@ def exponent_search(weight, how: TensorQuant, gram: np.ndarray, steps=MX_EXPONEN
     return quantize_with_scale_zero_point(w, fmt, codes, None, axis=0)
 
 
-@register_algorithm("awq")
 def awq_weight(
     weight, how: TensorQuant, *, gram=None, awq_scaled: bool = False, clip: bool = True, **_: Any
 ) -> QArray:

@@ -30,7 +30,6 @@ from tenantq.numerics import (
     get_format,
     quantize_with_scale_zero_point,
 )
-from tenantq.quant.apply import register_algorithm
 from tenantq.quant.plan import TensorQuant
 
 DEFAULT_DAMP = 0.01  # fraction of mean(diag H) added to the diagonal (the paper's 1%)
@@ -213,7 +212,6 @@ def gptq_quantize(
     return quantize_with_scale_zero_point(q, fmt, scale, zero_point, axis=0, group_size=group)
 
 
-@register_algorithm("gptq")
 def gptq_weight(
     weight,
     how: TensorQuant,

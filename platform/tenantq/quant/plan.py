@@ -15,11 +15,11 @@ import json
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model
 from pydantic import ValidationError as _PydanticError
 
 from tenantq.model.config import ModelConfig, TensorInfo
@@ -31,8 +31,8 @@ from tenantq.numerics import FORMATS, get_format
 KV_ONLY_FORMATS = tuple(n for n, s in FORMATS.items() if s.asymmetric_only)
 # Weight formats: the numerics registry's names, in its order, less the KV-only ones.
 FORMAT_NAMES = tuple(n for n in FORMATS if n not in KV_ONLY_FORMATS)
-# Algorithms a rule may name. Only "rtn" is built in; GPTQ/AWQ/SmoothQuant register
-# themselves in tenantq.quant.apply when they land.
+# Algorithms a rule may name; tenantq.quant.algorithms.ALGORITHMS holds their functions under
+# these names (a test asserts the two agree).
 ALGORITHM_NAMES = ("rtn", "gptq", "awq", "smoothquant")
 # W8A8: activations quantized per token at run time; the weight must be in the same family,
 # or int4 (W4A8: its codes -8..7 are exact in int8 and in fp8_e4m3, so the product runs on
@@ -81,27 +81,11 @@ DEFAULT_KV_SCALE_DTYPES = {"int4": "bf16", "int2": "bf16"}
 
 
 # ------------------------------------------------------------------------ typed validation
-# Each plan part's fields, types and ranges, once (pydantic, strict: "false" is not a bool,
-# "13" is not a list of layers, 2.0 is not a group size). A failure is one ValueError line
-# naming the field, the value given and what is allowed.
+# Each plan part's fields, types and ranges are declared once, on its dataclass (`Rule`,
+# `KVPlan`); the strict pydantic model that checks them is derived from that declaration
+# (`_fields_model`; strict: "false" is not a bool, "13" is not a list of layers, 2.0 is not a
+# group size). A failure is one ValueError line naming the field, the value and what is allowed.
 _STRICT = ConfigDict(strict=True, extra="forbid")
-
-
-class _RuleFields(BaseModel):
-    model_config = _STRICT
-    pattern: StrictStr = Field(description="regex fully matched against tensor paths")
-    format: Literal[FORMAT_NAMES] = Field(description="storage format of matching tensors")
-    group_size: Annotated[StrictInt, Field(gt=0)] | None = Field(
-        None, description="elements per scale group along the quantization axis"
-    )
-    algorithm: Literal[ALGORITHM_NAMES] = Field("rtn", description="quantization algorithm")
-    activations: Literal[ACTIVATION_NAMES] | None = Field(
-        None, description="W8A8: activation format (absent: weight-only)"
-    )
-    symmetric: StrictBool = Field(True, description="false: int zero points")
-    activation_scale: Literal[ACTIVATION_SCALES] = Field(
-        "dynamic", description="W8A8: per-token scales at run time, or one static calibrated"
-    )
 
 
 class _LayerFormatFields(BaseModel):
@@ -112,20 +96,16 @@ class _LayerFormatFields(BaseModel):
     value_format: Literal[KV_FORMAT_NAMES] | None = None
 
 
-class _KVFields(BaseModel):
-    model_config = _STRICT
-    key_format: Literal[KV_FORMAT_NAMES] = "bf16"
-    key_axis: Literal[KV_AXES] = "channel"
-    value_format: Literal[KV_FORMAT_NAMES] = "bf16"
-    value_axis: Literal[KV_AXES] = "token"
-    sink_tokens: Annotated[StrictInt, Field(ge=0)] = Field(
-        0, description="first tokens of each sequence kept unquantized"
-    )
-    bf16_layers: list[StrictInt] = Field([], description="layers whose KV stays bf16")
-    layer_formats: list[_LayerFormatFields] = Field([], description="per-layer KV formats")
-    scale_dtype: Literal[KV_SCALE_DTYPES] = Field(
-        "float32", description="storage of page/token scales and int2 zero points"
-    )
+def _fields_model(cls: type, name: str, **json_fields: tuple[Any, Any]) -> type[BaseModel]:
+    """The strict pydantic model of a plan dataclass, read off its own field declarations
+    (types with their ranges and descriptions, defaults): the one schema. `json_fields` gives
+    (type, default) where the JSON/TOML shape differs from the dataclass's (lists, not tuples)."""
+    hints = get_type_hints(cls, include_extras=True)
+    spec: dict[str, Any] = {}
+    for f in fields(cls):
+        default = ... if f.default is MISSING else f.default  # ...: required
+        spec[f.name] = json_fields.get(f.name, (hints[f.name], default))
+    return create_model(name, __config__=_STRICT, **spec)
 
 
 class _PlanFields(BaseModel):
@@ -197,13 +177,26 @@ def check_w8a8(how: Rule | TensorQuant) -> None:
 class Rule:
     """Tensors whose path fully matches `pattern` are stored in `format`."""
 
-    pattern: str
-    format: str
-    group_size: int | None = None
-    algorithm: str = "rtn"
-    activations: str | None = None
-    symmetric: bool = True
-    activation_scale: str = "dynamic"
+    pattern: Annotated[StrictStr, Field(description="regex fully matched against tensor paths")]
+    format: Annotated[
+        Literal[FORMAT_NAMES], Field(description="storage format of matching tensors")
+    ]
+    group_size: Annotated[
+        Annotated[StrictInt, Field(gt=0)] | None,
+        Field(description="elements per scale group along the quantization axis"),
+    ] = None
+    algorithm: Annotated[Literal[ALGORITHM_NAMES], Field(description="quantization algorithm")] = (
+        "rtn"
+    )
+    activations: Annotated[
+        Literal[ACTIVATION_NAMES] | None,
+        Field(description="W8A8: activation format (absent: weight-only)"),
+    ] = None
+    symmetric: Annotated[StrictBool, Field(description="false: int zero points")] = True
+    activation_scale: Annotated[
+        Literal[ACTIVATION_SCALES],
+        Field(description="W8A8: per-token scales at run time, or one static calibrated"),
+    ] = "dynamic"
 
     def __post_init__(self) -> None:
         where = f"rule {self.pattern!r}"
@@ -269,6 +262,9 @@ class Rule:
         if self.activation_scale != "dynamic":
             d["activation_scale"] = self.activation_scale
         return d
+
+
+_RuleFields = _fields_model(Rule, "_RuleFields")
 
 
 @dataclass(frozen=True)
@@ -432,15 +428,22 @@ def _check_layers_once(bf16: list[int], formats: list[int], num_layers: int | No
 class KVPlan:
     """The KV-cache part of a plan (keys per channel, values per token by default, as KIVI)."""
 
-    key_format: str = "bf16"
-    key_axis: str = "channel"
-    value_format: str = "bf16"
-    value_axis: str = "token"
-    sink_tokens: int = 0
-    bf16_layers: tuple[int, ...] = ()
+    key_format: Literal[KV_FORMAT_NAMES] = "bf16"
+    key_axis: Literal[KV_AXES] = "channel"
+    value_format: Literal[KV_FORMAT_NAMES] = "bf16"
+    value_axis: Literal[KV_AXES] = "token"
+    sink_tokens: Annotated[
+        StrictInt, Field(ge=0, description="first tokens of each sequence kept unquantized")
+    ] = 0
+    bf16_layers: Annotated[tuple[int, ...], Field(description="layers whose KV stays bf16")] = ()
     # Per-layer overrides: ((layer_index, key_format, value_format), ...); negative = from end.
-    layer_formats: tuple[tuple[int, str, str], ...] = ()
-    scale_dtype: str = "float32"  # KV_SCALE_DTYPES
+    layer_formats: Annotated[
+        tuple[tuple[int, str, str], ...], Field(description="per-layer KV formats")
+    ] = ()
+    scale_dtype: Annotated[
+        Literal[KV_SCALE_DTYPES],
+        Field(description="storage of page/token scales and int2 zero points"),
+    ] = "float32"
 
     def __post_init__(self) -> None:
         raw = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -553,6 +556,19 @@ class KVPlan:
                 (e.layer, e.key_format, e.value_format) for e in checked.layer_formats
             ),
         )
+
+
+# JSON/TOML give lists (of layers, of {layer, key_format, value_format} tables) where the
+# dataclass holds tuples.
+_KVFields = _fields_model(
+    KVPlan,
+    "_KVFields",
+    bf16_layers=(Annotated[list[StrictInt], Field(description="layers whose KV stays bf16")], []),
+    layer_formats=(
+        Annotated[list[_LayerFormatFields], Field(description="per-layer KV formats")],
+        [],
+    ),
+)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ import numpy as np
 
 from tenantq.model.config import ModelConfig
 from tenantq.numerics import QArray, quantize
-from tenantq.quant.apply import register_algorithm
 from tenantq.quant.calibration import CalibrationStats
 from tenantq.quant.folding import (
     FoldSite,
@@ -83,7 +82,6 @@ def smooth(
     return out, scales
 
 
-@register_algorithm("smoothquant")
 def smoothquant_weight(weight, how: TensorQuant, *, smoothed: bool = False, **_: Any) -> QArray:
     """The weight of a smoothed linear, rounded to nearest in `how`'s format.
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import KVTensorSpec, LayerKV, QuantPlan
 
@@ -43,8 +44,7 @@ VOCAB_AXIS = {"embed": 0, "lm_head": 1}
 def check_tp(config: ModelConfig, tp: Any, *, valid_name: str = "tp values") -> int:
     """`tp` as an int once it is a positive integer that splits heads, KV heads and MLP units
     evenly (KV heads are sharded, never replicated); the one check the engine and planner use."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp (chips) must be a positive integer, got {tp!r}")
+    check_positive_int("tp (chips)", tp)
     config.check_tensor_parallel(tp, valid_name=valid_name)
     return tp
 
@@ -147,9 +147,7 @@ class LayerKVStorage:
                 f"{', '.join(KV_STORE_DTYPES)}"
             )
         for name in ("page_tokens", "kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, getattr(self, name))
 
     @property
     def tensors(self) -> tuple[tuple[str, KVTensorSpec], tuple[str, KVTensorSpec]]:
@@ -313,8 +311,7 @@ def kv_storage(
     store_dtype: str = "bfloat16",
 ) -> tuple[LayerKVStorage, ...]:
     """Every layer's KV storage on one of `tp` chips (the KV heads are split across chips)."""
-    if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1:
-        raise ValueError(f"page_tokens must be a positive integer, got {page_tokens!r}")
+    check_positive_int("page_tokens", page_tokens)
     heads = kv_heads_per_chip(config, tp)
     return tuple(
         LayerKVStorage(

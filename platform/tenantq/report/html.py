@@ -36,7 +36,7 @@ def load_profile(study: StudyRecord, profile: str | Path | None):
         profile = space.get("profile") if space.get("kind") == "sensitivity" else None
     if profile is None:
         return None
-    from tenantq.search.space import read_profile_table
+    from tenantq.evals.profile import read_profile_table
 
     return read_profile_table(profile, _study_num_layers(spec_text))
 

@@ -592,7 +592,7 @@ def profile_prior(space, choices) -> dict:
     per-tensor space with `space.profile` set (the quality model's prior); else empty."""
     if space.kind != "per_tensor" or not space.profile:
         return {}
-    from tenantq.search.space import read_profile_table
+    from tenantq.evals.profile import read_profile_table
 
     table = read_profile_table(space.profile)
     prior: dict = {}

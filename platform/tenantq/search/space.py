@@ -262,65 +262,6 @@ def _allowed(choices: list | range, value: Any) -> bool:
     return value in choices
 
 
-def read_profile_table(path: str | Path, num_layers: int | None = None):
-    """The table `tenantq sensitivity` writes (Parquet, or Arrow IPC for any other suffix),
-    checked by `check_profile_table` (the one check every reader of a profile calls)."""
-    import pyarrow.feather as feather
-    import pyarrow.parquet as pq
-
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"sensitivity profile {p} does not exist; give a file `tenantq "
-                         "sensitivity --out` wrote")  # fmt: skip
-    import pyarrow as pa
-
-    kind = "Parquet" if p.suffix == ".parquet" else "Arrow IPC (Feather)"
-    try:
-        table = pq.read_table(p) if p.suffix == ".parquet" else feather.read_table(p)
-    except (pa.ArrowException, OSError) as err:  # ArrowInvalid on a damaged or foreign file
-        raise ValueError(
-            f"sensitivity profile {p}: cannot read it as {kind} ({err}); give the table "
-            "`tenantq sensitivity --out` wrote (.parquet, or Arrow IPC for other suffixes)"
-        ) from None
-    check_profile_table(table, p, num_layers)
-    return table
-
-
-def check_profile_table(table, path: str | Path, num_layers: int | None = None) -> None:
-    """A profile's columns (tensor, format, kl_mean), its KL values (finite and >= 0: a NaN
-    would rank a tensor least sensitive and quantize it first) and its KV rows (`kv/{i}`,
-    with 0 <= i < num_layers when the model is known). One ValueError line naming the row."""
-    import math
-
-    need = {"tensor", "format", "kl_mean"}
-    if not need <= set(table.column_names):
-        raise ValueError(
-            f"sensitivity profile {path}: needs columns {sorted(need)}, has {table.column_names}"
-        )
-    tensors = table.column("tensor").to_pylist()
-    for tensor, fmt, kl in zip(
-        tensors, table.column("format").to_pylist(), table.column("kl_mean").to_pylist(),
-        strict=True,
-    ):  # fmt: skip
-        if not isinstance(tensor, str) or not tensor:
-            raise ValueError(f"sensitivity profile {path}: a row has tensor {tensor!r}; "
-                             "expected a tensor path or kv/LAYER")  # fmt: skip
-        if not isinstance(kl, int | float) or not math.isfinite(kl) or kl < 0:
-            raise ValueError(
-                f"sensitivity profile {path}: kl_mean of {tensor} ({fmt}) is {kl!r}; a KL "
-                "is a finite number >= 0 (re-measure it with `tenantq sensitivity`)"
-            )
-        if tensor.startswith("kv/"):
-            index = tensor[3:]
-            if not index.isdigit() or (num_layers is not None and int(index) >= num_layers):
-                valid = f"kv/0..kv/{num_layers - 1}" if num_layers else "kv/LAYER (0, 1, ...)"
-                raise ValueError(
-                    f"sensitivity profile {path}: row {tensor!r} names no KV layer of the "
-                    f"model ({num_layers} layers); valid rows: {valid} (was it measured on "
-                    "another model?)"
-                )
-
-
 # ---------------------------------------------------------------- sensitivity profile
 @dataclass(frozen=True)
 class SensitivityProfile:
@@ -333,6 +274,8 @@ class SensitivityProfile:
     def load(cls, path: str | Path, config: ModelConfig) -> SensitivityProfile:
         """Read the table `tenantq sensitivity` writes (Parquet or Arrow IPC) with columns
         tensor, format, kl_mean; a tensor's sensitivity is its largest kl_mean over formats."""
+        from tenantq.evals.profile import read_profile_table  # evals loads JAX: only here
+
         p = Path(path)
         table = read_profile_table(p, config.num_layers)
         worst: dict[str, float] = {}

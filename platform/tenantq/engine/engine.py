@@ -22,7 +22,7 @@ from flax import nnx
 
 from tenantq.engine import sharding, steps
 from tenantq.engine.allocator import DEFAULT_TENANT
-from tenantq.engine.cache import ContiguousCache, KVCache
+from tenantq.engine.cache import KVCache
 from tenantq.engine.memory import MemoryReport, memory_report, tensor_nbytes
 from tenantq.engine.pool import PagedPool
 from tenantq.model.config import ModelConfig
@@ -102,15 +102,7 @@ class Engine:
             )
         # tp=N: quantize (scale_scope "global" or per "shard") and place on a tp-device mesh.
         self.mesh = None if tp is None else sharding.make_mesh(tp, config)
-        if self.mesh is not None:
-            params = sharding.shard_params(
-                params, config, self.mesh, scales=scale_scope, plan=self.plan
-            )
-        quantized = apply_plan(params, self.plan, config)
-        self.params = {
-            path: v if isinstance(v, QArray) else jnp.asarray(v, self.dtype)
-            for path, v in quantized.items()
-        }
+        self.params = self._build_params(params, scale_scope)
         activations = {
             p: t.activations for p, t in self.plan.resolve(config).items() if t.activations
         }
@@ -122,23 +114,37 @@ class Engine:
                 f"pass either a cache or cache options, not both: {sorted(pool_options)}"
             )
         self.tp, self.scale_scope = 1 if tp is None else tp, scale_scope
-        if cache is None:
-            weights = (
-                max(sharding.device_bytes(self.params).values())
-                if self.mesh is not None
-                else sum(tensor_nbytes(v) for v in self.params.values())
-            )
-            cache = PagedPool(
-                config, self.plan, dtype=self.dtype.name, weights_bytes=weights, tp=self.tp,
-                **pool_options,
-            )  # fmt: skip
-        self.cache: KVCache = cache
-        if isinstance(self.cache, ContiguousCache):
-            _check_kv_plan(self.plan, config)
+        self.cache: KVCache = cache if cache is not None else self._build_pool(pool_options)
+        self.cache.check_plan(self.plan, config)
         if self.mesh is not None:
             self.cache.state = sharding.shard_cache_state(self.cache.state, self.mesh)
         self.tokenizer = tokenizer
         self.stats = steps.StepStats()
+
+    def _build_params(self, params: dict[str, Any], scale_scope: str) -> dict[str, Any]:
+        """The params the decoder holds: the plan applied (sharded first under tp), every
+        unquantized tensor cast to the compute dtype."""
+        if self.mesh is not None:
+            params = sharding.shard_params(
+                params, self.config, self.mesh, scales=scale_scope, plan=self.plan
+            )
+        quantized = apply_plan(params, self.plan, self.config)
+        return {
+            path: v if isinstance(v, QArray) else jnp.asarray(v, self.dtype)
+            for path, v in quantized.items()
+        }
+
+    def _build_pool(self, pool_options: dict[str, Any]) -> PagedPool:
+        """The default cache: a paged pool sized beside the weights one chip holds."""
+        weights = (
+            max(sharding.device_bytes(self.params).values())
+            if self.mesh is not None
+            else sum(tensor_nbytes(v) for v in self.params.values())
+        )
+        return PagedPool(
+            self.config, self.plan, dtype=self.dtype.name, weights_bytes=weights, tp=self.tp,
+            **pool_options,
+        )  # fmt: skip
 
     @classmethod
     def from_checkpoint(
@@ -155,7 +161,8 @@ class Engine:
 
         A compressed-tensors folder (`tenantq export`) loads under its own plan and static
         KV scales when `plan` is None."""
-        from tenantq.model.compressed import checkpoint_plan, is_compressed_tensors
+        from tenantq.model.compressed import checkpoint_plan
+        from tenantq.model.config import is_compressed_tensors
         from tenantq.model.tokenizer import load_tokenizer
         from tenantq.quant.apply import load_quantized
 
@@ -282,7 +289,7 @@ class Engine:
             isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1
         ):
             raise ValueError(f"step_tokens must be a whole number >= 1, got {step_tokens!r}")
-        layers = self.plan.kv_layers(self.config) if isinstance(self.cache, PagedPool) else []
+        layers = self.cache.kv_layers()
         specs = [s for kv in layers for s in (kv.keys, kv.values) if s.quantized]
         channel = any(s.needs_residual for s in specs)
         # nvfp4 scaled per channel takes the residual path (PagedPool.write): whole pages are
@@ -368,8 +375,7 @@ class Engine:
 
     def memory_report(self) -> MemoryReport:
         """Bytes per weight tensor (true storage: QArray.nbytes) and the cache's bytes."""
-        kv_layers = self.cache.kv_report() if hasattr(self.cache, "kv_report") else ()
-        return memory_report(self.params, self.cache.nbytes, kv_layers)
+        return memory_report(self.params, self.cache.nbytes, self.cache.kv_report())
 
     def host_memory(self) -> dict[str, Any]:
         """What this process's devices hold (params and KV cache), device by device: on a
@@ -385,21 +391,15 @@ class Engine:
     def settings(self) -> dict[str, Any]:
         """Everything about this engine that changes its results or its memory, as one flat
         dict of plain values: log it with a run, key caches of its outputs by it."""
-        cache = self.cache
-        paged = isinstance(cache, PagedPool)
+        cache = self.cache.settings(self.dtype.name)
         # static KV scales change results: their fingerprint, only where a plan uses them
-        scales = _kv_scales_fingerprint(cache)
+        scales = {"kv_scales": cache.pop("kv_scales")} if "kv_scales" in cache else {}
         return {
-            **({"kv_scales": scales} if scales is not None else {}),
+            **scales,
             "dtype": self.dtype.name,
             "tp": self.tp,
             "scale_scope": self.scale_scope if self.mesh is not None else "global",
-            "cache": "paged" if paged else type(cache).__name__,
-            "kv_store_dtype": cache.layout.store_dtype if paged else self.dtype.name,
-            "page_tokens": cache.page_tokens if paged else None,
-            "pool_pages": cache.num_pages if paged else None,
-            "max_seqs": cache.max_seqs,
-            "max_seq_tokens": cache.max_seq_tokens,
+            **cache,
             "plan_fingerprint": self.plan.fingerprint(),
         }
 
@@ -408,7 +408,7 @@ class Engine:
         outside the format's range and were clipped, over every such tensor since the engine
         was built; None when the plan has no static KV scales. Per tensor:
         `engine.cache.kv_clip_report()`."""
-        rows = self.cache.kv_clip_report() if hasattr(self.cache, "kv_clip_report") else []
+        rows = self.cache.kv_clip_report()
         elements = sum(r["elements"] for r in rows)
         if not rows:
             return None
@@ -417,8 +417,6 @@ class Engine:
     def add_tenant(self, name: str, guaranteed_pages: int = 0) -> None:
         """Give `name` a guaranteed share of the pool's pages; it may borrow free pages above
         it and loses borrowed ones (its newest sequence preempted) to another's guarantee."""
-        if not hasattr(self.cache, "add_tenant"):
-            raise ValueError("this engine's cache has no tenants; use the paged pool")
         self.cache.add_tenant(name, guaranteed_pages)
 
     def encode(self, text: str) -> list[int]:
@@ -650,21 +648,6 @@ def token_rows(
     return out
 
 
-def _kv_scales_fingerprint(cache) -> str | None:
-    scales = getattr(cache, "kv_scales", None)
-    return None if scales is None else scales.fingerprint()
-
-
 def _check_whole(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
         raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
-
-
-def _check_kv_plan(plan: QuantPlan, config: ModelConfig) -> None:
-    quantized = [i for i, kv in enumerate(plan.kv_layers(config)) if not kv.is_bf16]
-    if quantized:
-        raise NotImplementedError(
-            f"plan stores the KV cache of layers {quantized} in "
-            f"{plan.kv.key_format}/{plan.kv.value_format}; the contiguous cache holds only "
-            "the compute dtype (the paged KV pool implements KV formats)"
-        )
