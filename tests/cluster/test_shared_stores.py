@@ -18,9 +18,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _cluster import free_port
 from _servers import mlflow_server, postgres
 
-from _cluster import free_port
 from tenantq.testing import TINY_SUITE, tiny_study_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -20,8 +20,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from _cluster import LOCAL_SH, free_port
+
 from tenantq.testing import TINY_SUITE, tiny_study_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
