@@ -9,13 +9,13 @@ import pytest
 from optuna.distributions import CategoricalDistribution, IntDistribution
 
 from tenantq.capacity import get_model_config
+from tenantq.evals.profile import read_profile_table
 from tenantq.search.space import (
     SensitivityProfile,
     _edge_layers,
     baseline_params,
     distributions,
     parameter_choices,
-    read_profile_table,
     suggest,
 )
 from tenantq.search.spec import SpaceSpec
@@ -203,7 +203,7 @@ def test_an_unreadable_profile_names_the_file_and_the_format_tried(tmp_path) -> 
 def test_a_bad_profile_row_is_one_line_naming_it(rows, message) -> None:
     import pyarrow as pa
 
-    from tenantq.search.space import check_profile_table
+    from tenantq.evals.profile import check_profile_table
 
     with pytest.raises(ValueError) as err:
         check_profile_table(pa.table(rows), "prof.parquet")
@@ -213,7 +213,7 @@ def test_a_bad_profile_row_is_one_line_naming_it(rows, message) -> None:
 def test_a_zero_kl_and_any_kv_layer_of_an_unknown_model_are_accepted() -> None:
     import pyarrow as pa
 
-    from tenantq.search.space import check_profile_table
+    from tenantq.evals.profile import check_profile_table
 
     rows = {"tensor": ["lm_head", "kv/9"], "format": ["int4", "int4"], "kl_mean": [0.0, 1.0]}
     check_profile_table(pa.table(rows), "prof.parquet")  # no model given: any layer index
