@@ -176,6 +176,10 @@ class CalibrationSpec(_Strict):
     sequences: int = Field(128, ge=1, description="calibration windows (issue 11: 128)")
     sequence_tokens: int = Field(512, ge=2, description="tokens per window (512)")
     data: str | None = Field(None, description="calibration text file; absent: train split")
+    sequential: bool = Field(
+        False,
+        description="statistics per plan through its own quantized layers (GPTQ paper, sec. 4)",
+    )
 
     def worker_args(self) -> dict[str, Any]:
         """What a HostWorker needs to build its Evaluator's `CalibrationData`."""
@@ -183,6 +187,7 @@ class CalibrationSpec(_Strict):
             "source": self.data,
             "num_sequences": self.sequences,
             "seq_tokens": self.sequence_tokens,
+            "sequential": self.sequential,
         }
 
 
