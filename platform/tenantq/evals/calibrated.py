@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from tenantq.model.files import CACHE_DIR
 from tenantq.quant.calibration import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_TOKENS
 
 
@@ -63,7 +64,7 @@ class Calibrator:
         *,
         model_id: str,
         data: CalibrationData | None = None,
-        cache_dir: str | Path = Path(".tenantq-cache"),
+        cache_dir: str | Path = CACHE_DIR,
     ):
         self.model_path = Path(model_path)
         self.config = config

@@ -10,7 +10,6 @@ dataset hash) and read back on the next run."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -26,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tenantq.model.config import ModelConfig
-from tenantq.model.files import atomic_path, atomic_write_text
+from tenantq.model.files import CACHE_DIR, atomic_path, atomic_write_text, cache_key
 
 DEFAULT_NUM_SEQUENCES = 128
 DEFAULT_SEQ_TOKENS = 512
@@ -306,8 +305,8 @@ _SCHEMA = pa.schema(
 
 
 def default_cache_dir() -> Path:
-    """.tenantq-cache/calibration (the evals' cache folder convention)."""
-    return Path(".tenantq-cache") / "calibration"
+    """<CACHE_DIR>/calibration (`tenantq.model.files.CACHE_DIR`, the evals' cache folder)."""
+    return CACHE_DIR / "calibration"
 
 
 def _write_sites(path: Path, sites: dict[str, InputStats]) -> None:
@@ -337,11 +336,6 @@ def _read_sites(path: Path) -> dict[str, InputStats]:
     return out
 
 
-def cache_key(model_id: str, data_hash: str, percentile: float) -> str:
-    tag = hashlib.sha256(f"v{_STATS_VERSION}:p{percentile}".encode()).hexdigest()[:8]
-    return f"{model_id[:16]}-{data_hash[:16]}-{tag}"
-
-
 def collect_statistics(
     model_path: str | Path,
     windows: np.ndarray,
@@ -368,7 +362,8 @@ def collect_statistics(
 
     model_path = Path(model_path)
     config = ModelConfig.from_file(model_path)
-    folder = Path(cache_dir or default_cache_dir()) / cache_key(model_id, data_hash, percentile)
+    key = cache_key(version=_STATS_VERSION, model=model_id, data=data_hash, percentile=percentile)
+    folder = Path(cache_dir or default_cache_dir()) / key
     meta_path = folder / "meta.json"
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())

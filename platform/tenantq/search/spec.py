@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tenantq.model.files import CACHE_DIR
 from tenantq.quant.plan import (
     ALGORITHM_NAMES,
     FORMAT_NAMES,
@@ -164,7 +165,7 @@ class EvalSpec(_Strict):
     confirm_suite: str | None = Field(
         None, description="larger suite with held-out examples the front is re-evaluated on"
     )
-    cache_dir: str = Field(".tenantq-cache", description="where bf16 baselines are cached")
+    cache_dir: str = Field(str(CACHE_DIR), description="where bf16 baselines are cached")
 
 
 class CalibrationSpec(_Strict):
