@@ -89,3 +89,33 @@ def test_a_planned_embedding_is_rounded_before_layer_0_reads_it(config, params, 
 def test_sequential_refuses_an_unknown_static_statistic(config, params, windows):
     with pytest.raises(ValueError, match="static_statistic='median'; valid: absmax, percentile"):
         prepare_sequential(params, PLAN, config, windows, static_statistic="median")
+
+
+@pytest.mark.slow
+def test_sequential_kl_on_the_reference_model_is_not_worse_than_one_shot(reference_float32):
+    # int4 g128 GPTQ on every decoder linear, 16 x 256 calibration tokens, KL against the
+    # unquantized model on 8 x 256 test-split tokens (float32 engine). The bound is the paired
+    # bootstrap CI of KL(sequential) - KL(one-shot) over the same windows: its lower end must
+    # not lie above 0 (sequential not significantly worse). The bench's full-size figures are
+    # in docs/results/calibration-algorithms.md.
+    from tenantq.engine import Engine
+    from tenantq.evals import data, fidelity, stats
+    from tenantq.evals.sensitivity import calibration_windows, text_windows
+
+    path, config, params, tok = reference_float32
+    plan = QuantPlan(rules=(Rule("layers/.*", "int4", group_size=128, algorithm="gptq"),))
+    windows, _ = calibration_windows(tok, config, num_sequences=16, seq_tokens=256)
+    sites, _ = cal.compute_statistics(config, params, windows)
+    one = prepare(params, plan, config, cal.CalibrationStats("ref", "cal", sites))
+    seq, _ = prepare_sequential(params, plan, config, windows)
+    rows = text_windows(tok, config, source=data.REFERENCE_TEST, rows=8, row_tokens=256)
+    options = {"max_seqs": 8, "max_seq_tokens": 256, "dtype": "float32"}
+    base = fidelity.compute_baseline(Engine(config, params, None, **options), rows, exact=True)
+
+    def kl(c):
+        quantized = apply_plan(c.params, plan, config, inputs=c.inputs)
+        return fidelity.compare(Engine(config, quantized, plan, **options), rows, base)["kl"]
+
+    kl_one, kl_seq = kl(one).mean(axis=1), kl(seq).mean(axis=1)
+    diff = stats.paired_bootstrap(kl_one, kl_seq, resamples=2000)
+    assert diff.ci_low <= 0.0, (kl_one.mean(), kl_seq.mean(), diff)

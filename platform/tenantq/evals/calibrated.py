@@ -113,8 +113,8 @@ class Calibrator:
         norm or v_proj, s into the consumers), before any weight is quantized: what the
         engine's activations, and so its cached K/V, come from up to the weights' rounding.
         Their identity is the model's when nothing is folded, else a new hash of the model
-        identity and every fold's scales (the folds are deterministic given both; caches key
-        by an identity's first characters, so it must not merely extend the model's)."""
+        identity and every fold's scales (the folds are deterministic given both, sequential
+        or not: the scales themselves are hashed)."""
         if not needs_calibration(plan, self.config):
             return self.params, self.params, self.model_id
         from tenantq.quant.apply import apply_plan
