@@ -92,14 +92,16 @@ def test_sequential_refuses_an_unknown_static_statistic(config, params, windows)
 
 
 @pytest.mark.slow
-def test_sequential_kl_on_the_reference_model_is_not_worse_than_one_shot(reference_float32):
+def test_sequential_kl_on_the_reference_model_stays_near_one_shot(reference_float32):
     # int4 g128 GPTQ on every decoder linear, 16 x 256 calibration tokens, KL against the
-    # unquantized model on 8 x 256 test-split tokens (float32 engine). The bound is the paired
-    # bootstrap CI of KL(sequential) - KL(one-shot) over the same windows: its lower end must
-    # not lie above 0 (sequential not significantly worse). The bench's full-size figures are
-    # in docs/results/calibration-algorithms.md.
+    # unquantized model on 8 x 256 test-split tokens (float32 engine). Sequential is not
+    # better here: the bench (docs/results/calibration-algorithms.md, 32 x 256 calibration
+    # tokens) measured KL(sequential) - KL(one-shot) = +3.3% [+1.1%, +5.4%] of one-shot's KL
+    # at int4 g128, paired. The bound, 15% of one-shot's KL, holds that with room for the
+    # smaller sets here, and fails a propagation that feeds layers garbage (KL x 2 and more);
+    # the two must differ (the statistics did change).
     from tenantq.engine import Engine
-    from tenantq.evals import data, fidelity, stats
+    from tenantq.evals import data, fidelity
     from tenantq.evals.sensitivity import calibration_windows, text_windows
 
     path, config, params, tok = reference_float32
@@ -112,10 +114,12 @@ def test_sequential_kl_on_the_reference_model_is_not_worse_than_one_shot(referen
     options = {"max_seqs": 8, "max_seq_tokens": 256, "dtype": "float32"}
     base = fidelity.compute_baseline(Engine(config, params, None, **options), rows, exact=True)
 
-    def kl(c):
+    def kl(c) -> float:
         quantized = apply_plan(c.params, plan, config, inputs=c.inputs)
-        return fidelity.compare(Engine(config, quantized, plan, **options), rows, base)["kl"]
+        return float(
+            fidelity.compare(Engine(config, quantized, plan, **options), rows, base)["kl"].mean()
+        )
 
-    kl_one, kl_seq = kl(one).mean(axis=1), kl(seq).mean(axis=1)
-    diff = stats.paired_bootstrap(kl_one, kl_seq, resamples=2000)
-    assert diff.ci_low <= 0.0, (kl_one.mean(), kl_seq.mean(), diff)
+    kl_one, kl_seq = kl(one), kl(seq)
+    assert kl_seq != kl_one
+    assert kl_seq <= 1.15 * kl_one, (kl_one, kl_seq)
