@@ -85,3 +85,103 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
         raise RuntimeError("writer died")
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+# Each process writes, 100 times, the same three cache entries through the real writers: a
+# calibration-statistics layer file (GPTQ's Hessians), a search-efficiency quality record, and
+# an exported front (one plan file + front.json). Its records carry its id, so a file mixing
+# two writers' bytes, or cut short, cannot parse to one writer's whole record.
+_CACHE_WRITERS = """
+import sys
+from pathlib import Path
+import numpy as np
+from tenantq.quant.calibration import InputStats, _write_sites
+from tenantq.search.efficiency import write_record
+from tenantq.search.front import export
+from tenantq.search.pareto import FrontRow
+folder, me = Path(sys.argv[1]), int(sys.argv[2])
+v = np.full(64, me, np.float32)
+sites = {"s": InputStats("s", ("p",), me, v, v, v, np.full((64, 64), me, np.float64))}
+row = FrontRow(1, "abc", me, {}, True, "", "", "", '{"writer": %d}' % me)
+print("ready", flush=True)
+for _ in range(100):
+    _write_sites(folder / "layer_0000.parquet", sites)
+    write_record(folder / "quality", {"fingerprint": "abc", "writer": me, "pad": [me] * 500})
+    export([row], folder)
+"""
+
+
+def _whole(path: Path):
+    """The writer id a cache file holds, checking it is one writer's whole record."""
+    import json
+
+    from tenantq.quant.calibration import _read_sites
+
+    if path.suffix == ".parquet":
+        s = _read_sites(path)["s"]
+        ids = {*s.absmax.tolist(), *np.unique(s.gram).tolist(), s.tokens}
+        assert len(ids) == 1 and s.gram.shape == (64, 64), ids
+        return s.tokens
+    record = json.loads(path.read_text())
+    if path.name == "front.json":
+        (entry,) = record
+        assert entry["plan"] == {"writer": entry["tenants"]}
+        return entry["tenants"]
+    if "pad" in record:
+        assert record["pad"] == [record["writer"]] * 500
+    return record["writer"]
+
+
+def test_two_processes_writing_the_same_cache_entries_never_expose_a_partial_file(tmp_path):
+    # While two processes rewrite the same entries, this process reads them as fast as it can:
+    # once an entry exists it must always exist (os.replace never leaves a gap: no
+    # FileNotFoundError) and parse to one writer's whole record; both writers must exit 0.
+    env = {"PYTHONPATH": str(PLATFORM), "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _CACHE_WRITERS, str(tmp_path), str(i)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in (1, 2)
+    ]  # fmt: skip
+    assert [p.stdout.readline().strip() for p in procs] == ["ready", "ready"]
+    paths = [
+        tmp_path / "layer_0000.parquet", tmp_path / "quality" / "abc.json",
+        tmp_path / "front" / "trial-0001-abc.json", tmp_path / "front" / "front.json",
+    ]  # fmt: skip
+    seen: dict[Path, set] = {p: set() for p in paths}
+    while any(p.poll() is None for p in procs):
+        for path in paths:
+            if seen[path] or path.exists():
+                seen[path].add(_whole(path))
+    errors = [p.communicate(timeout=60)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    for path in paths:
+        assert _whole(path) in (1, 2)
+        assert seen[path] <= {1, 2}
+    # no temporary file is left in any folder written
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_training_checkpoint_written_by_two_threads_at_once_stays_loadable(tmp_path):
+    # save_checkpoint wrote a fixed `<name>.tmp.npz`: two writers renamed each other's file
+    # away. Now 2 x 20 concurrent saves must all succeed and leave one whole checkpoint.
+    from tenantq.reference.train import save_checkpoint
+
+    path = tmp_path / "checkpoint.npz"
+    failures = []
+
+    def write(me):
+        params = {"w": np.full((64, 64), me, np.float32)}
+        for _ in range(20):
+            try:
+                save_checkpoint(path, params, (np.full(8, me, np.float32),), me, None)
+            except Exception as err:  # noqa: BLE001 - the failure is the finding
+                failures.append(repr(err))
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in (1, 2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert failures == []
+    with np.load(path) as z:
+        me = int(z["step"])
+        assert me in (1, 2) and np.all(z["param:w"] == me) and np.all(z["opt:0"] == me)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.npz"]

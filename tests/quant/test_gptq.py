@@ -144,19 +144,6 @@ def test_negative_or_non_finite_damp_is_refused_naming_the_option(damp):
     assert "\n" not in str(err.value)
 
 
-def test_zero_damp_is_tried_once_and_fails_at_once(caplog):
-    # 0 x 10 stays 0: an undamped factorisation that fails is not retried (this hung before);
-    # the error says to set damp > 0. No retry means no retry warning.
-    w, h = _indefinite_singular_hessian()
-    failed = r"up_proj: GPTQ's Cholesky .* failed up to damp=0 "
-    with (
-        caplog.at_level("WARNING", logger="tenantq.quant.gptq"),
-        pytest.raises(ValueError, match=failed),
-    ):
-        gptq_quantize(w, h, "int8", damp=0.0, name="layers/0/mlp/up_proj")
-    assert "retrying" not in caplog.text
-
-
 def test_damping_retries_are_capped_however_small_the_start(caplog):
     # From damp=1e-30 reaching MAX_DAMP takes 31 growths; the cap stops at MAX_RETRIES retries.
     w, h = _indefinite_singular_hessian()

@@ -21,6 +21,8 @@ import time
 
 import numpy as np
 
+from tenantq.model.files import CACHE_DIR
+
 FORMATS = (("int4", 128), ("int8", None), ("nvfp4", None), ("mxfp4", None))
 ALGORITHMS = ("rtn", "gptq", "awq", "smoothquant")
 SYNTHETIC_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -43,7 +45,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kl-rows", type=int, default=32, help="KL windows of test text (32)")
     p.add_argument("--kl-tokens", type=int, default=256, help="tokens per KL window (256)")
     p.add_argument("--awq-grid", type=int, default=20, help="AWQ alpha grid points (20)")
-    p.add_argument("--cache-dir", default=".tenantq-cache", help="statistics cache")
+    p.add_argument("--cache-dir", default=str(CACHE_DIR), help="statistics cache")
     p.add_argument("--skip-reference", action="store_true", help="only the synthetic layer")
     p.add_argument("--synthetic-8b", action="store_true", help="time an 8B-shaped layer")
     p.add_argument("--synthetic-tokens", type=int, default=2048, help="tokens in its Gram")

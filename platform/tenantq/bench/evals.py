@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tenantq.model.files import CACHE_DIR, atomic_write_text
+
 GRID_SUITE = Path(__file__).resolve().parents[3] / "experiments" / "findings" / "grid-suite.toml"
 PHASES = ("quantize", "compile", "baseline", "fidelity", "needles", "structured", "total")
 
@@ -127,7 +129,7 @@ def _run_grid(args) -> int:
         suite = load_suite(args.suite or GRID_SUITE)
         records = restat(saved, suite, measured_at=args.measured_at)
         if args.out:
-            Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
+            atomic_write_text(args.out, json.dumps(records, indent=1) + "\n")
         print(_render_grid(records, "(statistics recomputed from " + args.restat + ")"))
         return 0
     suite = load_suite(args.suite or GRID_SUITE)
@@ -148,7 +150,7 @@ def _run_grid(args) -> int:
                         "timings_s": result.timings_s,
                         "commit": {"measurement": commit, "statistics": commit}})  # fmt: skip
         if args.out:
-            Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
+            atomic_write_text(args.out, json.dumps(records, indent=1) + "\n")
     took = f"{time.perf_counter() - began:.0f} s"
     print(_render_grid(records, f"suite {suite.name} ({suite.split}), {took}"))
     return 0
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tenantq.bench evals", description=__doc__)
     ap.add_argument("--suite", help="suite name or TOML (default: quick; --grid: grid-suite)")
     ap.add_argument("--grid", action="store_true", help="the findings grid (see _run_grid)")
-    ap.add_argument("--cache-dir", default=".tenantq-cache", help="baseline cache for --grid")
+    ap.add_argument("--cache-dir", default=str(CACHE_DIR), help="baseline cache for --grid")
     ap.add_argument("--out", help="--grid: write every plan's summary and timings as JSON")
     ap.add_argument("--only", type=int, help="--grid: run only the first N plans")
     ap.add_argument("--render", help="--grid: print the table of a saved --out JSON")

@@ -39,8 +39,10 @@ from typing import Any
 
 import numpy as np
 
+from tenantq.model.files import CACHE_DIR
+
 SMOKE_ENV = "TENANTQ_BENCH_SMOKE"
-DEFAULT_DIR = Path(".tenantq-cache") / "bench-load"
+DEFAULT_DIR = CACHE_DIR / "bench-load"
 # (hidden, layers, vocab): the reference model's shape (155.7M params, 297 MiB of bf16) and
 # a larger one (672M params, 1.25 GiB) where fixed costs weigh less against the check.
 SIZES = {"reference": (1024, 8, 32000), "large": (2048, 12, 32000), "smoke": (128, 2, 1024)}

@@ -21,6 +21,7 @@ import time
 import tomllib
 from pathlib import Path
 
+from tenantq.model.files import CACHE_DIR
 from tenantq.testing import TINY_SUITE
 
 PHASES = ("load", "quantize", "compile", "fidelity", "needles", "structured")
@@ -91,7 +92,7 @@ def efficiency_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m tenantq.bench search --efficiency")
     p.add_argument("--efficiency", action="store_true")
     p.add_argument("--spec", default=str(DEFAULT_SPEC), help="deployment for the tenant count")
-    p.add_argument("--cache-dir", default=".tenantq-cache/efficiency", help="quality cache")
+    p.add_argument("--cache-dir", default=str(CACHE_DIR / "efficiency"), help="quality cache")
     p.add_argument("--measure", action="store_true", help="measure plans missing from the cache")
     p.add_argument("--budgets", default="10,20,25,40", help="evaluations per run")
     p.add_argument("--seeds", default="0,1,2,3,4")

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from tenantq.cli._args import byte_count, cache_folder, output_folder
+from tenantq.model.files import CACHE_DIR
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -26,7 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plan", help="QuantPlan .json/.toml (default: bf16, i.e. no change)")
     p.add_argument("--suite", default="quick", help="quick, standard, long or a suite .toml")
     p.add_argument("--split", choices=("search", "confirm"), help="override the suite's split")
-    p.add_argument("--cache-dir", default=".tenantq-cache", help="baseline cache folder")
+    p.add_argument("--cache-dir", default=str(CACHE_DIR), help="baseline cache folder")
     p.add_argument(
         "--pool-bytes",
         type=byte_count("--pool-bytes"),

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from tenantq.cli._args import cache_folder
+from tenantq.model.files import CACHE_DIR
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -70,7 +71,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cache-dir",
-        default=".tenantq-cache",
+        default=str(CACHE_DIR),
         help="calibration cache for plans that need statistics (shared with tenantq eval)",
     )
     p.add_argument("--json", action="store_true", help="print what was written as JSON")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from tenantq.cli._args import cache_folder, output_file
+from tenantq.model.files import CACHE_DIR
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -39,7 +40,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=16, help="windows in the fixed set (16)")
     p.add_argument("--row-tokens", type=int, default=128, help="tokens per window (128)")
     p.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples (2000)")
-    p.add_argument("--cache-dir", default=".tenantq-cache", help="cache folder (.tenantq-cache)")
+    p.add_argument("--cache-dir", default=str(CACHE_DIR), help=f"cache folder ({CACHE_DIR})")
     p.add_argument("--out", help="also write the table to this .parquet file")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

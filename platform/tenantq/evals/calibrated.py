@@ -16,18 +16,23 @@ from typing import Any
 
 import numpy as np
 
+from tenantq.model.files import CACHE_DIR
 from tenantq.quant.calibration import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_TOKENS
 
 
 @dataclass(frozen=True)
 class CalibrationData:
     """Which text calibrates and how much: `source` None is the reference train split,
-    else a .txt/.jsonl/.parquet file; `num_sequences` windows of `seq_tokens` tokens."""
+    else a .txt/.jsonl/.parquet file; `num_sequences` windows of `seq_tokens` tokens.
+    `sequential`: each plan's statistics are taken layer by layer through its own
+    already-quantized layers (`quant.calibrate.prepare_sequential`; per plan, not cached)
+    instead of once from the full-precision model."""
 
     source: str | None = None
     num_sequences: int = DEFAULT_NUM_SEQUENCES
     seq_tokens: int = DEFAULT_SEQ_TOKENS
     seed: int = 0
+    sequential: bool = False
 
     def __post_init__(self) -> None:
         if self.num_sequences < 1 or self.seq_tokens < 2:
@@ -59,7 +64,7 @@ class Calibrator:
         *,
         model_id: str,
         data: CalibrationData | None = None,
-        cache_dir: str | Path = Path(".tenantq-cache"),
+        cache_dir: str | Path = CACHE_DIR,
     ):
         self.model_path = Path(model_path)
         self.config = config
@@ -69,24 +74,32 @@ class Calibrator:
         self.data = data or CalibrationData()
         self.cache_dir = Path(cache_dir) / "calibration"
         self._stats = None
+        self._windows = None
 
     def statistics(self):
         """The `CalibrationStats` (computed once; from the disk cache when present)."""
         if self._stats is None:
             from tenantq.evals.data import array_hash
-            from tenantq.evals.sensitivity import calibration_windows
             from tenantq.quant.calibration import collect_statistics
 
-            windows, _ = calibration_windows(
-                self.tokenizer, self.config, source=self.data.source,
-                num_sequences=self.data.num_sequences, seq_tokens=self.data.seq_tokens,
-                seed=self.data.seed,
-            )  # fmt: skip
+            windows = self.windows()
             self._stats = collect_statistics(
                 self.model_path, windows, model_id=self.model_id, data_hash=array_hash(windows),
                 cache_dir=self.cache_dir, params=self.params,
             )  # fmt: skip
         return self._stats
+
+    def windows(self) -> np.ndarray:
+        """The calibration windows [num_sequences, seq_tokens] (drawn once)."""
+        if self._windows is None:
+            from tenantq.evals.sensitivity import calibration_windows
+
+            self._windows, _ = calibration_windows(
+                self.tokenizer, self.config, source=self.data.source,
+                num_sequences=self.data.num_sequences, seq_tokens=self.data.seq_tokens,
+                seed=self.data.seed,
+            )  # fmt: skip
+        return self._windows
 
     def params_for(self, plan) -> dict[str, Any]:
         """`plan` applied to the model's params, calibrated where its rules ask for it;
@@ -100,14 +113,17 @@ class Calibrator:
         norm or v_proj, s into the consumers), before any weight is quantized: what the
         engine's activations, and so its cached K/V, come from up to the weights' rounding.
         Their identity is the model's when nothing is folded, else a new hash of the model
-        identity and every fold's scales (the folds are deterministic given both; caches key
-        by an identity's first characters, so it must not merely extend the model's)."""
+        identity and every fold's scales (the folds are deterministic given both, sequential
+        or not: the scales themselves are hashed)."""
         if not needs_calibration(plan, self.config):
             return self.params, self.params, self.model_id
         from tenantq.quant.apply import apply_plan
-        from tenantq.quant.calibrate import prepare
+        from tenantq.quant.calibrate import prepare, prepare_sequential
 
-        cal = prepare(self.params, plan, self.config, self.statistics())
+        if self.data.sequential:
+            cal, _ = prepare_sequential(self.params, plan, self.config, self.windows())
+        else:
+            cal = prepare(self.params, plan, self.config, self.statistics())
         run = apply_plan(cal.params, plan, self.config, inputs=cal.inputs)
         if not cal.fold_scales:
             return run, self.params, self.model_id

@@ -35,7 +35,7 @@ from tenantq.evals.suite import (
     pass_fail_key,
     unreachable_gate_warnings,
 )
-from tenantq.model.files import atomic_path
+from tenantq.model.files import CACHE_DIR, atomic_path
 
 # Part of every cached baseline's key: bump it whenever the suite's numerics change (version 2:
 # needles teacher-forced in fidelity-width steps, all at one KV window), so baselines cached
@@ -103,7 +103,7 @@ class Evaluator:
         model_path: str | Path,
         suite: Suite | str,
         *,
-        cache_dir: str | Path = Path(".tenantq-cache"),
+        cache_dir: str | Path = CACHE_DIR,
         engine_options: dict[str, Any] | None = None,
         progress: bool = False,
         calibration: CalibrationData | None = None,

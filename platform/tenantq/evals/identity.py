@@ -15,6 +15,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from tenantq.model.files import cache_key as cache_key  # the one key; re-exported here
+
 _CHUNK_BYTES = 1 << 22
 
 
@@ -85,9 +87,3 @@ def model_file_digests(folder: str | Path) -> dict[str, str]:
         if (folder / name).is_file():
             out[name] = file_digest(folder / name)
     return out
-
-
-def cache_key(**parts) -> str:
-    """A short stable key over JSON-serialisable parts (sorted keys)."""
-    canon = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canon.encode()).hexdigest()[:24]

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from tenantq.evals import data, fidelity, stats
 from tenantq.evals.identity import cache_key, model_identity
 from tenantq.model.config import ModelConfig
-from tenantq.model.files import atomic_path
+from tenantq.model.files import CACHE_DIR, atomic_path
 from tenantq.quant.plan import FORMAT_NAMES, KV_FORMAT_NAMES, KVPlan, QuantPlan, Rule
 
 DEFAULT_ROWS = 16  # windows in the fixed set
@@ -183,7 +183,7 @@ def profile(
     rows: int = DEFAULT_ROWS,
     row_tokens: int = DEFAULT_ROW_TOKENS,
     resamples: int = DEFAULT_RESAMPLES,
-    cache_dir: str | Path = Path(".tenantq-cache"),
+    cache_dir: str | Path = CACHE_DIR,
     progress: bool = True,
     on_unit: Callable[[Unit, Any], None] | None = None,
     devices: Sequence[Any] | None = None,

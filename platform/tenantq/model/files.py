@@ -1,5 +1,6 @@
-"""Atomic file replacement shared by every cache writer (calibration, KV scales, sensitivity,
-evaluation results): a unique temporary file in the destination's folder, then `os.replace`.
+"""Files every cache writer shares: atomic replacement (calibration, KV scales, sensitivity,
+evaluation results, reports, fronts, checkpoints: a unique temporary file in the destination's
+folder, then `os.replace`), the one cache key and the one default cache folder.
 
 A fixed `<name>.tmp` lets two writers of the same cache file rename each other's file away
 (FileNotFoundError) or publish a half-written one; the temporary name here is unique per call. It
@@ -9,10 +10,23 @@ lives in `model` (pure Python, no JAX) because every package that writes caches 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+
+# The default cache folder of every command, benchmark and Evaluator (relative to the current
+# directory); each takes its own `cache_dir`/`--cache-dir` to put it elsewhere.
+CACHE_DIR = Path(".tenantq-cache")
+
+
+def cache_key(**parts) -> str:
+    """A short stable key over JSON-serialisable parts (sorted keys; others by `str`): the
+    one key of every on-disk cache entry."""
+    canon = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canon.encode()).hexdigest()[:24]
 
 
 @contextlib.contextmanager

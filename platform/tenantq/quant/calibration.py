@@ -10,13 +10,13 @@ dataset hash) and read back on the next run."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tenantq.model.config import ModelConfig
-from tenantq.model.files import atomic_path, atomic_write_text
+from tenantq.model.files import CACHE_DIR, atomic_path, atomic_write_text, cache_key
 
 DEFAULT_NUM_SEQUENCES = 128
 DEFAULT_SEQ_TOKENS = 512
@@ -157,7 +157,15 @@ def _layer_step(graphdef, state, x, positions, percentile):
     return x, tuple(_partials(s, percentile) for s in sites)
 
 
+def _layer_forward(graphdef, state, x, positions):
+    """One decoder layer on a batch, output only (sequential calibration's propagation)."""
+    from flax import nnx
+
+    return nnx.merge(graphdef, state)(x, positions, _PrefillKV(positions))
+
+
 _layer_step_jit = jax.jit(_layer_step, static_argnums=(0, 4))
+_layer_forward_jit = jax.jit(_layer_forward, static_argnums=0)
 _partials_jit = jax.jit(_partials, static_argnums=1)
 
 
@@ -209,15 +217,23 @@ def compute_statistics(
     percentile: float = DEFAULT_PERCENTILE,
     dtype=jnp.bfloat16,
     on_layer: Callable[[int, dict[str, InputStats], float], None] | None = None,
+    replace_layer: Callable[[int, dict[str, InputStats]], Mapping[str, Any]] | None = None,
 ) -> tuple[dict[str, InputStats], list[float]]:
     """Run `windows` through the model layer by layer; statistics of every input site.
 
     `on_layer(layer, sites, seconds)` is called after each layer (the head is layer -1),
     so a caller can persist as it goes. Returns (sites, seconds per decoder layer).
+
+    `replace_layer(layer, sites)` (sequential calibration): called once layer `layer`'s
+    statistics are taken, it returns float params (path -> array) that replace that layer's
+    tensors, e.g. its quantized weights dequantized; the next layer's inputs are then this
+    layer's outputs *with those params*, so layer l's statistics come from the inputs the
+    replaced layers < l produce (GPTQ, Frantar et al. 2022, section 4). Without it every
+    layer sees the full-precision model's activations (one pass, cacheable).
     """
     from flax import nnx
 
-    from tenantq.model.decoder import Decoder
+    from tenantq.model.decoder import Block, Decoder
 
     windows = check_windows(windows, config)
     cast = {p: v if not hasattr(v, "astype") else jnp.asarray(v, dtype) for p, v in params.items()}
@@ -240,13 +256,21 @@ def compute_statistics(
         accs = [_Accumulator() for _ in range(4)]
         for b, x in enumerate(hidden):
             pos = positions[: x.shape[0]]
-            hidden[b], parts = _layer_step_jit(graphdef, state, x, pos, percentile)
+            out_b, parts = _layer_step_jit(graphdef, state, x, pos, percentile)
+            if replace_layer is None:
+                hidden[b] = out_b
             for acc, part in zip(accs, parts, strict=True):
                 acc.add(part, x.shape[0] * t)
         sites = {
             site: acc.result(site, paths)
             for (site, paths), acc in zip(input_sites(config, layer).items(), accs, strict=True)
         }
+        if replace_layer is not None:
+            new = {p: jnp.asarray(v, dtype) for p, v in replace_layer(layer, sites).items()}
+            block = Block(config, layer, {**cast, **new}, dtype=model.dtype, activations={})
+            _, new_state = nnx.split(block)
+            for b, x in enumerate(hidden):
+                hidden[b] = _layer_forward_jit(graphdef, new_state, x, positions[: x.shape[0]])
         jax.block_until_ready(hidden[-1])
         seconds.append(time.perf_counter() - start)
         out.update(sites)
@@ -281,8 +305,8 @@ _SCHEMA = pa.schema(
 
 
 def default_cache_dir() -> Path:
-    """.tenantq-cache/calibration (the evals' cache folder convention)."""
-    return Path(".tenantq-cache") / "calibration"
+    """<CACHE_DIR>/calibration (`tenantq.model.files.CACHE_DIR`, the evals' cache folder)."""
+    return CACHE_DIR / "calibration"
 
 
 def _write_sites(path: Path, sites: dict[str, InputStats]) -> None:
@@ -312,11 +336,6 @@ def _read_sites(path: Path) -> dict[str, InputStats]:
     return out
 
 
-def cache_key(model_id: str, data_hash: str, percentile: float) -> str:
-    tag = hashlib.sha256(f"v{_STATS_VERSION}:p{percentile}".encode()).hexdigest()[:8]
-    return f"{model_id[:16]}-{data_hash[:16]}-{tag}"
-
-
 def collect_statistics(
     model_path: str | Path,
     windows: np.ndarray,
@@ -343,7 +362,8 @@ def collect_statistics(
 
     model_path = Path(model_path)
     config = ModelConfig.from_file(model_path)
-    folder = Path(cache_dir or default_cache_dir()) / cache_key(model_id, data_hash, percentile)
+    key = cache_key(version=_STATS_VERSION, model=model_id, data=data_hash, percentile=percentile)
+    folder = Path(cache_dir or default_cache_dir()) / key
     meta_path = folder / "meta.json"
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())

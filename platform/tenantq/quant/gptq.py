@@ -63,31 +63,34 @@ def hessian_inverse_factor(hessian, damp: float = DEFAULT_DAMP) -> tuple[jax.Arr
 
 
 def damped_inverse_factor(hessian, damp: float = DEFAULT_DAMP, *, name: str = "weight"):
-    """`hessian_inverse_factor`, retried with damping x DAMP_GROWTH while the factor is not
-    finite (each retry logged, naming `name`); (U, dead mask, damping used). Past MAX_DAMP
-    or MAX_RETRIES retries a ValueError names the tensor; damp < 0 or non-finite is refused,
-    damp = 0 is tried once (nothing to grow)."""
+    """`hessian_inverse_factor`, retried while the factor is not finite (each retry logged,
+    naming `name`); (U, dead mask, damping used). A retry multiplies the damping by
+    DAMP_GROWTH; `damp = 0` (undamped GPTQ, exact when H is positive definite) retries from
+    DEFAULT_DAMP, since ten times 0 is 0. Past MAX_DAMP or MAX_RETRIES retries a ValueError
+    names the tensor; a negative or non-finite damp is refused at once."""
     if not np.all(np.isfinite(np.asarray(hessian))):
         raise ValueError(f"{name}: the calibration Hessian has non-finite entries")
-    if not (np.isfinite(damp) and damp >= 0):
-        raise ValueError(f"{name}: GPTQ option damp={damp!r}; it must be a finite number >= 0")
+    if not (np.isfinite(damp) and 0 <= damp <= MAX_DAMP):
+        raise ValueError(
+            f"{name}: GPTQ option damp={damp!r}; it must be a number in [0, {MAX_DAMP:g}] "
+            f"(default {DEFAULT_DAMP})"
+        )
     tried = float(damp)
     for retry in range(MAX_RETRIES + 1):
         u, dead = hessian_inverse_factor(hessian, tried)
         if bool(jnp.all(jnp.isfinite(u))):
             return u, dead, tried
-        # damp=0 (GPTQ undamped) cannot grow by multiplying: it is tried once.
-        if tried == 0 or tried * DAMP_GROWTH > MAX_DAMP or retry == MAX_RETRIES:
+        grown = tried * DAMP_GROWTH if tried > 0 else DEFAULT_DAMP
+        if grown > MAX_DAMP or retry == MAX_RETRIES:
             break
         log.warning(
-            "%s: GPTQ's Cholesky failed at damp=%g; retrying with damp=%g",
-            name, tried, tried * DAMP_GROWTH,
-        )  # fmt: skip
-        tried *= DAMP_GROWTH
+            "%s: GPTQ's Cholesky failed at damp=%g; retrying with damp=%g", name, tried, grown
+        )
+        tried = grown
     raise ValueError(
         f"{name}: GPTQ's Cholesky of H + λI failed up to damp={tried:g} (λ = damp · "
-        "mean diag H); the Hessian is far from positive semi-definite: set GPTQ option damp "
-        "> 0 (default 0.01), recollect the calibration statistics or use rtn for this tensor"
+        "mean diag H); the Hessian is far from positive semi-definite: recollect the "
+        "calibration statistics or use rtn for this tensor"
     )
 
 

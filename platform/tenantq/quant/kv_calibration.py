@@ -24,12 +24,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tenantq.model.config import ModelConfig
-from tenantq.model.files import atomic_path
+from tenantq.model.files import atomic_path, cache_key
 from tenantq.quant.calibration import (
     BATCH_SEQUENCES,
     _PrefillKV,
     _rank_of,
-    cache_key,
     check_windows,
     default_cache_dir,
 )
@@ -230,7 +229,9 @@ def kv_static_scales(
 
     model_path = Path(model_path)
     config = ModelConfig.from_file(model_path)
-    key = cache_key(model_id, data_hash, percentile)
+    key = cache_key(
+        version=_KV_STATS_VERSION, model=model_id, data=data_hash, percentile=percentile
+    )
     folder = Path(cache_dir or default_cache_dir())
     path = folder / f"kv-v{_KV_STATS_VERSION}-{key}.parquet"
     shape = (config.num_layers, config.num_kv_heads)

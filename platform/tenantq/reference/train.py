@@ -29,6 +29,7 @@ from tqdm import tqdm
 from tenantq.engine import Engine
 from tenantq.model.config import ModelConfig
 from tenantq.model.decoder import forward
+from tenantq.model.files import atomic_path
 from tenantq.reference import export, needles
 from tenantq.reference.corpus import load_corpus
 from tenantq.reference.evaluate import mean_nll, needle_grid
@@ -319,9 +320,8 @@ def save_checkpoint(path: Path, params, opt_state, step: int, backup_dir: str | 
     arrays = {f"param:{k}": np.asarray(v) for k, v in params.items()}
     arrays.update({f"opt:{i}": np.asarray(v) for i, v in enumerate(leaves)})
     arrays["step"] = np.asarray(step)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, **arrays)
-    tmp.replace(path)
+    with atomic_path(path) as tmp, tmp.open("wb") as f:  # a file object: savez adds no .npz
+        np.savez(f, **arrays)
     if backup_dir:  # the checkpoint and the run's small files (token caches are derivable)
         Path(backup_dir).mkdir(parents=True, exist_ok=True)
         for item in [path, *path.parent.glob("*.json"), *path.parent.glob("*.jsonl")]:

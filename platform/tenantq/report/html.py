@@ -8,11 +8,13 @@ The files are written under a temporary name and renamed, so a failure leaves no
 
 from __future__ import annotations
 
+import contextlib
 import html
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tenantq.model.files import atomic_path
 from tenantq.report import figures
 from tenantq.report.study import StudyRecord
 
@@ -178,9 +180,8 @@ def write_report(
         "</head><body>" + "\n".join(body) + "</body></html>"
     )
     out.mkdir(parents=True, exist_ok=True)
-    tmp = outcome.html_path.with_suffix(".html.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(outcome.html_path)
+    with atomic_path(outcome.html_path) as tmp:
+        tmp.write_text(page, encoding="utf-8")
     outcome.images, outcome.static_note = _write_static(drawn, out / "figures", static)
     return outcome
 
@@ -193,21 +194,18 @@ def _write_static(drawn, folder: Path, static: str) -> tuple[list[Path], str]:
 
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{name}.{fmt}" for name, _ in drawn]
-    tmps = [p.with_name(p.stem + ".tmp." + fmt) for p in paths]
     try:
-        # One browser session for all figures (kaleido >= 1): seconds, not seconds per figure.
-        pio.write_images(
-            [fig for _, fig in drawn], tmps, format=fmt, width=[_width(f) for _, f in drawn]
-        )
+        with contextlib.ExitStack() as stack:  # every image replaced at the end, or none
+            tmps = [stack.enter_context(atomic_path(p)) for p in paths]
+            # One browser session for all figures (kaleido >= 1): seconds, not per figure.
+            pio.write_images(
+                [fig for _, fig in drawn], tmps, format=fmt, width=[_width(f) for _, f in drawn]
+            )
     except Exception as err:  # kaleido found no Chrome/Chromium, or it would not start
-        for t in tmps:
-            t.unlink(missing_ok=True)
         note = f"static images not written: {type(err).__name__}: {str(err).splitlines()[0]}"
         if static == "auto":
             return [], note + " (install chromium, or pass --static none)"
         raise ValueError(note) from err
-    for t, p in zip(tmps, paths, strict=True):
-        t.replace(p)
     return paths, ""
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from tenantq.model.files import atomic_write_text
 from tenantq.search.spec import SpaceSpec, Spec
 
 MLP_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4")
@@ -145,17 +144,10 @@ def read_cache(cache_dir: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def write_record(cache_dir: Path, record: dict[str, Any]) -> Path:
-    """Write one plan's record atomically (temp file in the same folder, then rename)."""
+    """Write one plan's record atomically (`tenantq.model.files.atomic_write_text`)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_path(cache_dir, record["fingerprint"])
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, sort_keys=True)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(target, json.dumps(record, sort_keys=True))
     return target
 
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tenantq.model.files import atomic_write_text
 from tenantq.search.objectives import constraint_values
 from tenantq.search.pareto import FrontRow, front_rows, quality_with_ci, verdict_text
 from tenantq.search.spec import CAPACITY_METRICS, Spec
@@ -115,9 +116,7 @@ def export(rows: list[FrontRow], out_dir: Path) -> list[Path]:
     paths = []
     for r in rows:
         path = folder / f"trial-{r.trial:04d}-{r.fingerprint}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(r.plan_json)
-        tmp.replace(path)
+        atomic_write_text(path, r.plan_json)
         paths.append(path)
     for stale in folder.glob("trial-*.json"):
         if stale not in paths:
@@ -137,9 +136,7 @@ def export(rows: list[FrontRow], out_dir: Path) -> list[Path]:
         }
         for r in rows
     ]
-    tmp = folder / "front.json.tmp"
-    tmp.write_text(json.dumps(listing, indent=2))
-    tmp.replace(folder / "front.json")
+    atomic_write_text(folder / "front.json", json.dumps(listing, indent=2))
     return paths
 
 

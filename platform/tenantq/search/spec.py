@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tenantq.model.files import CACHE_DIR
 from tenantq.quant.plan import (
     ALGORITHM_NAMES,
     FORMAT_NAMES,
@@ -186,7 +187,7 @@ class EvalSpec(_Strict):
     confirm_suite: str | None = Field(
         None, description="larger suite with held-out examples the front is re-evaluated on"
     )
-    cache_dir: str = Field(".tenantq-cache", description="where bf16 baselines are cached")
+    cache_dir: str = Field(str(CACHE_DIR), description="where bf16 baselines are cached")
 
 
 class CalibrationSpec(_Strict):
@@ -198,6 +199,10 @@ class CalibrationSpec(_Strict):
     sequences: int = Field(128, ge=1, description="calibration windows (issue 11: 128)")
     sequence_tokens: int = Field(512, ge=2, description="tokens per window (512)")
     data: str | None = Field(None, description="calibration text file; absent: train split")
+    sequential: bool = Field(
+        False,
+        description="statistics per plan through its own quantized layers (GPTQ paper, sec. 4)",
+    )
 
     def worker_args(self) -> dict[str, Any]:
         """What a HostWorker needs to build its Evaluator's `CalibrationData`."""
@@ -205,6 +210,7 @@ class CalibrationSpec(_Strict):
             "source": self.data,
             "num_sequences": self.sequences,
             "seq_tokens": self.sequence_tokens,
+            "sequential": self.sequential,
         }
 
 
