@@ -199,18 +199,26 @@ def failure_weight(trial) -> str | None:
     return "settles"
 
 
-def failed_for_good(failed: Sequence[tuple[Any, str | None]], budget: int) -> set:
-    """Plans (keys) that failed for good, from (key, failure_weight) pairs: one settling
-    failure, or `budget` (= 1 + study.max_trial_retries) retryable ones. Any other failed plan
-    may be proposed again."""
-    counts: dict[Any, int] = {}
-    out = set()
+def attempts_left(failed: Sequence[tuple[Any, str | None]], budget: int) -> dict:
+    """Attempts left per failed plan (key), from (key, failure_weight) pairs: 0 after one
+    settling failure, else `budget` (= 1 + study.max_trial_retries) less its retryable ones
+    (the ledger's count, `Ledger.restore`)."""
+    budget = max(1, budget)
+    left: dict[Any, int] = {}
     for key, weight in failed:
+        n = left.get(key, budget)
         if weight == "settles":
-            out.add(key)
+            n = 0
         elif weight == "counts":
-            counts[key] = counts.get(key, 0) + 1
-    return out | {key for key, n in counts.items() if n >= max(1, budget)}
+            n = max(0, n - 1)
+        left[key] = n
+    return left
+
+
+def failed_for_good(failed: Sequence[tuple[Any, str | None]], budget: int) -> set:
+    """Plans (keys) that failed for good (`attempts_left` 0); any other failed plan may be
+    proposed again."""
+    return {key for key, n in attempts_left(failed, budget).items() if n == 0}
 
 
 # ---------------------------------------------------------------- any space: the knapsack sampler
