@@ -182,17 +182,25 @@ def failure_weight(trial) -> str | None:
     re-proposal of a plan already failed for good), "counts" (one retryable failure:
     worker_died, timeout, driver_died, of a trial that ran its plan itself), or None (it
     blames no plan: driver_stopped, duplicate, not_run, a trial copied by --continue-as, a
-    retry killed before it ran). A FAIL with no recorded reason (Optuna's stale-trial fail, or a
-    study not run by tenantq's driver) counts as one retryable failure unless it records that
-    it never ran its plan."""
-    from tenantq.search.ledger import COPIED_ATTR, DISPATCHED_ATTR, REASON_ATTR, RETRYABLE
+    retry killed before it ran). A FAIL with no recorded reason (Optuna's stale-trial fail) is
+    read as the ledger reads it, a driver death: it counts only if the trial ran its plan
+    (its own dispatched mark; a driver trial holding a plan fingerprint but no mark was killed
+    before it ran); one of a study not run by tenantq's driver (neither mark) counts once."""
+    from tenantq.search.ledger import (
+        COPIED_ATTR,
+        DISPATCHED_ATTR,
+        FINGERPRINT_ATTR,
+        REASON_ATTR,
+        RETRYABLE,
+    )
 
     attrs = trial.user_attrs
     if COPIED_ATTR in attrs:
         return None
     reason = attrs.get(REASON_ATTR)
     if reason is None or reason in RETRYABLE:
-        ran = attrs.get(DISPATCHED_ATTR, trial.number if reason is None else None)
+        foreign = reason is None and FINGERPRINT_ATTR not in attrs
+        ran = attrs.get(DISPATCHED_ATTR, trial.number if foreign else None)
         return "counts" if ran == trial.number else None
     if reason in ("driver_stopped", "duplicate", "not_run"):
         return None
