@@ -156,10 +156,10 @@ class Ledger:
                 reason = t.user_attrs.get(REASON_ATTR, "driver_died")
                 if "failed_trial" in t.system_attrs or "retry_of" in t.user_attrs:
                     self.counts["retries"] += 1
-                # As live: a duplicate or a trial stopped with the driver blames no plan, and
-                # a trial with no fingerprint (killed before it had a plan, or its parameters
-                # made none) has no plan to count.
-                if reason in ("duplicate", "driver_stopped") or not fp:
+                # As live: a duplicate, a trial stopped with the driver or a retry closed
+                # unrun (not_run) blames no plan, and a trial with no fingerprint (killed
+                # before it had a plan, or its parameters made none) has no plan to count.
+                if reason in ("duplicate", "driver_stopped", "not_run") or not fp:
                     continue
                 key = fp
                 if reason in RETRYABLE:
