@@ -613,3 +613,35 @@ def test_the_sampler_and_the_ledger_agree_on_every_failed_plans_attempts_left(bu
         assert by_ledger["own-error"] == by_ledger["refused"] == 0
         assert by_ledger["stopped"] == by_ledger["copied"] == by_ledger["killed-before-it-ran"] == 2
         assert by_ledger["closed-retry"] == by_ledger["stale-after-dispatch"] == 1
+
+
+def test_a_failed_trial_whose_parameters_make_no_plan_blames_no_plan(structured):
+    # A FAIL whose parameters make no plan (the driver's `plan` failure of parameters planning
+    # refuses, or a trial copied from another space) has no plan to blame: the sampler reads
+    # past it (it raised the planner's ValueError) and asks as if it were not there.
+    sampler = sampler_for_context(structured)
+    reference = sampler.reference
+    odd = {k: ("no-such-format" if k == "kv.key_format" else v) for k, v in reference.items()}
+    plan_of = sampler._locate_fn
+
+    def locate(params):
+        if params["kv.key_format"] == "no-such-format":
+            raise ValueError("kv.key_format: no-such-format is not a format")
+        return plan_of(params)
+
+    sampler._locate_fn = locate
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    dists = {
+        k: optuna.distributions.CategoricalDistribution([v, "no-such-format"])
+        if k == "kv.key_format"
+        else optuna.distributions.CategoricalDistribution([v])
+        for k, v in reference.items()
+    }
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState.FAIL, params=odd, distributions=dists,
+            user_attrs={"failure_reason": "plan"},
+        )
+    )  # fmt: skip
+    trial = study.ask()
+    assert suggest(trial, structured.spec.space, structured.config) == reference
