@@ -645,3 +645,30 @@ def test_a_failed_trial_whose_parameters_make_no_plan_blames_no_plan(structured)
     )  # fmt: skip
     trial = study.ask()
     assert suggest(trial, structured.spec.space, structured.config) == reference
+
+
+def test_the_loss_scale_does_not_change_the_picks(tmp_path):
+    # Losses and the profile's KL both x1e-6 (a metric whose losses are ~1e-9, far under the
+    # real KL's 1e-4..1e-3): one objective in other units, so the same picks. With the ties
+    # rounded to TIE_DIGITS in units of the known losses' range, and that range 1.0 (absolute)
+    # while only the reference was measured, every value's cost rounded to 0 at 1e-6: 9 of
+    # the first 12 picks differed.
+    from tenantq.bench.prior import context, landscape, write_profile
+
+    ctx0 = context()
+    sens, loss = landscape(ctx0, 12)
+    picks = {}
+    for scale in (1.0, 1e-6):
+        scaled = {k: v * scale for k, v in sens.items()}
+        ctx = context(write_profile(ctx0, scaled, tmp_path / f"{scale}.parquet", reverse=False))
+        study = optuna.create_study(
+            directions=["maximize", "minimize"], sampler=sampler_for_context(ctx)
+        )
+        picks[scale] = []
+        for _ in range(12):
+            trial = study.ask()
+            params = suggest(trial, ctx.spec.space, ctx.config, ctx.profile)
+            study.tell(trial, [ctx.plan_and_budget(params)[1].tenants, scale * loss(params)])
+            picks[scale].append(tuple(sorted(params.items())))
+    assert picks[1.0] == picks[1e-6]
+    assert len(set(picks[1.0])) == 12
