@@ -421,7 +421,14 @@ class KnapsackSampler(BaseSampler):
         # gain = (incumbent - predicted) / range of the losses known: free of the metric's
         # offset (maximize -L and maximize 1 - L rank the plans alike) and of its scale
         span = float(scal.max() - scal.min()) if len(scal) > 1 else 0.0
-        span = span if span > 0 else 1.0
+        if span <= 0:  # one loss known (or all equal): the scale of the predicted excesses,
+            # offset-free too (an absolute 1.0 rounded every value of a metric ~1e-9 to 0)
+            span = max(
+                (lam[j] * fits[j].weight(f) for j in range(len(fits))
+                 for f in (*fits[j].prior, *fits[j].weights)),
+                default=0.0,
+            )  # fmt: skip
+            span = span if span > 0 else 1.0
         self._solved: dict[int, knapsack.Solved] = {}
         cands = []  # (gain, tenants, -pred, section, kv, width or the options themselves)
         kv_cost = [cost(self.features(k.params)) for k in self.problem.kv]
