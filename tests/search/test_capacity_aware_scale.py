@@ -672,3 +672,18 @@ def test_the_loss_scale_does_not_change_the_picks(tmp_path):
             picks[scale].append(tuple(sorted(params.items())))
     assert picks[1.0] == picks[1e-6]
     assert len(set(picks[1.0])) == 12
+
+
+def test_a_per_tensor_profile_is_not_called_ignored_when_the_sampler_uses_it():
+    # The capacity-aware sampler reads a per_tensor space's profile as its prior
+    # (`profile_prior`); `--check` and every study start warned it was ignored. With another
+    # sampler it is ignored, and said so.
+    from tenantq.search.checks import ignored_options
+
+    def warned(sampler):
+        raw = {**SPEC, "space": {"kind": "per_tensor", "profile": "p.parquet"},
+               "sampler": {"kind": sampler}}  # fmt: skip
+        return [w for w in ignored_options(parse_spec(raw)) if w.startswith("space.profile")]
+
+    assert warned("capacity_aware") == []
+    assert warned("tpe") and "capacity_aware" in warned("tpe")[0]
