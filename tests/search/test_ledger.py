@@ -230,6 +230,26 @@ def test_retries_still_waiting_when_the_budget_fills_are_closed_and_count_nothin
     assert closed.user_attrs["failure_reason"] == "not_run" and "retry_of" in closed.user_attrs
 
 
+def test_a_retry_closed_unrun_settles_nothing_on_restore() -> None:
+    # Live, a retry closed when the budget filled (`not_run`) counts nothing; restore read its
+    # copied fingerprint and settled the plan, so a resume with a larger budget refused a plan
+    # with a retry left (`failed_before`) and counted it done.
+    study = _study()
+    ledger = Ledger(study, trials=1, failure_budget=2)
+    dying, _ = _ask(ledger, "a")
+    other, _ = _ask(ledger, "b")
+    ledger.dispatched(dying, "w0")
+    ledger.dispatched(other, "w1")
+    ledger.fail(dying, "worker_died", "ActorDiedError")
+    ledger.complete(other, [0.5])
+    assert ledger.close_waiting_retries() == 1
+    again = Ledger(study, trials=2, failure_budget=2)
+    again.restore(study.get_trials(deepcopy=False))
+    assert again.done == ledger.done == 1 and again.failures == ledger.failures == {"a": 1}
+    _, where = _ask(again, "a")
+    assert where == "run"
+
+
 def test_logged_moves_a_told_trial_out_of_the_live_set() -> None:
     # A no-op `logged()` left every trial live: `untold_logs` grew for ever.
     ledger = Ledger(_study(), trials=2, failure_budget=2)

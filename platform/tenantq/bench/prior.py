@@ -8,7 +8,8 @@ KV format, times +-15% noise per plan, so the true front is known exactly (the k
 the true costs). Three priors: the right one (the true sensitivities), a wrong one (their ranks
 reversed) and none. Regret at a budget = median over the true front's levels of (best measured
 loss at >= t tenants) / (front loss at t) - 1. Seeds 0-1 were used to develop the rule; report
-held-out seeds.
+held-out seeds. `TENANTQ_BENCH_SMOKE=1` (the test suite's defaults run) shrinks the defaults
+to one seed and 4 trials.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import tempfile
 import zlib
@@ -145,6 +147,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seeds", default="2,3,4,5,6,7", help="landscape seeds (0-1: development)")
     p.add_argument("--budgets", default="15,25")
     p.add_argument("--json", action="store_true")
+    if os.environ.get("TENANTQ_BENCH_SMOKE", "") not in ("", "0"):
+        p.set_defaults(seeds="2", budgets="2,4")  # seconds, not minutes
     args = p.parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     budgets = [int(b) for b in args.budgets.split(",")]

@@ -182,35 +182,51 @@ def failure_weight(trial) -> str | None:
     re-proposal of a plan already failed for good), "counts" (one retryable failure:
     worker_died, timeout, driver_died, of a trial that ran its plan itself), or None (it
     blames no plan: driver_stopped, duplicate, not_run, a trial copied by --continue-as, a
-    retry killed before it ran). A FAIL with no recorded reason (Optuna's stale-trial fail, or a
-    study not run by tenantq's driver) counts as one retryable failure unless it records that
-    it never ran its plan."""
-    from tenantq.search.ledger import COPIED_ATTR, DISPATCHED_ATTR, REASON_ATTR, RETRYABLE
+    retry killed before it ran). A FAIL with no recorded reason (Optuna's stale-trial fail) is
+    read as the ledger reads it, a driver death: it counts only if the trial ran its plan
+    (its own dispatched mark; a driver trial holding a plan fingerprint but no mark was killed
+    before it ran); one of a study not run by tenantq's driver (neither mark) counts once."""
+    from tenantq.search.ledger import (
+        COPIED_ATTR,
+        DISPATCHED_ATTR,
+        FINGERPRINT_ATTR,
+        REASON_ATTR,
+        RETRYABLE,
+    )
 
     attrs = trial.user_attrs
     if COPIED_ATTR in attrs:
         return None
     reason = attrs.get(REASON_ATTR)
     if reason is None or reason in RETRYABLE:
-        ran = attrs.get(DISPATCHED_ATTR, trial.number if reason is None else None)
+        foreign = reason is None and FINGERPRINT_ATTR not in attrs
+        ran = attrs.get(DISPATCHED_ATTR, trial.number if foreign else None)
         return "counts" if ran == trial.number else None
     if reason in ("driver_stopped", "duplicate", "not_run"):
         return None
     return "settles"
 
 
-def failed_for_good(failed: Sequence[tuple[Any, str | None]], budget: int) -> set:
-    """Plans (keys) that failed for good, from (key, failure_weight) pairs: one settling
-    failure, or `budget` (= 1 + study.max_trial_retries) retryable ones. Any other failed plan
-    may be proposed again."""
-    counts: dict[Any, int] = {}
-    out = set()
+def attempts_left(failed: Sequence[tuple[Any, str | None]], budget: int) -> dict:
+    """Attempts left per failed plan (key), from (key, failure_weight) pairs: 0 after one
+    settling failure, else `budget` (= 1 + study.max_trial_retries) less its retryable ones
+    (the ledger's count, `Ledger.restore`)."""
+    budget = max(1, budget)
+    left: dict[Any, int] = {}
     for key, weight in failed:
+        n = left.get(key, budget)
         if weight == "settles":
-            out.add(key)
+            n = 0
         elif weight == "counts":
-            counts[key] = counts.get(key, 0) + 1
-    return out | {key for key, n in counts.items() if n >= max(1, budget)}
+            n = max(0, n - 1)
+        left[key] = n
+    return left
+
+
+def failed_for_good(failed: Sequence[tuple[Any, str | None]], budget: int) -> set:
+    """Plans (keys) that failed for good (`attempts_left` 0); any other failed plan may be
+    proposed again."""
+    return {key for key, n in attempts_left(failed, budget).items() if n == 0}
 
 
 # ---------------------------------------------------------------- any space: the knapsack sampler
@@ -405,7 +421,14 @@ class KnapsackSampler(BaseSampler):
         # gain = (incumbent - predicted) / range of the losses known: free of the metric's
         # offset (maximize -L and maximize 1 - L rank the plans alike) and of its scale
         span = float(scal.max() - scal.min()) if len(scal) > 1 else 0.0
-        span = span if span > 0 else 1.0
+        if span <= 0:  # one loss known (or all equal): the scale of the predicted excesses,
+            # offset-free too (an absolute 1.0 rounded every value of a metric ~1e-9 to 0)
+            span = max(
+                (lam[j] * fits[j].weight(f) for j in range(len(fits))
+                 for f in (*fits[j].prior, *fits[j].weights)),
+                default=0.0,
+            )  # fmt: skip
+            span = span if span > 0 else 1.0
         self._solved: dict[int, knapsack.Solved] = {}
         cands = []  # (gain, tenants, -pred, section, kv, width or the options themselves)
         kv_cost = [cost(self.features(k.params)) for k in self.problem.kv]

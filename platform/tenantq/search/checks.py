@@ -225,11 +225,18 @@ def ignored_options(spec: Spec) -> list[str]:
             getattr(space, key),
             type(space).model_fields[key].get_default(call_default_factory=True),
         )
+        if key == "profile" and space.kind == "per_tensor" and kind == "capacity_aware":
+            continue  # the capacity-aware sampler's prior (capacity_aware.profile_prior)
         if space.kind not in kinds and key in space.model_fields_set and value != default:
             applies = " or ".join(repr(k) for k in kinds)
+            also = (
+                ", or to 'per_tensor' with the 'capacity_aware' sampler (its prior)"
+                if key == "profile"
+                else ""
+            )
             out.append(
-                f"space.{key} = {value!r} is ignored: it applies to space.kind = {applies} "
-                f"(this space is {space.kind!r})"
+                f"space.{key} = {value!r} is ignored: it applies to space.kind = {applies}"
+                f"{also} (this space is {space.kind!r}, sampler.kind {kind!r})"
             )
     out += _ignored_suite_options(spec)
     return out

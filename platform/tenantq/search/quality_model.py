@@ -11,6 +11,9 @@ much better it predicted the last measured plans (each from the plans before it)
 did; a prior no better than none gets weight 0, and the sampler then plans exactly as without
 one: a value never measured is free (optimistic) and is tried, so a wrong prior is corrected by
 measurement. Measured plans are never proposed again, so the search cannot get stuck.
+The weight acts as a switch: `_fit` refits the prior's scale by least squares, which undoes
+any weight in (0, 1] once a measured plan holds a value the prior covers; only 0 then
+changes a prediction.
 (A lower confidence bound of the plan-level residual on every tensor's value, BETA = 1, was the
 rule before: with a wrong prior it did worse than no prior; BETA is now 0.)
 `prediction_metrics` says how well the model predicted each plan.
@@ -100,7 +103,8 @@ def fit(
     base: float,
     prior: dict[Feature, float] | None = None,
 ) -> Fit:
-    """The fit with the prior weighted by `prior_trust` (see `_fit`)."""
+    """The fit with the prior weighted by `prior_trust` (see `_fit`; its least-squares scale
+    undoes a weight in (0, 1], so the prior is in effect dropped at trust 0 and kept else)."""
     prior = prior or {}
     trust = prior_trust(rows, losses, base, prior) if prior else 1.0
     if trust < 1.0:
