@@ -242,7 +242,7 @@ def test_a_retry_closed_unrun_settles_nothing_on_restore() -> None:
     ledger.dispatched(other, "w1")
     ledger.fail(dying, "worker_died", "ActorDiedError")
     ledger.complete(other, [0.5])
-    assert ledger.close_waiting_retries() == 1
+    assert ledger.close_waiting() == 1
     again = Ledger(study, trials=2, failure_budget=2)
     again.restore(study.get_trials(deepcopy=False))
     assert again.done == ledger.done == 1 and again.failures == ledger.failures == {"a": 1}
