@@ -4,6 +4,8 @@ and parts with no stable text form are refused instead of keyed by an address or
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +41,11 @@ def test_the_key_ignores_keyword_and_mapping_order():
     a = cache_key(model="m", suite={"x": 1, "y": [1, 2]})
     assert a == cache_key(suite={"y": [1, 2], "x": 1}, model="m")
     assert a != cache_key(model="m", suite={"x": 1, "y": [2, 1]})  # list order is content
+    # plain JSON parts key as before (tenantq.evals.identity.cache_key): existing caches and
+    # study fingerprints stay valid
+    canon = json.dumps({"model": "m", "suite": {"x": 1, "y": [1, 2]}}, sort_keys=True,
+                       separators=(",", ":"))  # fmt: skip
+    assert a == hashlib.sha256(canon.encode()).hexdigest()[:24]
 
 
 def test_large_arrays_are_keyed_by_every_value_not_by_a_printed_summary():
