@@ -8,6 +8,7 @@ import numpy as np
 
 from tenantq.evals.calibrated import CalibrationData, Calibrator
 from tenantq.numerics import dequantize
+from tenantq.quant import calibrate
 from tenantq.quant.apply import apply_plan
 from tenantq.quant.calibrate import prepare_sequential
 from tenantq.quant.plan import QuantPlan, Rule
@@ -29,8 +30,16 @@ def test_sequential_calibration_data_gives_the_sequential_params(tmp_path, monke
         raise AssertionError("sequential calibration took the one-shot statistics")
 
     monkeypatch.setattr(calibrator, "statistics", one_shot)
+    calls = []
+
+    def spy(*args, **kwargs):  # the real prepare_sequential, its result kept (run once, not twice)
+        calls.append((args, prepare_sequential(*args, **kwargs)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(calibrate, "prepare_sequential", spy)
     got = calibrator.params_for(PLAN)
-    cal, _ = prepare_sequential(params, PLAN, config, windows)
+    ((args, (cal, _)),) = calls
+    assert args[1] is PLAN and args[3] is windows
     want = apply_plan(cal.params, PLAN, config, inputs=cal.inputs)
     for path in ("layers/0/attn/q_proj", "layers/1/mlp/down_proj"):
         np.testing.assert_array_equal(dequantize(got[path]), dequantize(want[path]))

@@ -39,6 +39,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     if smoke:
         p.set_defaults(**SMOKE_DEFAULTS, formats=["int4:128"])
     args = p.parse_args(argv)
+    args.smoke = smoke
     if min(args.sequences, args.seq_tokens, args.kl_rows, args.kl_tokens) <= 0:
         p.error("counts must be positive")
     args.formats = [(f.split(":")[0], int(f.split(":")[1]) if ":" in f else None)
@@ -93,8 +94,9 @@ def run(args) -> dict:
     for fmt, group in args.formats:
         plan = _plan("gptq", fmt, group)
         label = fmt if group is None else f"{fmt} g{group}"
-        cal = prepare(params, plan, config, one_shot_stats)  # compiles GPTQ's sweep: untimed
-        ready(apply_plan(cal.params, plan, config, inputs=cal.inputs))
+        if not getattr(args, "smoke", False):  # the smoke run times nothing worth a warm-up
+            cal = prepare(params, plan, config, one_shot_stats)  # compiles GPTQ: untimed
+            ready(apply_plan(cal.params, plan, config, inputs=cal.inputs))
         began = time.perf_counter()
         cal = prepare(params, plan, config, one_shot_stats)
         q_one = ready(apply_plan(cal.params, plan, config, inputs=cal.inputs))

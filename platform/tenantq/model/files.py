@@ -23,10 +23,34 @@ CACHE_DIR = Path(".tenantq-cache")
 
 
 def cache_key(**parts) -> str:
-    """A short stable key over JSON-serialisable parts (sorted keys; others by `str`): the
-    one key of every on-disk cache entry."""
-    canon = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    """A short key over `parts`, the same in every process: the one key of every on-disk
+    cache entry. JSON with sorted keys (plain JSON parts key as they always did); sets sorted
+    (their order follows the per-process string hash seed), arrays by every value (`str`
+    elides the middle of a large one), other objects by their text; an object whose text is
+    an address is a TypeError naming the part."""
+    try:
+        canon = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=_canonical)
+    except TypeError as err:
+        for name in sorted(parts):
+            try:
+                json.dumps(parts[name], default=_canonical)
+            except TypeError:
+                raise TypeError(f"cache_key part {name!r}: {err}") from None
+        raise
     return hashlib.sha256(canon.encode()).hexdigest()[:24]
+
+
+def _canonical(o):
+    if isinstance(o, (set, frozenset)):
+        return sorted(o, key=lambda v: json.dumps(v, sort_keys=True, default=str))
+    if hasattr(o, "tolist") and not isinstance(o, type):  # numpy/JAX arrays and scalars
+        return o.tolist()
+    text = str(o)
+    if " at 0x" in text:
+        raise TypeError(
+            f"{type(o).__name__} has no stable text form ({text[:60]}); pass its fields instead"
+        )
+    return text
 
 
 @contextlib.contextmanager

@@ -195,7 +195,9 @@ def _write_static(drawn, folder: Path, static: str) -> tuple[list[Path], str]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{name}.{fmt}" for name, _ in drawn]
     try:
-        with contextlib.ExitStack() as stack:  # every image replaced at the end, or none
+        # All drawn to temporaries first: a failure while drawing replaces none; after it
+        # each is renamed in turn (not one atomic step: a reader may see old and new mixed).
+        with contextlib.ExitStack() as stack:
             tmps = [stack.enter_context(atomic_path(p)) for p in paths]
             # One browser session for all figures (kaleido >= 1): seconds, not per figure.
             pio.write_images(
