@@ -511,3 +511,23 @@ def test_failures_recorded_before_dispatched_trial_existed_count_on_restore() ->
         "run",
         "run",
     ]
+
+
+def test_trials_closed_unrun_are_not_counted_as_failed_or_asked() -> None:
+    # A trial closed `not_run` (a baseline the budget had no room for) never ran: counting it
+    # in `failed` made a study with no failure print "1 failed" (CLI, MLflow study.failed),
+    # and counting its ask spent the cap on asks. Live and on restore alike.
+    study = _study()
+    ledger = Ledger(study, trials=1, failure_budget=2)
+    study._study.enqueue_trial({"plan": "p0"}, user_attrs={"baseline": True})
+    study._study.enqueue_trial({"plan": "p1"}, user_attrs={"baseline": True})
+    first, _ = _ask(ledger, "p0")
+    ledger.dispatched(first, "w0")
+    ledger.complete(first, [0.5])
+    assert ledger.close_waiting() == 1
+    assert ledger.counts["failed"] == 0 and ledger.counts["not_run"] == 1
+    assert ledger.asks == 1
+    again = Ledger(study, trials=1, failure_budget=2)
+    again.restore(study.get_trials(deepcopy=False))
+    assert again.counts["failed"] == 0 and again.counts["not_run"] == 1
+    assert again.asks == 1 and again.done == 1

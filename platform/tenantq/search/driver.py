@@ -434,6 +434,7 @@ class SearchDriver:
             "failed": c["failed"],
             "retries": c["retries"],
             "duplicates": c["duplicates"],
+            "not_run": c["not_run"],  # closed unrun at the end: neither failed nor asked
             "done": self.ledger.done,
             "asks": self.ledger.asks,
         }
