@@ -531,3 +531,44 @@ def test_trials_closed_unrun_are_not_counted_as_failed_or_asked() -> None:
     again.restore(study.get_trials(deepcopy=False))
     assert again.counts["failed"] == 0 and again.counts["not_run"] == 1
     assert again.asks == 1 and again.done == 1
+
+
+def test_a_baseline_whose_requeued_copy_was_closed_unrun_is_enqueued_again() -> None:
+    # Kill and resume: the fp8 baseline was running when the driver was killed; on resume
+    # Optuna failed it stale (no reason: driver_died) and queued a copy, which the full budget
+    # closed `not_run`. The next start with a larger budget did not enqueue the baseline again
+    # (the stale original "held" it), so it was never measured. A baseline is held only by a
+    # trial that measures or will measure it, or by its plan being settled for good.
+    from tenantq.search.store import enqueue_baselines
+
+    raw = optuna.create_study(directions=["minimize"])
+    dist = {"plan": optuna.distributions.CategoricalDistribution(PLANS)}
+
+    def add(plan, state, attrs=None, system=None):
+        raw.add_trial(
+            optuna.trial.create_trial(
+                state=state,
+                params={"plan": plan},
+                distributions=dist,
+                values=[1.0] if state == optuna.trial.TrialState.COMPLETE else None,
+                user_attrs={"baseline": True, **(attrs or {})},
+                system_attrs={"fixed_params": {"plan": plan}, **(system or {})},
+            )
+        )
+
+    S = optuna.trial.TrialState
+    add("p0", S.FAIL, {"dispatched_trial": 0, "plan_fingerprint": "f0"})  # stale: driver_died
+    add("p0", S.FAIL, {"failure_reason": "not_run"}, {"failed_trial": 0, "retry_history": [0]})
+    add("p1", S.COMPLETE, {"plan_fingerprint": "f1"})
+    add("p2", S.FAIL, {"failure_reason": "error", "plan_fingerprint": "f2"})
+    add("p3", S.FAIL, {"failure_reason": "driver_stopped", "plan_fingerprint": "f3"})
+    settled = {"f1", "f2"}
+    enqueue_baselines(
+        raw,
+        [{"plan": p} for p in ("p0", "p1", "p2", "p3")],
+        settled=lambda params: "f" + params["plan"][1:] in settled,
+    )
+    waiting = raw.get_trials(states=(S.WAITING,))
+    assert sorted(t.system_attrs["fixed_params"]["plan"] for t in waiting) == ["p0", "p3"]
+    enqueue_baselines(raw, [{"plan": "p0"}], settled=lambda params: False)
+    assert len(raw.get_trials(states=(S.WAITING,))) == 2  # a waiting baseline holds it
