@@ -572,3 +572,22 @@ def test_a_baseline_whose_requeued_copy_was_closed_unrun_is_enqueued_again() -> 
     assert sorted(t.system_attrs["fixed_params"]["plan"] for t in waiting) == ["p0", "p3"]
     enqueue_baselines(raw, [{"plan": "p0"}], settled=lambda params: False)
     assert len(raw.get_trials(states=(S.WAITING,))) == 2  # a waiting baseline holds it
+
+
+def test_a_ledger_era_trial_killed_while_running_counts_by_its_own_worker() -> None:
+    # Records of the ledger before `dispatched_trial`: a trial killed with the driver while
+    # its plan ran has no reason (Optuna failed it stale) but a `worker` of its own, and
+    # counts against its plan; Optuna's copy of it inherited that worker and, killed before
+    # it was dispatched, counts nothing. Budget 3: one attempt counted leaves the plan open.
+    study = _study()
+    _old_fail(study, "a", {"plan_fingerprint": "a", "worker": "w0"})
+    _old_fail(
+        study,
+        "a",
+        {"plan_fingerprint": "a", "worker": "w0"},
+        {"failed_trial": 0, "retry_history": [0]},
+    )
+    _old_fail(study, "b", {"plan_fingerprint": "b"})  # killed before dispatch: no worker
+    ledger = Ledger(study, trials=5, failure_budget=3)
+    ledger.restore(study.get_trials(deepcopy=False))
+    assert ledger.failures == {"a": 1} and not ledger.settled
