@@ -531,3 +531,83 @@ def test_failures_recorded_before_dispatched_trial_existed_count_on_restore() ->
         "run",
         "run",
     ]
+
+
+def test_trials_closed_unrun_are_not_counted_as_failed_or_asked() -> None:
+    # A trial closed `not_run` (a baseline the budget had no room for) never ran: counting it
+    # in `failed` made a study with no failure print "1 failed" (CLI, MLflow study.failed),
+    # and counting its ask spent the cap on asks. Live and on restore alike.
+    study = _study()
+    ledger = Ledger(study, trials=1, failure_budget=2)
+    study._study.enqueue_trial({"plan": "p0"}, user_attrs={"baseline": True})
+    study._study.enqueue_trial({"plan": "p1"}, user_attrs={"baseline": True})
+    first, _ = _ask(ledger, "p0")
+    ledger.dispatched(first, "w0")
+    ledger.complete(first, [0.5])
+    assert ledger.close_waiting() == 1
+    assert ledger.counts["failed"] == 0 and ledger.counts["not_run"] == 1
+    assert ledger.asks == 1
+    again = Ledger(study, trials=1, failure_budget=2)
+    again.restore(study.get_trials(deepcopy=False))
+    assert again.counts["failed"] == 0 and again.counts["not_run"] == 1
+    assert again.asks == 1 and again.done == 1
+
+
+def test_a_baseline_whose_requeued_copy_was_closed_unrun_is_enqueued_again() -> None:
+    # Kill and resume: the fp8 baseline was running when the driver was killed; on resume
+    # Optuna failed it stale (no reason: driver_died) and queued a copy, which the full budget
+    # closed `not_run`. The next start with a larger budget did not enqueue the baseline again
+    # (the stale original "held" it), so it was never measured. A baseline is held only by a
+    # trial that measures or will measure it, or by its plan being settled for good.
+    from tenantq.search.store import enqueue_baselines
+
+    raw = optuna.create_study(directions=["minimize"])
+    dist = {"plan": optuna.distributions.CategoricalDistribution(PLANS)}
+
+    def add(plan, state, attrs=None, system=None):
+        raw.add_trial(
+            optuna.trial.create_trial(
+                state=state,
+                params={"plan": plan},
+                distributions=dist,
+                values=[1.0] if state == optuna.trial.TrialState.COMPLETE else None,
+                user_attrs={"baseline": True, **(attrs or {})},
+                system_attrs={"fixed_params": {"plan": plan}, **(system or {})},
+            )
+        )
+
+    S = optuna.trial.TrialState
+    add("p0", S.FAIL, {"dispatched_trial": 0, "plan_fingerprint": "f0"})  # stale: driver_died
+    add("p0", S.FAIL, {"failure_reason": "not_run"}, {"failed_trial": 0, "retry_history": [0]})
+    add("p1", S.COMPLETE, {"plan_fingerprint": "f1"})
+    add("p2", S.FAIL, {"failure_reason": "error", "plan_fingerprint": "f2"})
+    add("p3", S.FAIL, {"failure_reason": "driver_stopped", "plan_fingerprint": "f3"})
+    settled = {"f1", "f2"}
+    enqueue_baselines(
+        raw,
+        [{"plan": p} for p in ("p0", "p1", "p2", "p3")],
+        settled=lambda params: "f" + params["plan"][1:] in settled,
+    )
+    waiting = raw.get_trials(states=(S.WAITING,))
+    assert sorted(t.system_attrs["fixed_params"]["plan"] for t in waiting) == ["p0", "p3"]
+    enqueue_baselines(raw, [{"plan": "p0"}], settled=lambda params: False)
+    assert len(raw.get_trials(states=(S.WAITING,))) == 2  # a waiting baseline holds it
+
+
+def test_a_ledger_era_trial_killed_while_running_counts_by_its_own_worker() -> None:
+    # Records of the ledger before `dispatched_trial`: a trial killed with the driver while
+    # its plan ran has no reason (Optuna failed it stale) but a `worker` of its own, and
+    # counts against its plan; Optuna's copy of it inherited that worker and, killed before
+    # it was dispatched, counts nothing. Budget 3: one attempt counted leaves the plan open.
+    study = _study()
+    _old_fail(study, "a", {"plan_fingerprint": "a", "worker": "w0"})
+    _old_fail(
+        study,
+        "a",
+        {"plan_fingerprint": "a", "worker": "w0"},
+        {"failed_trial": 0, "retry_history": [0]},
+    )
+    _old_fail(study, "b", {"plan_fingerprint": "b"})  # killed before dispatch: no worker
+    ledger = Ledger(study, trials=5, failure_budget=3)
+    ledger.restore(study.get_trials(deepcopy=False))
+    assert ledger.failures == {"a": 1} and not ledger.settled

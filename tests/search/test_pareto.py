@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import optuna
+import pytest
 
 from tenantq.search.driver import _confirmed_front
 from tenantq.search.pareto import front_rows, render_front
@@ -76,3 +80,66 @@ def test_a_row_whose_confirmation_could_not_run_stays_on_search_figures() -> Non
     assert [r.trial for r in kept] == [1, 0]
     text = render_front(kept, OBJ)
     assert "confirmation could not run" in text and "suite file broken" in text
+
+
+def _dominance_reference(study) -> set[int]:
+    """Brute force: the complete, feasible, own trials no other such trial dominates (no worse
+    in every objective, better in one), each direction taken as it is written."""
+    import optuna
+
+    from tenantq.search.ledger import COPIED_ATTR
+
+    minimize = [d == optuna.study.StudyDirection.MINIMIZE for d in study.directions]
+    pool = [
+        t
+        for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+        if COPIED_ATTR not in t.user_attrs and all(v <= 0 for v in (t.constraints or {}).values())
+    ]
+
+    def no_worse(a: float, b: float, low: bool) -> bool:
+        return a <= b if low else a >= b
+
+    def dominates(a, b) -> bool:
+        pairs = list(zip(a.values, b.values, minimize, strict=True))
+        return all(no_worse(x, y, lo) for x, y, lo in pairs) and any(x != y for x, y, _ in pairs)
+
+    return {b.number for b in pool if not any(dominates(a, b) for a in pool)}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_front_is_exactly_the_non_dominated_feasible_own_trials(seed: int) -> None:
+    # The front's one-pass sweep (search.front.own_best_trials) replaced Optuna's
+    # best_trials; it must give exactly the brute-force non-dominated set on studies with
+    # ties, infinities, NaN (Optuna fails such a tell), FAIL trials, infeasible and copied
+    # trials, in mixed directions.
+    import random
+
+    import optuna
+
+    from tenantq.search.front import own_best_trials
+    from tenantq.search.ledger import COPIED_ATTR
+
+    rng = random.Random(seed)
+    dims = rng.choice([1, 2, 3])
+    directions = [rng.choice(["minimize", "maximize"]) for _ in range(dims)]
+    study = optuna.create_study(directions=directions)
+    choices = [0.0, 1.0, 2.0, 2.0, 3.0, math.inf, -math.inf, math.nan]
+    copied_any = False
+    for _ in range(rng.randint(0, 40)):
+        t = study.ask()
+        feasible = rng.random() < 0.8
+        t.set_constraint("gate", 0.0 if feasible else rng.choice([1.0, math.inf]))
+        if rng.random() < 0.1:
+            t.set_user_attr(COPIED_ATTR, "old")
+            copied_any = True
+        if rng.random() < 0.1:
+            study.tell(t, state=optuna.trial.TrialState.FAIL)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                study.tell(t, [rng.choice(choices) for _ in range(dims)])  # NaN -> FAIL
+    got = [t.number for t in own_best_trials(study)]
+    assert got == sorted(set(got))  # once each, in trial order
+    assert set(got) == _dominance_reference(study)
+    if not copied_any:  # and Optuna's own answer where it applies
+        assert set(got) == {t.number for t in study.best_trials}

@@ -160,7 +160,6 @@ class SearchDriver:
         # before the parent run is reopened: a study another driver is running is refused
         # here, and its parent run must stay as that driver has it
         requeue_dead_driver_trials(self.study, self.storage, spec.study.name)
-        enqueue_baselines(self.study, self.context.baselines)
         open_parent(tracker, self.study, self.context, self.workers)
         reconcile(tracker, self.study, self.context.config)
         self.ledger = Ledger(
@@ -172,6 +171,9 @@ class SearchDriver:
             self.ledger.restore(self.study.get_trials(deepcopy=False))
         else:
             front_.clear_export(self.out_dir)
+        # after the dead driver's trials were re-queued, and the budget restored: a baseline
+        # whose plan settled for good is not asked again
+        enqueue_baselines(self.study, self.context.baselines, settled=self._settled)
         # A capacity-only study needs no worker: every figure is arithmetic in the driver.
         needs_workers = bool(spec.quality_objectives() or spec.eval.confirm_suite)
         pool = None
@@ -414,6 +416,14 @@ class SearchDriver:
                     finally:
                         self.tracker.end_study(status, metrics=self._study_metrics())
 
+    def _settled(self, params: dict[str, Any]) -> bool:
+        """Whether the plan of trial parameters `params` is settled in the ledger."""
+        try:
+            plan, _ = self.context.plan_and_budget(params)
+        except ValueError:  # no plan: nothing of it can be settled
+            return False
+        return plan.fingerprint() in self.ledger.settled
+
     def _finish(self, pool) -> StudyOutcome:
         reconcile(self.tracker, self.study, self.context.config)
         rows = front_.front(self.study, self.spec, pool, self.context.capacity)
@@ -441,6 +451,7 @@ class SearchDriver:
             "failed": c["failed"],
             "retries": c["retries"],
             "duplicates": c["duplicates"],
+            "not_run": c["not_run"],  # closed unrun at the end: neither failed nor asked
             "done": self.ledger.done,
             "asks": self.ledger.asks,
         }

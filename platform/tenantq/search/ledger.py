@@ -128,7 +128,8 @@ class Ledger:
         self.parked: dict[str, list[int]] = {}  # fingerprint -> trials waiting on it
         self.asks = 0
         self.deferred: set[int] = set()  # told trials whose run is left to reconciliation
-        self.counts = {"complete": 0, "failed": 0, "duplicates": 0, "retries": 0}
+        # `not_run`: trials closed unrun at the end (neither failed nor asked for the budget)
+        self.counts = {"complete": 0, "failed": 0, "duplicates": 0, "retries": 0, "not_run": 0}
 
     # ---------------------------------------------------------------- resume
     def restore(self, trials: Sequence[Any]) -> None:
@@ -138,6 +139,9 @@ class Ledger:
         by_number = {t.number: t for t in trials}
         for t in trials:
             if t.state == TrialState.WAITING or COPIED_ATTR in t.user_attrs:
+                continue
+            if t.state == TrialState.FAIL and t.user_attrs.get(REASON_ATTR) == "not_run":
+                self.counts["not_run"] += 1  # closed unrun: no ask of the study's, no failure
                 continue
             self.asks += 1
             fp = t.user_attrs.get(FINGERPRINT_ATTR)
@@ -307,6 +311,7 @@ class Ledger:
         waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         for _ in waiting:  # Optuna asks the oldest WAITING trial first, whatever it is
             entry = self.ask()
+            self.asks -= 1  # closing it is no ask of the study's (the cap counts draws)
             self.fail(entry, "not_run", "left waiting when the study's budget filled")
         return len(waiting)
 
@@ -383,7 +388,7 @@ class Ledger:
                 entry.outcome = outcome = "failed"
         else:
             self.study.tell(entry.trial, state=optuna.trial.TrialState.FAIL)
-        self.counts[outcome] += 1
+        self.counts["not_run" if entry.reason == "not_run" else outcome] += 1
         if self.on_told is not None:
             self.on_told(entry)
         return outcome

@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,20 +140,28 @@ def open_study(
     return storage, study
 
 
-def enqueue_baselines(study, baselines: list[dict[str, Any]]) -> None:
+def enqueue_baselines(
+    study, baselines: list[dict[str, Any]], settled: Callable[[dict[str, Any]], bool]
+) -> None:
     """Enqueue each baseline the study does not hold, on every start (a study begun without
     them gets them), after a dead driver's trials were re-queued (those go first). A baseline
-    closed unrun (`not_run`: the budget was full) is enqueued again, as Optuna's
-    `skip_if_exists` would not."""
+    is held by a trial that measured it, runs it or waits to, by a trial whose plan failed to
+    build (`plan`, the same on every start), or by `settled(params)` (its plan settled for
+    good in the ledger). A trial that failed without settling the plan holds nothing: a
+    baseline closed unrun (`not_run`), or one killed with the driver or stopped whose copy was
+    closed unrun, is enqueued again, as Optuna's `skip_if_exists` would not."""
+    from optuna.trial import TrialState
+
     from tenantq.search.ledger import REASON_ATTR
 
+    holding = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
     held = [
         t.system_attrs.get("fixed_params", t.params)
         for t in study.get_trials(deepcopy=False)
-        if t.user_attrs.get(REASON_ATTR) != "not_run"
+        if t.state in holding or t.user_attrs.get(REASON_ATTR) == "plan"
     ]
     for params in baselines:
-        if not any(h == params for h in held):
+        if not any(h == params for h in held) and not settled(params):
             study.enqueue_trial(params, user_attrs={"baseline": True})
 
 
