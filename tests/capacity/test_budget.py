@@ -142,3 +142,16 @@ def test_to_dict_has_the_issue_fields():
     for key in ("weights_bytes", "kv_bytes_per_token", "pool_bytes", "pool_tokens", "tenants"):
         assert key in d
     assert d["kv_bytes_per_token"] == 131_072 and isinstance(d["kv_bytes_per_token"], int)
+
+
+def test_true_is_not_a_count_of_tenants_or_of_page_tokens():
+    # True is an int to Python; as a tenant count or page size it used to pass as 1 (issue 27
+    # item 8 made these checks the one check_positive_int, which refuses a bool as the
+    # engine's own counts always did). The message names the argument and the value given.
+    dep = Deployment.of("tpu-v6e", 1)
+    with pytest.raises(ValueError, match=r"^target tenants must be a positive integer, got True$"):
+        budget(LLAMA_8B, QuantPlan(), dep, 4096, target_tenants=True)
+    with pytest.raises(ValueError, match=r"^tenants must be a positive integer, got True$"):
+        max_context_for(LLAMA_8B, QuantPlan(), dep, True)
+    with pytest.raises(ValueError, match=r"^page_tokens must be a positive integer, got True$"):
+        Deployment.of("tpu-v6e", 1, page_tokens=True)

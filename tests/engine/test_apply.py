@@ -56,7 +56,7 @@ def test_applying_twice_is_harmless_but_requantizing_is_refused(config, params):
         apply_plan(once, QuantPlan.uniform("int4"), config)
 
 
-def test_algorithm_seam_dispatches_by_rule_name(config, params, monkeypatch):
+def test_algorithm_seam_dispatches_by_rule_name(config, params):
     calls = []
 
     def fake_gptq(weight, how, **inputs):
@@ -64,12 +64,19 @@ def test_algorithm_seam_dispatches_by_rule_name(config, params, monkeypatch):
         return quantize(weight, how.format, axis=how.axis, group_size=how.group_size)
 
     plan = QuantPlan(rules=(Rule("layers/0/mlp/up_proj", "int4", algorithm="gptq"),))
-    monkeypatch.delitem(algorithms_mod.ALGORITHMS, "gptq")  # the table holds the real one
-    with pytest.raises(ValueError, match="algorithm 'gptq' is not available; registered: rtn"):
-        apply_plan(params, plan, config)
-    monkeypatch.setitem(algorithms_mod.ALGORITHMS, "gptq", fake_gptq)
-    inputs = {"layers/0/mlp/up_proj": {"hessian": np.eye(32)}}
-    out = apply_plan(params, plan, config, inputs=inputs)
+    # The table is shared by every later test: restore it whole, order included (monkeypatch
+    # would put a deleted-then-restored "gptq" last, and the table's order is the plan's).
+    table, saved = algorithms_mod.ALGORITHMS, dict(algorithms_mod.ALGORITHMS)
+    try:
+        del table["gptq"]  # the table holds the real one
+        with pytest.raises(ValueError, match="algorithm 'gptq' is not available; registered: rtn"):
+            apply_plan(params, plan, config)
+        table["gptq"] = fake_gptq
+        inputs = {"layers/0/mlp/up_proj": {"hessian": np.eye(32)}}
+        out = apply_plan(params, plan, config, inputs=inputs)
+    finally:
+        table.clear()
+        table.update(saved)
     assert calls == [("layers/0/mlp/up_proj", ["hessian"])]
     assert out["layers/0/mlp/up_proj"].fmt == "int4"
 

@@ -108,3 +108,62 @@ def test_every_known_model_type_has_exactly_one_architecture_adapter() -> None:
     from tenantq.model.config import ARCHITECTURES, KNOWN_MODEL_TYPES
 
     assert tuple(ARCHITECTURES) == KNOWN_MODEL_TYPES
+
+
+@pytest.mark.parametrize(
+    ("model_type", "tied", "bias", "qk_norm"),
+    [  # the defaults of transformers' config classes for a field config.json leaves out
+        ("llama", False, False, False),
+        ("mistral", False, False, False),
+        ("qwen2", False, True, False),  # Qwen2's q/k/v projections always carry biases
+        ("qwen3", False, False, True),
+        ("gemma3_text", True, False, True),  # Gemma3TextConfig(tie_word_embeddings=True)
+    ],
+)
+def test_each_architecture_fills_the_fields_a_file_leaves_out_its_own_way(
+    model_type: str, tied: bool, bias: bool, qk_norm: bool
+) -> None:
+    raw = {k: v for k, v in LLAMA.items() if k not in ("tie_word_embeddings", "rope_scaling")}
+    cfg = ModelConfig.from_hf_dict({**raw, "model_type": model_type})
+    assert (cfg.tie_word_embeddings, cfg.attention_bias, cfg.qk_norm) == (tied, bias, qk_norm)
+    # the file's own value wins over the architecture's default
+    flipped = ModelConfig.from_hf_dict(
+        {
+            **raw,
+            "model_type": model_type,
+            "tie_word_embeddings": not tied,
+            "attention_bias": not bias,
+        }
+    )
+    assert (flipped.tie_word_embeddings, flipped.attention_bias) == (not tied, not bias)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "sliding"),
+    [  # which layers slide when config.json has a sliding_window but no layer_types
+        ("llama", {}, []),  # llama ignores sliding_window
+        ("mistral", {}, [0, 1, 2, 3, 4, 5]),  # every layer
+        ("mistral", {"sliding_window": None}, []),  # Mistral v0.2+: null, no sliding
+        ("qwen2", {}, []),  # use_sliding_window absent: off
+        ("qwen2", {"use_sliding_window": True, "max_window_layers": 4}, [4, 5]),
+        ("qwen3", {"use_sliding_window": True}, []),  # max_window_layers absent: all full
+        ("gemma3_text", {}, [0, 1, 2, 3, 4]),  # 5 local : 1 global
+        ("gemma3_text", {"sliding_window_pattern": 3}, [0, 1, 3, 4]),
+    ],
+)
+def test_each_architecture_says_which_layers_slide_without_layer_types(
+    model_type: str, extra: dict, sliding: list[int]
+) -> None:
+    raw = {k: v for k, v in LLAMA.items() if k != "rope_scaling"}
+    raw = {**raw, "model_type": model_type, "num_hidden_layers": 6, "sliding_window": 32}
+    cfg = ModelConfig.from_hf_dict({**raw, **extra})
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "sliding"] == sliding
+
+
+def test_rope_scaling_is_checked_only_for_architectures_the_engine_runs() -> None:
+    linear = {"rope_type": "linear", "factor": 8.0}  # Gemma 3 4B+'s global layers
+    for model_type in ("llama", "mistral", "qwen2", "qwen3"):
+        with pytest.raises(ValueError, match=r"rope_scaling type 'linear' is not supported"):
+            ModelConfig.from_hf_dict({**LLAMA, "model_type": model_type, "rope_scaling": linear})
+    gemma = ModelConfig.from_hf_dict({**LLAMA, "model_type": "gemma3_text", "rope_scaling": linear})
+    assert gemma.rope_scaling["rope_type"] == "linear"  # planned, not run by the engine

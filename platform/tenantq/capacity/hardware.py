@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from tenantq.capacity.units import GiB, MiB, exact_bytes, human_bytes, parse_bytes, parse_reserve
+from tenantq.model.checks import check_positive_int
 
 # The default runtime reserve (10% of HBM, as vLLM) is the one the engine sizes its pool with.
-from tenantq.model.checks import check_positive_int
 from tenantq.quant.storage import DEFAULT_RESERVE_FRACTION
 
 GB_S = 10**9  # bandwidth figures are decimal: GB/s
