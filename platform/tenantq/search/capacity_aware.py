@@ -151,7 +151,9 @@ class CapacityAwareSampler(BaseSampler):
         measured: dict[str, float] = {}
         pending: set[str] = set()  # in flight, or failed for good: not to be proposed again
         failed = []
-        for t in study.get_trials(deepcopy=False):
+        trials = study.get_trials(deepcopy=False)
+        by_number = {t.number: t for t in trials}
+        for t in trials:
             c = self._by_params.get(_params_key(t.params))
             if c is None:
                 continue
@@ -159,7 +161,7 @@ class CapacityAwareSampler(BaseSampler):
                 loss = self.quality_sign * t.values[self.quality_index]
                 measured[c.key] = min(loss, measured.get(c.key, math.inf))
             elif t.state == TrialState.FAIL:
-                failed.append((c.key, failure_weight(t)))
+                failed.append((c.key, failure_weight(t, by_number)))
             elif t.state in (TrialState.RUNNING, TrialState.WAITING) and t.number != trial.number:
                 pending.add(c.key)
         pending |= failed_for_good(failed, self.failure_budget)
@@ -176,34 +178,35 @@ def _params_key(params: dict[str, Any]) -> tuple:
     return tuple(sorted(params.items(), key=lambda kv: kv[0]))
 
 
-def failure_weight(trial) -> str | None:
-    """What a FAILed trial says about its plan, read from the study (the ledger's rule,
-    tenantq.search.ledger): "settles" (the plan's own failure: error, nan, plan, or a
-    re-proposal of a plan already failed for good), "counts" (one retryable failure:
-    worker_died, timeout, driver_died, of a trial that ran its plan itself), or None (it
-    blames no plan: driver_stopped, duplicate, not_run, a trial copied by --continue-as, a
-    retry killed before it ran). A FAIL with no recorded reason (Optuna's stale-trial fail) is
-    read as the ledger reads it, a driver death: it counts only if the trial ran its plan
-    (its own dispatched mark; a driver trial holding a plan fingerprint but no mark was killed
-    before it ran); one of a study not run by tenantq's driver (neither mark) counts once."""
+def failure_weight(trial, by_number: dict | None = None) -> str | None:
+    """What a FAILed trial says about its plan, read from the study by the ledger's own rule
+    (`tenantq.search.ledger.failure_of`, as `Ledger.restore` reads it): "settles" (the plan's
+    own failure: error, nan, plan, or a re-proposal of a plan already failed for good),
+    "counts" (one retryable failure: worker_died, timeout, driver_died, of a trial that ran
+    its plan itself), or None (it blames no plan: driver_stopped, duplicate, not_run, a trial
+    copied by --continue-as, a retry killed before it ran). Records older than the ledger's
+    marks are read as the ledger reads them (their reason from their own error text), so the
+    sampler never proposes a plan the ledger would refuse as failed before. `by_number`: the
+    study's trials by number (a retry's inherited attributes are told from its own); a FAIL
+    of a study not run by tenantq's driver (no fingerprint, no reason) counts once."""
     from tenantq.search.ledger import (
         COPIED_ATTR,
-        DISPATCHED_ATTR,
         FINGERPRINT_ATTR,
         REASON_ATTR,
         RETRYABLE,
+        failure_of,
     )
 
     attrs = trial.user_attrs
     if COPIED_ATTR in attrs:
         return None
-    reason = attrs.get(REASON_ATTR)
-    if reason is None or reason in RETRYABLE:
-        foreign = reason is None and FINGERPRINT_ATTR not in attrs
-        ran = attrs.get(DISPATCHED_ATTR, trial.number if foreign else None)
-        return "counts" if ran == trial.number else None
+    if FINGERPRINT_ATTR not in attrs and REASON_ATTR not in attrs:
+        return "counts"  # a foreign study's FAIL (e.g. Optuna's stale-trial fail)
+    reason, ran = failure_of(trial, by_number or {})
     if reason in ("driver_stopped", "duplicate", "not_run"):
         return None
+    if reason in RETRYABLE:
+        return "counts" if ran else None
     return "settles"
 
 
@@ -314,7 +317,9 @@ class KnapsackSampler(BaseSampler):
         held_params: set[tuple] = set()
         failed: list[tuple[str, str | None]] = []
         failed_params: dict[str, list[tuple]] = {}
-        for t in study.get_trials(deepcopy=False):
+        trials = study.get_trials(deepcopy=False)
+        by_number = {t.number: t for t in trials}
+        for t in trials:
             if t.number == trial.number:
                 continue
             params = t.params or t.system_attrs.get("fixed_params") or {}
@@ -335,7 +340,7 @@ class KnapsackSampler(BaseSampler):
                     fp, _ = self.locate(params)
                 except ValueError:  # its parameters made no plan: no plan to blame
                     continue
-                failed.append((fp, failure_weight(t)))
+                failed.append((fp, failure_weight(t, by_number)))
                 failed_params.setdefault(fp, []).append(_params_key(params))
             elif t.state in (TrialState.RUNNING, TrialState.WAITING):
                 held_params.add(_params_key(params))

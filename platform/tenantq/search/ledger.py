@@ -162,7 +162,7 @@ class Ledger:
                 self.counts["failed"] += 1
                 if "failed_trial" in t.system_attrs or "retry_of" in t.user_attrs:
                     self.counts["retries"] += 1
-                reason, ran = _failure_of(t, by_number)
+                reason, ran = failure_of(t, by_number)
                 # As live: a duplicate, a trial stopped with the driver, one closed unrun, or
                 # one with no fingerprint (killed before it had a plan, or its parameters made
                 # none) blames no plan.
@@ -428,7 +428,7 @@ def _own(t: Any, key: str, by_number: dict[int, Any]) -> Any:
     return value
 
 
-def _failure_of(t: Any, by_number: dict[int, Any]) -> tuple[str, bool]:
+def failure_of(t: Any, by_number: dict[int, Any]) -> tuple[str, bool]:
     """(reason, whether the trial itself ran its plan) of a FAIL trial, from what its record
     holds. Since `dispatched_trial` exists it says whether the trial ran. Older records: a
     `worker_died` or `timeout` reason only comes from a trial that ran, and one that ran has
