@@ -68,7 +68,9 @@ class DieOnInt4Weights(HostWorker):
 class DieOnceOnInt4SliceHost(SliceHost):
     """A slice host whose process 1 exits on the first plan with int4 weights of the run (the
     pid goes to TENANTQ_FAULT_LOG, whose existence marks it done): one host lost mid-trial,
-    so its slice must retry the trial on a fresh gang; later attempts succeed."""
+    so its slice must retry the trial on a fresh gang; later attempts succeed. It empties its
+    baseline cache first, as a host replaced by a fresh VM finds its disk: the next gang's
+    hosts then disagree on what is cached."""
 
     def join(self, coordinator: str, num_processes: int, process_id: int):
         self._process_id = process_id
@@ -82,6 +84,8 @@ class DieOnceOnInt4SliceHost(SliceHost):
         if first and self._process_id == 1 and _is_int4_weights(plan_json):
             with open(log, "a") as f:
                 f.write(f"{os.getpid()}\n")
+            for cached in self.cache_dir.glob("baseline-*"):
+                cached.unlink()
             os._exit(1)
         return super().evaluate(plan_json, suite, split)
 
