@@ -123,3 +123,52 @@ class QuickSlice(SliceWorker):
     """A SliceWorker over QuickSliceHosts."""
 
     host_class = QuickSliceHost
+
+
+class StuckSliceHost(QuickSliceHost):
+    """Plan "fail": host 0 raises the trial's own error at once while host 1 never returns
+    (as a host left waiting in a collective would); any other plan: a quick trial."""
+
+    def evaluate(self, plan_json: str, suite: str | None = None, split: str = "search"):
+        import time
+
+        if plan_json == "fail":
+            if self._process_id == 0:
+                raise ValueError(INJECTED_ERROR)
+            time.sleep(3600)
+        return super().evaluate(plan_json, suite, split)
+
+
+class StuckSlice(SliceWorker):
+    """A SliceWorker over StuckSliceHosts, waiting 2 s for stragglers."""
+
+    host_class = StuckSliceHost
+    straggler_timeout_s = 2.0
+
+
+class AlwaysLosingSliceHost(QuickSliceHost):
+    """Host 1 exits on every trial: each gang is lost, past the slice's retries."""
+
+    def evaluate(self, plan_json: str, suite: str | None = None, split: str = "search"):
+        import os
+
+        if self._process_id == 1:
+            os._exit(1)
+        return super().evaluate(plan_json, suite, split)
+
+
+class AlwaysLosingSlice(SliceWorker):
+    host_class = AlwaysLosingSliceHost
+
+
+class FailingJoinSliceHost(QuickSliceHost):
+    """Host 1 cannot join the slice (its JAX process fails to start)."""
+
+    def join(self, coordinator: str, num_processes: int, process_id: int):
+        if process_id == 1:
+            raise RuntimeError("injected: host 1 cannot join the slice")
+        return super().join(coordinator, num_processes, process_id)
+
+
+class FailingJoinSlice(SliceWorker):
+    host_class = FailingJoinSliceHost
