@@ -13,6 +13,7 @@ group behind.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -52,25 +53,43 @@ def ray_up():
     ray.shutdown()
 
 
-def _slice(ray, cls, name: str, tmp_path):
+@pytest.fixture
+def made(ray_up):
+    """Slice workers a test starts: killed and their groups released after it, as the pool
+    does, so that one test's gang never holds the CPUs the next one needs."""
+    from tenantq.workers.slice import release_slice
+
+    workers: dict[str, object] = {}
+    yield workers
+    for name, worker in workers.items():
+        with contextlib.suppress(ValueError, ray_up.exceptions.RayError):  # already dead
+            ray_up.kill(worker)
+        release_slice(name)
+
+
+def _slice(ray, cls, name: str, tmp_path, made: dict):
     from tenantq.search.spec import WorkersSpec
     from tenantq.workers.host import worker_options
     from tenantq.workers.slice import slice_args
 
     spec = WorkersSpec(kind="cpu_slice", cpu_slice_hosts=2, cpu_devices_per_host=1)
-    return (
+    options = worker_options(spec)
+    made[name] = (
         ray.remote(cls)
-        .options(name=name, **worker_options(spec))
+        .options(name=name, **options)
         .remote(name, "no-model", "no-suite", cache_dir=str(tmp_path), **slice_args(spec))
     )
+    return made[name]
 
 
-def test_a_host_killed_mid_trial_retries_it_on_a_fresh_gang_and_frees_the_old(ray_up, tmp_path):
+def test_a_host_killed_mid_trial_retries_it_on_a_fresh_gang_and_frees_the_old(
+    ray_up, tmp_path, made
+):
     from tenantq.workers.faults import QuickSlice
     from tenantq.workers.slice import release_slice
 
     ray = ray_up
-    worker = _slice(ray, QuickSlice, "gang", tmp_path)
+    worker = _slice(ray, QuickSlice, "gang", tmp_path, made)
     assert len(ray.get(worker.ping.remote(), timeout=300)["hosts"]) == 2
     first = ray.get(worker.host_names.remote())
     trial = worker.evaluate.remote("{}")
@@ -93,11 +112,13 @@ def test_a_host_killed_mid_trial_retries_it_on_a_fresh_gang_and_frees_the_old(ra
     assert all(_gone(ray, name) for name in second)
 
 
-def test_a_host_error_beside_a_stuck_host_fails_the_trial_and_replaces_the_gang(ray_up, tmp_path):
+def test_a_host_error_beside_a_stuck_host_fails_the_trial_and_replaces_the_gang(
+    ray_up, tmp_path, made
+):
     from tenantq.workers.faults import StuckSlice
 
     ray = ray_up
-    worker = _slice(ray, StuckSlice, "stuck", tmp_path)
+    worker = _slice(ray, StuckSlice, "stuck", tmp_path, made)
     first = ray.get(worker.host_names.remote(), timeout=300)
     began = time.monotonic()
     with pytest.raises(ValueError, match="injected failure"):  # the plan's error, not Ray's
@@ -108,15 +129,16 @@ def test_a_host_error_beside_a_stuck_host_fails_the_trial_and_replaces_the_gang(
     assert all(_gone(ray, name) for name in first)
     record = ray.get(worker.evaluate.remote("{}"), timeout=300).extra["slice"]
     assert record["generation"] == 2 and record["placement_groups"] == ["REMOVED", "CREATED"]
-    ray.kill(worker)
 
 
-def test_past_its_gang_retries_a_slice_worker_exits_for_good_and_frees_its_groups(ray_up, tmp_path):
+def test_past_its_gang_retries_a_slice_worker_exits_for_good_and_frees_its_groups(
+    ray_up, tmp_path, made
+):
     from tenantq.workers.faults import AlwaysLosingSlice
     from tenantq.workers.slice import MAX_GANG_RETRIES
 
     ray = ray_up
-    worker = _slice(ray, AlwaysLosingSlice, "doomed", tmp_path)
+    worker = _slice(ray, AlwaysLosingSlice, "doomed", tmp_path, made)
     ray.get(worker.ping.remote(), timeout=300)
     with pytest.raises(ray.exceptions.RayActorError):  # the pool sees a lost worker
         ray.get(worker.evaluate.remote("{}"), timeout=300)
@@ -127,15 +149,15 @@ def test_past_its_gang_retries_a_slice_worker_exits_for_good_and_frees_its_group
     assert states == {"REMOVED"}
     from ray.util import placement_group_table
 
-    made = [g for g in placement_group_table().values() if g["name"].startswith("doomed-g")]
-    assert len(made) == MAX_GANG_RETRIES + 1  # one gang per try
+    groups = [g for g in placement_group_table().values() if g["name"].startswith("doomed-g")]
+    assert len(groups) == MAX_GANG_RETRIES + 1  # one gang per try
 
 
-def test_a_gang_that_cannot_start_leaves_no_group(ray_up, tmp_path):
+def test_a_gang_that_cannot_start_leaves_no_group(ray_up, tmp_path, made):
     from tenantq.workers.faults import FailingJoinSlice
 
     ray = ray_up
-    worker = _slice(ray, FailingJoinSlice, "nojoin", tmp_path)
+    worker = _slice(ray, FailingJoinSlice, "nojoin", tmp_path, made)
     with pytest.raises(ray.exceptions.RayActorError, match="cannot join"):
         ray.get(worker.ping.remote(), timeout=300)
     assert _wait_removed("nojoin-g") == {"REMOVED"}
