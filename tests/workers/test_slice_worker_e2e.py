@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 # tests/search/tiny_suite.toml at half its rows and row length: what is under test is the gang
 SUITE = """seed = 0
 split = "search"
-resamples = 50
+resamples = 100
 [fidelity]
 rows = 2
 row_tokens = 64
