@@ -1,76 +1,87 @@
 """The engine on a multi-host slice, simulated on CPU; run by test_slice_sharding.py.
 
-`multi PROCESS_ID PORT OUT`: one of two processes (2 forced CPU devices each) joined by
+`PROCESS_ID PORT OUT`: one of two processes (2 forced CPU devices each) joined by
 `jax.distributed` (gloo collectives) into one 4-device program, as the hosts of a TPU slice
-are; writes OUT/multi-PROCESS_ID.npz (logits) and .json (per-device bytes, host memory).
-`single OUT`: one process with 4 forced devices, the tp=4 and unsharded references.
+are. Each writes OUT/multi-PROCESS_ID.npz (the sliced logits and its own unsharded reference,
+computed on one local device) and .json (per-device bytes, host memory, host agreement).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
-MODES = ("multi", "single")
+# One plan quantizing weights and the KV pool: int4 weight shards with their group scales,
+# fp8 keys per channel, packed int4 values, sinks.
+QUANT_PLAN = {
+    "rules": [{"pattern": ".*", "format": "int4", "group_size": 16}],
+    "kv": {"key_format": "fp8_e4m3", "key_axis": "channel", "value_format": "int4",
+           "value_axis": "token", "sink_tokens": 2},
+}  # fmt: skip
+
+
+REPLICATED = ("int4_g16_kv_int8_int4_sinks",)  # the plan checked on a vocabulary tp leaves whole
 
 
 def main(argv: list[str]) -> None:
-    mode = argv[0]
-    if mode not in MODES:
-        sys.exit(f"mode {mode!r}: valid {MODES}")
-    devices = 2 if mode == "multi" else 4
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    process_id, port, out = int(argv[0]), int(argv[1]), Path(argv[2])
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
-    if mode == "multi":
-        process_id, port, out = int(argv[1]), int(argv[2]), Path(argv[3])
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-        name = f"multi-{process_id}"
-    else:
-        out, name = Path(argv[1]), "single"
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
     import numpy as np
-    from _sharding_check import CAPACITY_PLANS, CAPACITY_POOL, CONFIG, PLANS, engine
+    from _sharding_check import CAPACITY_PLANS, CAPACITY_POOL, CONFIG, engine
     from _sharding_check import static_scales as scales
 
     from tenantq.engine import Engine
-    from tenantq.engine.sharding import device_bytes
+    from tenantq.engine.sharding import device_bytes, on_every_host
     from tenantq.model.decoder import init_params
     from tenantq.quant.plan import QuantPlan
 
     params = init_params(CONFIG, seed=0)
     tokens = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 12))
     logits, report = {}, {"devices": jax.device_count(), "local": jax.local_device_count()}
-    for plan_name in ("bf16", "int4", "kv_fp8_int4"):
-        sharded = engine(params, PLANS[plan_name], tp=4)
-        logits[f"{plan_name}/tp4"] = sharded.logits(tokens)
-        if mode == "single":  # the unsharded reference, once
-            logits[f"{plan_name}/unsharded"] = engine(params, PLANS[plan_name]).logits(tokens)
-        if plan_name == "bf16":  # a prefill and one decode step, as generation runs them
-            batch, first = sharded.prefill(tokens.tolist(), reserve_tokens=2)
-            logits["bf16/tp4/decode"] = sharded.decode(batch, [3, 5])
-            logits["bf16/tp4/prefill_last"] = first
-            sharded.release(batch)
-        if plan_name == "int4":
-            report["host_memory"] = sharded.host_memory()
-            report["memory_total"] = sharded.memory_report().total_bytes
+    for plan_name, plan in (("bf16", None), ("quant", QuantPlan.from_dict(QUANT_PLAN))):
+        # tp=None: one local device, no collective: the reference each host computes alone
+        for layout, eng in (("tp4", engine(params, plan, tp=4)), ("ref", engine(params, plan))):
+            logits[f"{plan_name}/{layout}"] = eng.logits(tokens)
+            if plan_name == "bf16":  # a prefill and one decode step, as generation runs them
+                batch, first = eng.prefill(tokens.tolist(), reserve_tokens=2)
+                logits[f"{plan_name}/{layout}/decode"] = eng.decode(batch, [3, 5])
+                logits[f"{plan_name}/{layout}/prefill_last"] = first
+                eng.release(batch)
     capacity = {}
-    for plan_name, raw in CAPACITY_PLANS.items():
-        eng = Engine(CONFIG, params, QuantPlan.from_dict(raw), dtype="bfloat16", tp=4,
-                     kv_scales=scales(CONFIG), **CAPACITY_POOL)  # fmt: skip
-        capacity[plan_name] = {
-            "weights": {p: device_bytes(v) for p, v in eng.params.items()},
-            "kv": [device_bytes(layer) for layer in eng.cache.state],
-            "num_pages": eng.cache.num_pages,
-        }
+    # 128 splits over tp=4; 130 does not (embed and lm_head whole on every device): one plan
+    for vocab, names in ((CONFIG.vocab_size, CAPACITY_PLANS), (CONFIG.vocab_size + 2, REPLICATED)):
+        config = dataclasses.replace(CONFIG, vocab_size=vocab)
+        weights = init_params(config, seed=0)
+        for name in names:
+            raw = CAPACITY_PLANS[name]
+            eng = Engine(config, weights, QuantPlan.from_dict(raw), dtype="bfloat16", tp=4,
+                         kv_scales=scales(config), **CAPACITY_POOL)  # fmt: skip
+            capacity[f"{name}/vocab{vocab}"] = {
+                "weights": {p: device_bytes(v) for p, v in eng.params.items()},
+                "kv": [device_bytes(layer) for layer in eng.cache.state],
+                "num_pages": eng.cache.num_pages,
+                "host_memory": eng.host_memory(),
+                "memory_total": eng.memory_report().total_bytes,
+            }
     report["capacity_tp4"] = capacity
+    # Whether a cache is on disk can differ between hosts: they must agree before computing.
+    report["agree"] = {
+        "both": on_every_host(True),
+        "one": on_every_host(process_id == 0),
+        "neither": on_every_host(False),
+    }
+    name = f"multi-{process_id}"
     np.savez(out / f"{name}.npz", **{k.replace("/", "__"): v for k, v in logits.items()})
     (out / f"{name}.json").write_text(json.dumps(report, default=str))
-    if mode == "multi":
-        jax.distributed.shutdown()
+    jax.distributed.shutdown()
 
 
 if __name__ == "__main__":

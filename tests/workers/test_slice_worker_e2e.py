@@ -4,7 +4,9 @@ so tp = 2 is its widest layout).
 
 A study on one such slice completes, losing host 1 of its gang on the int4 baseline once:
 the trial is retried by the slice on a fresh gang (not failed, not retried by the ledger),
-and the lost gang's actors and placement group are gone.
+and the lost gang's actors and placement group are gone. The lost host empties its baseline
+cache first (a replaced VM's disk), so the fresh gang's hosts must agree to compute it anew
+rather than one loading it while the other waits in a collective.
 """
 
 from __future__ import annotations
@@ -20,12 +22,25 @@ from tenantq.testing import tiny_study_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SUITE = Path(__file__).parents[1] / "search" / "tiny_suite.toml"
+# tests/search/tiny_suite.toml at half its rows and row length: what is under test is the gang
+SUITE = """seed = 0
+split = "search"
+resamples = 100
+[fidelity]
+rows = 2
+row_tokens = 64
+[[gates]]
+metric = "fidelity.kl_mean"
+tolerance = 0.01
+higher_is_better = false
+"""
 SLICE = '[workers]\nkind = "cpu_slice"\ncpu_slice_hosts = 2\ncpu_devices_per_host = 1\n'
 
 
 def _slice_spec(tmp: Path, trials: int):
-    text = tiny_study_spec(tmp, name="slice", trials=trials, suite=SUITE, workers=1)
+    suite = tmp / "suite.toml"
+    suite.write_text(SUITE)
+    text = tiny_study_spec(tmp, name="slice", trials=trials, suite=suite, workers=1)
     # tp = 2 splits o_proj's 192 input rows in shards of 96: int4 groups of 32 fit them
     text = text.replace("group_size = 64", "group_size = 32")
     text = text.replace("[deployment]", "[deployment]\nchips = 2")
@@ -62,3 +77,5 @@ def test_a_study_on_a_slice_completes_and_a_lost_host_retries_the_trial_on_a_new
     # the lost gang's placement group was removed: no half gang holds the hosts' resources
     assert slices[2]["placement_groups"] == ["REMOVED", "CREATED"]
     assert slices[2]["host_pids"][1] not in slices[0]["host_pids"]
+    # host 1's cache was emptied: both hosts of the new gang computed the baseline again
+    assert all(len(list((tmp_path / "cache" / f"host-{i}").glob("baseline-*"))) for i in (0, 1))

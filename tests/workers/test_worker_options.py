@@ -102,3 +102,11 @@ def test_the_shipped_70b_slice_spec_budgets_the_slice_it_runs_on() -> None:
     shape = slice_shape(spec.workers)
     assert spec.workers.kind == "tpu_slice" and (shape.hosts, shape.devices_per_host) == (2, 4)
     assert spec.deployment.chips == shape.devices == 8
+
+
+def test_a_slice_worker_is_neither_restarted_nor_retried_by_ray() -> None:
+    # Its own gang retries replace Ray's: a restarted SliceWorker would reserve and load a
+    # fresh gang that the pool, which saw the worker lost, then kills.
+    spec = WorkersSpec(kind="cpu_slice", max_restarts=3, max_task_retries=1)
+    opts = worker_options(spec)
+    assert opts["max_restarts"] == 0 and opts["max_task_retries"] == 0 and opts["num_cpus"] == 0

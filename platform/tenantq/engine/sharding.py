@@ -257,6 +257,19 @@ def to_every_host(tree: Any, mesh: Mesh | None) -> Any:
     return _replicator(mesh)(tree)
 
 
+def on_every_host(flag: bool) -> bool:
+    """Whether `flag` holds on every process of a multi-host slice (a collective: every
+    process must call it at the same point); `flag` itself on one process. Hosts that decide
+    apart (a cache one has on disk, another must compute) would leave one host waiting in a
+    collective the others never start: they decide together with this."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array([int(bool(flag))], np.int32))
+    return bool(np.all(flags))
+
+
 def _named(specs, mesh: Mesh):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 

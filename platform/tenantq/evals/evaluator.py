@@ -291,6 +291,13 @@ class Evaluator:
                 gens = _load_generations(gen_path, items)
         except (ValueError, OSError, pa.ArrowException):
             fid = gens = None  # a stale or damaged cache is recomputed, never trusted
+        if jax.process_count() > 1:  # one host of a slice: the baseline runs sharded over
+            # every host, so all take the cached path or none does (else one would wait in a
+            # collective the others never start)
+            from tenantq.engine.sharding import on_every_host
+
+            fid = fid if on_every_host(fid is not None) else None
+            gens = gens if on_every_host(gens is not None) else None
         need_fid = self.fidelity_rows is not None and fid is None
         if need_fid or (items and gens is None):
             self.cache_dir.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,9 @@ class DieOnInt4Weights(HostWorker):
 class DieOnceOnInt4SliceHost(SliceHost):
     """A slice host whose process 1 exits on the first plan with int4 weights of the run (the
     pid goes to TENANTQ_FAULT_LOG, whose existence marks it done): one host lost mid-trial,
-    so its slice must retry the trial on a fresh gang; later attempts succeed."""
+    so its slice must retry the trial on a fresh gang; later attempts succeed. It empties its
+    baseline cache first, as a host replaced by a fresh VM finds its disk: the next gang's
+    hosts then disagree on what is cached."""
 
     def join(self, coordinator: str, num_processes: int, process_id: int):
         self._process_id = process_id
@@ -82,6 +84,8 @@ class DieOnceOnInt4SliceHost(SliceHost):
         if first and self._process_id == 1 and _is_int4_weights(plan_json):
             with open(log, "a") as f:
                 f.write(f"{os.getpid()}\n")
+            for cached in self.cache_dir.glob("baseline-*"):
+                cached.unlink()
             os._exit(1)
         return super().evaluate(plan_json, suite, split)
 
@@ -119,3 +123,52 @@ class QuickSlice(SliceWorker):
     """A SliceWorker over QuickSliceHosts."""
 
     host_class = QuickSliceHost
+
+
+class StuckSliceHost(QuickSliceHost):
+    """Plan "fail": host 0 raises the trial's own error at once while host 1 never returns
+    (as a host left waiting in a collective would); any other plan: a quick trial."""
+
+    def evaluate(self, plan_json: str, suite: str | None = None, split: str = "search"):
+        import time
+
+        if plan_json == "fail":
+            if self._process_id == 0:
+                raise ValueError(INJECTED_ERROR)
+            time.sleep(3600)
+        return super().evaluate(plan_json, suite, split)
+
+
+class StuckSlice(SliceWorker):
+    """A SliceWorker over StuckSliceHosts, waiting 2 s for stragglers."""
+
+    host_class = StuckSliceHost
+    straggler_timeout_s = 2.0
+
+
+class AlwaysLosingSliceHost(QuickSliceHost):
+    """Host 1 exits on every trial: each gang is lost, past the slice's retries."""
+
+    def evaluate(self, plan_json: str, suite: str | None = None, split: str = "search"):
+        import os
+
+        if self._process_id == 1:
+            os._exit(1)
+        return super().evaluate(plan_json, suite, split)
+
+
+class AlwaysLosingSlice(SliceWorker):
+    host_class = AlwaysLosingSliceHost
+
+
+class FailingJoinSliceHost(QuickSliceHost):
+    """Host 1 cannot join the slice (its JAX process fails to start)."""
+
+    def join(self, coordinator: str, num_processes: int, process_id: int):
+        if process_id == 1:
+            raise RuntimeError("injected: host 1 cannot join the slice")
+        return super().join(coordinator, num_processes, process_id)
+
+
+class FailingJoinSlice(SliceWorker):
+    host_class = FailingJoinSliceHost

@@ -125,8 +125,11 @@ def worker_options(spec: Any) -> dict[str, Any]:
     }
     if spec.kind.endswith("_slice"):
         # A SliceWorker only coordinates the actors of its slice's hosts (tenantq.workers.slice),
-        # which hold the chips; it holds nothing itself.
+        # which hold the chips; it holds nothing itself. No Ray restart and no Ray retry: a
+        # lost gang is retried by the slice worker itself, and a slice worker that exits has
+        # given up; the pool replaces it (a restart would start a gang the pool then kills).
         opts["num_cpus"] = 0
+        opts["max_restarts"] = opts["max_task_retries"] = 0
     elif spec.kind == "tpu":
         from ray.util.tpu import get_tpu_worker_resources
 

@@ -158,6 +158,7 @@ class SliceWorker:
     HostWorker's. `host_class`: the per-host actor body (tests inject faults here)."""
 
     host_class: type = SliceHost
+    straggler_timeout_s: float = STRAGGLER_TIMEOUT_S  # tests shorten it
 
     def __init__(
         self,
@@ -184,6 +185,7 @@ class SliceWorker:
         self._group: Any = None  # SlicePlacementGroup or PlacementGroup
         self._joined: list[dict[str, Any]] = []
         self._groups_made: list[Any] = []  # every gang's placement group, for `group_states`
+        release_slice(name)  # a previous life of this actor's groups (Ray scopes them to the job)
         self._start_gang()
 
     # ------------------------------------------------------------ the gang
@@ -347,7 +349,7 @@ class SliceWorker:
                     done[ref] = ray.get(ref)
                 except ray.exceptions.RayTaskError as err:
                     first_error = first_error or err
-                    deadline = deadline or time.monotonic() + STRAGGLER_TIMEOUT_S
+                    deadline = deadline or time.monotonic() + self.straggler_timeout_s
         if first_error is not None:
             cause = getattr(first_error, "cause", None)
             raise cause if isinstance(cause, BaseException) else first_error
