@@ -160,7 +160,7 @@ class SearchDriver:
         # here, and its parent run must stay as that driver has it
         requeue_dead_driver_trials(self.study, self.storage, spec.study.name)
         open_parent(tracker, self.study, self.context, self.workers)
-        reconcile(tracker, self.study, self.context.config)
+        reconcile(tracker, self.study, self.context.config, self.context.budget_of)
         self.ledger = Ledger(
             self.study,
             trials=spec.study.trials,
@@ -403,12 +403,17 @@ class SearchDriver:
                 finally:
                     try:
                         if ledger is not None and ledger.deferred:
-                            reconcile(self.tracker, self.study, self.context.config)
+                            reconcile(
+                                self.tracker,
+                                self.study,
+                                self.context.config,
+                                self.context.budget_of,
+                            )
                     finally:
                         self.tracker.end_study(status, metrics=self._study_metrics())
 
     def _finish(self, pool) -> StudyOutcome:
-        reconcile(self.tracker, self.study, self.context.config)
+        reconcile(self.tracker, self.study, self.context.config, self.context.budget_of)
         rows = front_.front(self.study, self.spec, pool)
         front_.tag_front(self.tracker, rows)
         exported = front_.export(rows, self.out_dir)
