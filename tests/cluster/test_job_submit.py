@@ -185,7 +185,7 @@ def _run_study(cluster, tmp_path: Path, name: str, tree: Path) -> tuple[Path, di
     spec = tiny_study_spec(
         state,
         name="jobsubmit",
-        trials=2,
+        trials=3,
         suite="tiny_suite.toml",
         sampler="random",
         seed=0,
@@ -234,7 +234,7 @@ def test_study_submitted_as_a_ray_job_is_tracked_in_mlflow(local_cluster, tmp_pa
 
     study = optuna.load_study(study_name="jobsubmit", storage=f"sqlite:///{state}/optuna.db")
     trials = study.trials
-    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
     client = MlflowClient(f"sqlite:///{state}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("jobsubmit").experiment_id])
     (parent,) = [r for r in runs if r.data.tags.get("tenantq.kind") == "study"]
@@ -264,11 +264,11 @@ def test_study_submitted_as_a_ray_job_is_tracked_in_mlflow(local_cluster, tmp_pa
     assert status == 200
     assert "HostWorker" in {a["class_name"] for a in actors["data"]["result"]["result"]}
     # The driver's own metrics (tenantq.search.metrics) reached the cluster's Prometheus
-    # endpoint under the contract's names: 2 trials complete, 2 durations observed; and the
+    # endpoint under the contract's names: 3 trials complete, 3 durations observed; and the
     # Grafana dashboard's HostWorker selector matches Ray's actor metric.
     expected = {
-        ("ray_tenantq_trials_total", (("state", "complete"), ("study", "jobsubmit"))): 2.0,
-        ("ray_tenantq_trial_duration_s_count", (("study", "jobsubmit"),)): 2.0,
+        ("ray_tenantq_trials_total", (("state", "complete"), ("study", "jobsubmit"))): 3.0,
+        ("ray_tenantq_trial_duration_s_count", (("study", "jobsubmit"),)): 3.0,
         # Ray's own actor count, the utilization panel's denominator: the study's one
         # HostWorker, dead once the study has ended.
         ("ray_actors", (("Name", "HostWorker"), ("Source", "gcs"), ("State", "DEAD"))): 1.0,
