@@ -32,6 +32,8 @@
 #   TENANTQ_RAY_HEAD_IP        the head node's address, a loopback one [127.0.0.1]; a cluster
 #                              that nodes will `join` needs another, e.g. 127.0.0.2 (see join)
 #   TENANTQ_RAY_JOIN_IP        a joined node's address, another loopback one [127.0.0.3]
+#   TENANTQ_RAY_EXPOSE         1: start a head off 127.0.0.1 where interfaces besides `lo`
+#                              exist (Ray then listens on all of them); refused otherwise
 #   RAY_AUTH_TOKEN_PATH        token file [$TENANTQ_RAY_DIR/auth_token, created if missing]
 #   RAY_BIN                    the `ray` executable [.venv/bin/ray of this repo, else PATH]
 set -euo pipefail
@@ -125,7 +127,16 @@ stop_session() {
     fi
 }
 
+# Whether this network namespace has an interface besides `lo` (/proc/net/dev: 2 header lines).
+other_interfaces() {
+    awk 'NR > 2 { sub(":.*", "", $1); if ($1 != "lo") found = 1 } END { exit !found }' /proc/net/dev
+}
+
 cmd_start() {
+    # Ray 2.60 binds every server to all interfaces once the node address is not 127.0.0.1.
+    if [[ "$HEAD_IP" != "127.0.0.1" && "${TENANTQ_RAY_EXPOSE:-}" != "1" ]] && other_interfaces; then
+        die "TENANTQ_RAY_HEAD_IP=$HEAD_IP makes Ray listen on every interface: start it in a loopback-only network namespace (sudo unshare -n; cluster/README.md), or set TENANTQ_RAY_EXPOSE=1 to expose it"
+    fi
     [[ -n "$RAY" && -x "$RAY" ]] || die "no \`ray\` executable found; set RAY_BIN or run \`make test\` to create .venv"
     command -v curl >/dev/null || die "curl is needed to check the job API"
     [[ "${#STATE_DIR}" -le $MAX_STATE_DIR_CHARS ]] ||

@@ -41,6 +41,13 @@ die() {
 
 flags=()
 while [[ $# -gt 0 && "$1" != "--" ]]; do
+    case "$1" in
+    # `ray job submit` keeps the last of a repeated option: these would replace the runtime_env
+    # built here and drop the tree's tenantq (py_modules) and its commit without a word.
+    --runtime-env-json | --runtime-env-json=* | --runtime-env | --runtime-env=* | --working-dir | --working-dir=*)
+        die "${1%%=*} would replace the runtime_env this script builds (py_modules: this tree's tenantq; working dir: the current folder); use \`ray job submit\` itself for a custom one"
+        ;;
+    esac
     flags+=("$1")
     shift
 done
@@ -59,6 +66,8 @@ if sha="$(git -C "$REPO_ROOT" rev-parse HEAD 2>/dev/null)"; then
 else
     echo "cluster/submit.sh: $REPO_ROOT is not a git checkout: the study records its commit as unknown" >&2
 fi
-runtime_env="{\"py_modules\": [\"$PACKAGE\"]$env_vars}"
+json_package="${PACKAGE//\\/\\\\}"   # a JSON string: backslashes, then double quotes escaped
+json_package="${json_package//\"/\\\"}"
+runtime_env="{\"py_modules\": [\"$json_package\"]$env_vars}"
 
 exec "$RAY" job submit --working-dir . --runtime-env-json "$runtime_env" "${flags[@]}" -- "${command[@]}"

@@ -15,10 +15,10 @@ import re
 from pathlib import Path
 
 import pytest
-import ray
 import yaml
 
-CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER = REPO / "cluster"
 LAUNCHER = CLUSTER / "tpu-vm" / "cluster.yaml"
 KUBERNETES = CLUSTER / "kubernetes"
 NAMESPACE = "tenantq"
@@ -283,9 +283,10 @@ def test_raycluster_matches_installed_ray_and_rays_tpu_tables() -> None:
 
     (rc,) = _of_kind("RayCluster")
     spec = rc["spec"]
-    assert spec["rayVersion"] == ray.__version__
+    ray_pin = _tested_pins()[0]  # '"ray[default]==X"', X pyproject's floor (the tested ray)
+    assert spec["rayVersion"] == ray_pin.split("==")[1].strip('"')
     dockerfile = (CLUSTER / "Dockerfile").read_text()
-    assert f'"ray[default]=={ray.__version__}"' in dockerfile
+    assert ray_pin in dockerfile
     assert spec["authOptions"] == {"mode": "token"}
 
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
@@ -325,16 +326,24 @@ def test_raycluster_matches_installed_ray_and_rays_tpu_tables() -> None:
     assert "JAX_EXTRA" in dockerfile  # the TPU image is the same Dockerfile with libtpu
 
 
-# The versions tests/cluster ran with (the shared venv's): the image and the TPU VMs pin them.
+# The versions the tests ran with are pyproject's floors (ray, mlflow, optuna: `>=` the tested
+# version, so a user may take a newer one) and the test extra's pin (psycopg2-binary): the image
+# and the TPU VMs pin exactly those. Read from pyproject, not from the installed packages: a
+# fresh CI install may pick a newer release within the floor, which the image need not follow.
 def _tested_pins() -> list[str]:
-    from importlib.metadata import version
+    import tomllib
 
-    return [
-        f'"ray[default]=={ray.__version__}"',
-        f'"mlflow=={version("mlflow")}"',
-        f'"optuna=={version("optuna")}"',
-        f'"psycopg2-binary=={version("psycopg2-binary")}"',
-    ]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    floors = {}
+    for req in [*project["dependencies"], *project["optional-dependencies"]["test"]]:
+        for op in (">=", "=="):
+            if op in req:
+                name, version = (x.strip() for x in req.split(op, 1))
+                floors[name] = version.split(",")[0].split(";")[0].strip()
+    names = ("ray[default]", "mlflow", "optuna", "psycopg2-binary")
+    missing = [n for n in names if n not in floors]
+    assert not missing, f"pyproject.toml has no floor or pin for {missing}"
+    return [f'"{name}=={floors[name]}"' for name in names]
 
 
 def test_image_and_tpu_vms_pin_the_versions_the_tests_ran_with() -> None:

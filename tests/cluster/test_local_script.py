@@ -76,3 +76,19 @@ def test_env_prints_what_the_ray_cli_needs() -> None:
         "export RAY_AUTH_MODE=token",
         "export RAY_AUTH_TOKEN_PATH=/tmp/tq-x/auth_token",
     ]
+
+
+def test_head_off_127_0_0_1_is_refused_where_other_interfaces_exist() -> None:
+    # Ray 2.60 binds every server to all interfaces once the node address is not 127.0.0.1:
+    # outside a loopback-only network namespace that would expose the cluster.
+    with open("/proc/net/dev") as f:
+        interfaces = [line.split(":")[0].strip() for line in f.readlines()[2:]]
+    if interfaces == ["lo"]:
+        return  # a loopback-only namespace: the head may start there (test_two_nodes.py)
+    state = f"/tmp/tq-none-{os.getpid()}"  # short, never created
+    done = _run("start", TENANTQ_RAY_DIR=state, TENANTQ_RAY_HEAD_IP="127.0.0.2")
+    assert done.returncode == 1
+    line = done.stderr.strip()
+    assert "\n" not in line and "TENANTQ_RAY_HEAD_IP=127.0.0.2" in line, line
+    assert "network namespace" in line and "TENANTQ_RAY_EXPOSE=1" in line, line
+    assert not os.path.exists(state)  # refused before anything was written

@@ -205,6 +205,12 @@ def test_a_half_written_mlflow_run_is_written_again_on_resume(tmp_path) -> None:
     assert by_trial["1"][0].info.run_id != half.info.run_id
     assert by_trial["1"][0].info.status == "FINISHED"
     assert by_trial["1"][0].data.metrics["capacity.tenants"] == _trials(tmp_path)[1].values[0]
+    # The budget is the plan's, recomputed by the driver: the rewritten run carries it too,
+    # as the run written live does (only what the worker returned, examples, is lost).
+    rewritten = {a.path for a in client.list_artifacts(by_trial["1"][0].info.run_id)}
+    live = {a.path for a in client.list_artifacts(by_trial["0"][0].info.run_id)}
+    assert {"plan.json", "budget.json", "budget.txt"} <= rewritten, rewritten
+    assert rewritten == live, (rewritten, live)
 
 
 @pytest.mark.slow

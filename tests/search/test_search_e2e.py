@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -182,3 +183,27 @@ def test_gptq_study_calibrates_in_the_workers(tmp_path, monkeypatch, ray_local) 
     assert algorithms.pop("embed") == "rtn" and set(algorithms.values()) == {"gptq"}, plan
     assert trials[1].values[1] > 0  # fp8 weights and KV: a measured, nonzero KL
     assert list((tmp_path / "cache" / "calibration").iterdir())  # the statistics were cached
+
+
+def test_worker_on_a_node_without_the_model_fails_the_pool_in_one_line(tmp_path, ray_local) -> None:
+    # A real HostWorker actor whose node cannot read the model (the shared volume is not
+    # mounted there): the pool's start error is one line naming the node and the path.
+    from tenantq.search.spec import WorkersSpec
+    from tenantq.workers.pool import WorkerPool, WorkerStartError
+
+    missing = tmp_path / "models" / "reference"
+    pool = WorkerPool(
+        WorkersSpec(count=1, kind="cpu", cpus_per_worker=1),
+        str(missing),
+        "unused",
+        cache_dir=str(tmp_path / "cache"),
+    )
+    try:
+        with pytest.raises(WorkerStartError) as err:
+            pool.wait_ready(timeout_s=120)
+    finally:
+        pool.shutdown()
+    line = str(err.value)
+    assert "\n" not in line, line
+    # Ray's node: its IP and the start of its id (workers.host.node_name), then the path.
+    assert re.search(rf"node \S+ \(node [0-9a-f]{{12}}\) cannot read the model at {missing} ", line)

@@ -47,15 +47,19 @@ class StudyContext:
     def plan_and_budget(self, params: dict[str, Any]):
         """(plan, budget) of the trial parameters `params`; ValueError on a plan the model
         cannot take."""
-        from tenantq.capacity import budget
-
         spec = self.spec
         plan = plan_from_params(
             spec.space, params, self.config, algorithm=spec.calibration.algorithm,
             profile=self.profile,
         )  # fmt: skip
-        return plan, budget(
-            self.capacity_config, plan, self.deployment, spec.deployment.context_tokens
+        return plan, self.budget_of(plan)
+
+    def budget_of(self, plan):
+        """The capacity budget of `plan` on the study's deployment (no worker needed)."""
+        from tenantq.capacity import budget
+
+        return budget(
+            self.capacity_config, plan, self.deployment, self.spec.deployment.context_tokens
         )
 
     def identity(self) -> dict[str, str]:

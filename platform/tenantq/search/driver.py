@@ -161,7 +161,7 @@ class SearchDriver:
         # here, and its parent run must stay as that driver has it
         requeue_dead_driver_trials(self.study, self.storage, spec.study.name)
         open_parent(tracker, self.study, self.context, self.workers)
-        reconcile(tracker, self.study, self.context.config)
+        reconcile(tracker, self.study, self.context.config, self.context.budget_of)
         self.ledger = Ledger(
             self.study,
             trials=spec.study.trials,
@@ -412,7 +412,12 @@ class SearchDriver:
                 finally:
                     try:
                         if ledger is not None and ledger.deferred:
-                            reconcile(self.tracker, self.study, self.context.config)
+                            reconcile(
+                                self.tracker,
+                                self.study,
+                                self.context.config,
+                                self.context.budget_of,
+                            )
                     finally:
                         self.tracker.end_study(status, metrics=self._study_metrics())
 
@@ -425,7 +430,7 @@ class SearchDriver:
         return plan.fingerprint() in self.ledger.settled
 
     def _finish(self, pool) -> StudyOutcome:
-        reconcile(self.tracker, self.study, self.context.config)
+        reconcile(self.tracker, self.study, self.context.config, self.context.budget_of)
         rows = front_.front(self.study, self.spec, pool, self.context.capacity)
         front_.tag_front(self.tracker, rows)
         exported = front_.export(rows, self.out_dir)

@@ -10,6 +10,7 @@ per finished trial.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from tenantq.search.ledger import Entry
@@ -92,9 +93,11 @@ def log_entry(tracker, entry: Entry, config, *, metrics: dict, tags: dict, artif
     )
 
 
-def reconcile(tracker, study, config) -> int:
+def reconcile(tracker, study, config, budget_of=None) -> int:
     """Give every finished trial one finished run: half-written (RUNNING) runs are deleted
-    and written again from the study's record; returns how many runs were written."""
+    and written again from the study's record (with the plan's budget when `budget_of` gives
+    it; what only the worker returned, the per-example table, is not in the record);
+    returns how many runs were written."""
     import optuna
 
     from tenantq.quant.plan import QuantPlan
@@ -121,6 +124,9 @@ def reconcile(tracker, study, config) -> int:
         metrics = {k: v for k, v in summary.items() if isinstance(v, int | float)}
         entry = Entry(number=t.number, trial=t, plan=plan, params=params)
         entry.plan_json = attrs.get("plan")
+        if plan is not None and budget_of is not None:
+            with contextlib.suppress(ValueError):  # a plan the model cannot take has none
+                entry.budget = budget_of(plan)
         entry.capacity = dict(attrs.get("capacity", {}))
         entry.worker = attrs.get("worker")
         entry.duplicate_of = attrs.get("duplicate_of")
