@@ -360,3 +360,29 @@ def test_a_resumed_study_keeps_its_stored_sampler_with_the_fields_the_spec_sets(
     assert resumed_sampler(spec, stored) == SamplerSpec(kind="nsga2", seed=5, population_size=6)
     same = spec.sampler.model_dump(mode="json")
     assert resumed_sampler(spec, same) is None  # nothing differs: the spec's sampler stands
+
+
+def test_an_error_names_the_spec_file_it_came_from_or_the_word_spec(tmp_path):
+    path = tmp_path / "study.toml"
+    path.write_text('modle = "x"\n')  # the first of its errors: `model` is missing
+    with pytest.raises(ValueError, match=rf"^{path}: model: required key is missing \(and 3 "):
+        load_spec(path)
+    with pytest.raises(ValueError, match=r"^spec: modle: unknown key; valid keys here: "):
+        parse_spec(_with(lambda d: d.update(modle="x")))  # no source given
+
+
+def test_the_calibration_settings_reach_the_workers_calibration_data():
+    from tenantq.evals.calibrated import CalibrationData
+
+    spec = parse_spec(_with(lambda d: d.update(
+        calibration={"data": "c.txt", "sequences": 3, "sequence_tokens": 64})))  # fmt: skip
+    got = CalibrationData(**spec.calibration.worker_args())  # what HostWorker builds
+    assert got == CalibrationData(source="c.txt", num_sequences=3, seq_tokens=64)
+
+
+def test_the_deployment_is_built_with_every_setting_of_the_spec():
+    deployment = {"hardware": "h100-sxm", "chips": 2, "context_tokens": 256,
+                  "page_tokens": 32, "reserve": "4GiB"}  # fmt: skip
+    built = parse_spec(_with(lambda d: d.update(deployment=deployment))).deployment.build()
+    assert (built.hardware.name, built.chips, built.page_tokens) == ("h100-sxm", 2, 32)
+    assert built.reserve.fixed_bytes == 4 * 2**30
