@@ -160,3 +160,14 @@ def test_the_plan_summary_names_every_kv_setting_or_a_question_mark() -> None:
 def test_a_gate_without_its_changed_flag_shows_a_question_mark() -> None:
     t = _trial(0, 1, tags={"tenantq.verdict.kl": "non-inferior"})
     assert t.gate_words() == "kl: non-inferior; changed: ?"
+
+
+@pytest.mark.parametrize("status", ["RUNNING", "KILLED"])
+def test_a_named_trial_that_never_finished_is_refused_naming_the_completed_ones(status) -> None:
+    # No capacity figure: the report's tenants, waterfall and front row have nothing to show.
+    study = _study(_trial(1, 30), _trial(2, None, status=status))
+    with pytest.raises(
+        ValueError, match=rf"^--trial 2 has not completed \({status}\); choose a completed "
+        r"trial: 1$",
+    ):  # fmt: skip
+        study.choose_trial(2)

@@ -228,3 +228,17 @@ def test_a_profile_loaded_for_a_model_refuses_a_kv_row_past_its_last_layer(tmp_p
         SensitivityProfile.load(path, CONFIG)  # layers 0..3
     ok = _profile(tmp_path, "q.parquet", rows | {"tensor": ["lm_head", "kv/3"]})
     assert SensitivityProfile.load(ok, CONFIG) == SensitivityProfile(("lm_head",), (3,))
+
+
+def test_a_profile_of_another_model_names_its_first_three_unknown_tensors(tmp_path) -> None:
+    # The message shows the first three unknown tensors in sorted order (enough to recognise
+    # another model without a screenful), then asks the question that explains them.
+    unknown = ["blocks/0/wq", "blocks/0/wk", "blocks/1/wq", "blocks/1/wk"]
+    rows = {"tensor": ["lm_head", *unknown], "format": ["int4"] * 5, "kl_mean": [0.5] * 5}
+    path = _profile(tmp_path, "p.parquet", rows)
+    with pytest.raises(ValueError) as err:
+        SensitivityProfile.load(path, CONFIG)
+    assert str(err.value) == (
+        f"sensitivity profile {path}: tensors not in the model: "
+        "['blocks/0/wk', 'blocks/0/wq', 'blocks/1/wk'] (was it measured on another model?)"
+    )

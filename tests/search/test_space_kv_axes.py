@@ -92,3 +92,21 @@ def test_a_scale_dtype_that_cannot_apply_is_the_float32_plan(key, value, axis, w
     plain = plan_from_params(space, _params(space, kv__scale_dtype="float32"), CONFIG)
     assert cheap.kv.scale_dtype == "float32"
     assert cheap.fingerprint() == plain.fingerprint()
+
+
+@pytest.mark.parametrize("axis", ["channel", "token", "tensor", "head"])
+def test_a_bf16_key_or_value_has_the_plain_plans_axis_whatever_axis_was_asked(axis):
+    # A bf16 tensor has no scale, so its axis cannot matter: it is KVPlan's default (keys per
+    # channel, values per token) so trials differing only there share one fingerprint.
+    space = SpaceSpec(
+        key_formats=["bf16", "int4"], key_axes=["channel", "token", "tensor", "head"],
+        value_formats=["int4", "bf16"], value_axes=["token", "channel", "tensor", "head"],
+    )  # fmt: skip
+    bf16_key = plan_from_params(space, _params(space, kv__key_format="bf16",
+                                               kv__key_axis=axis), CONFIG)  # fmt: skip
+    assert (bf16_key.kv.key_format, bf16_key.kv.key_axis) == ("bf16", "channel")
+    bf16_value = plan_from_params(
+        space, _params(space, kv__key_format="int4", kv__value_format="bf16",
+                       kv__value_axis=axis), CONFIG,
+    )  # fmt: skip
+    assert (bf16_value.kv.value_format, bf16_value.kv.value_axis) == ("bf16", "token")

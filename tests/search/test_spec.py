@@ -296,3 +296,93 @@ def test_a_storage_that_cannot_be_opened_is_one_line(tmp_path, monkeypatch, caps
         "tenantq search: error: study.storage: optuna.db is a folder; give a sqlite:/// path "
         "to a database file"
     ), err
+
+
+# The one-line error in full for each shape of pydantic error: a nested unknown key lists the
+# keys of the model it sits in (a list item's model, through `list[...] | None` too), a
+# literal names the input and the choices, a validator's message loses pydantic's
+# "Value error, " prefix, and a second error is counted, never listed.
+EXACT = [
+    ({"objectives": [{"metric": "tenants", "direction": "maximize", "bad": 1}]},
+     "s.toml: objectives.0.bad: unknown key; valid keys here: metric, direction"),
+    ({"constraints": [{"metric": "fidelity.kl_mean", "tolerance": 0.1, "bad": 1}]},
+     "s.toml: constraints.0.bad: unknown key; valid keys here: metric, tolerance, bound"),
+    ({"sampler": {"kind": "cmaes"}},
+     "s.toml: sampler.kind: 'cmaes' is not valid; input should be 'nsga2', 'tpe', 'gp', "
+     "'random', 'grid' or 'capacity_aware'"),
+    ({"sampler": {"kind": "cmaes", "seed": -1}},
+     "s.toml: sampler.kind: 'cmaes' is not valid; input should be 'nsga2', 'tpe', 'gp', "
+     "'random', 'grid' or 'capacity_aware' (and 1 more)"),
+    ({"space": {"sink_tokens": [0, 4, 300]}},
+     "s.toml: space.sink_tokens: choices [300] exceed deployment.context_tokens = 256; sink "
+     "tokens are the first tokens of a tenant's context"),
+    ({"": 1},  # an empty TOML key (`"" = 1`) at the top level: the spec itself is named
+     "s.toml: spec: unknown key; valid keys here: model, requires, deployment, space, "
+     "objectives, constraints, eval, calibration, sampler, study, workers, tracking"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("update", "message"), EXACT)
+def test_a_spec_error_is_exactly_one_line_naming_the_key(update, message):
+    with pytest.raises(ValueError) as err:
+        parse_spec(_with(lambda d: d.update(update)), "s.toml")
+    assert str(err.value) == message
+
+
+def test_a_missing_spec_file_is_named(tmp_path):
+    with pytest.raises(ValueError) as err:
+        load_spec(tmp_path / "none.toml")
+    assert str(err.value) == f"spec file {tmp_path / 'none.toml'} does not exist"
+
+
+def test_the_default_sampler_is_nsga2_only_for_a_capacity_only_study():
+    from tenantq.search.spec import default_sampler_kind
+
+    capacity_only = parse_spec(_with(lambda d: d.update(
+        objectives=[{"metric": "tenants", "direction": "maximize"}])))  # fmt: skip
+    assert default_sampler_kind(capacity_only) == "nsga2"
+    assert default_sampler_kind(parse_spec(BASE)) == "capacity_aware"
+
+
+@pytest.mark.parametrize(("baselines", "wanted"), [(None, True), (True, True), (False, False)])
+def test_baselines_are_enqueued_unless_the_spec_says_false(baselines, wanted):
+    from tenantq.search.spec import wants_baselines
+
+    study = dict(BASE["study"]) | ({} if baselines is None else {"baselines": baselines})
+    assert wants_baselines(parse_spec(_with(lambda d: d.update(study=study)))) is wanted
+
+
+def test_a_resumed_study_keeps_its_stored_sampler_with_the_fields_the_spec_sets():
+    from tenantq.search.spec import SamplerSpec, resumed_sampler
+
+    spec = parse_spec(_with(lambda d: d.update(sampler={"seed": 5})))
+    stored = {"kind": "nsga2", "seed": 0, "population_size": 6}
+    assert resumed_sampler(spec, stored) == SamplerSpec(kind="nsga2", seed=5, population_size=6)
+    same = spec.sampler.model_dump(mode="json")
+    assert resumed_sampler(spec, same) is None  # nothing differs: the spec's sampler stands
+
+
+def test_an_error_names_the_spec_file_it_came_from_or_the_word_spec(tmp_path):
+    path = tmp_path / "study.toml"
+    path.write_text('modle = "x"\n')  # the first of its errors: `model` is missing
+    with pytest.raises(ValueError, match=rf"^{path}: model: required key is missing \(and 3 "):
+        load_spec(path)
+    with pytest.raises(ValueError, match=r"^spec: modle: unknown key; valid keys here: "):
+        parse_spec(_with(lambda d: d.update(modle="x")))  # no source given
+
+
+def test_the_calibration_settings_reach_the_workers_calibration_data():
+    from tenantq.evals.calibrated import CalibrationData
+
+    spec = parse_spec(_with(lambda d: d.update(
+        calibration={"data": "c.txt", "sequences": 3, "sequence_tokens": 64})))  # fmt: skip
+    got = CalibrationData(**spec.calibration.worker_args())  # what HostWorker builds
+    assert got == CalibrationData(source="c.txt", num_sequences=3, seq_tokens=64)
+
+
+def test_the_deployment_is_built_with_every_setting_of_the_spec():
+    deployment = {"hardware": "h100-sxm", "chips": 2, "context_tokens": 256,
+                  "page_tokens": 32, "reserve": "4GiB"}  # fmt: skip
+    built = parse_spec(_with(lambda d: d.update(deployment=deployment))).deployment.build()
+    assert (built.hardware.name, built.chips, built.page_tokens) == ("h100-sxm", 2, 32)
+    assert built.reserve.fixed_bytes == 4 * 2**30

@@ -66,6 +66,7 @@ class FakeRay(types.SimpleNamespace):
         self.clock = [0.0]  # time.monotonic as the pool sees it: advanced by those waits
         self.classes: list[type] = []
         self.kill_error: BaseException | None = None
+        self.zero_polls = 0  # unready ray.wait(timeout=0) calls in a row, the clock frozen
 
     def remote(self, cls):
         fake = self
@@ -93,6 +94,12 @@ class FakeRay(types.SimpleNamespace):
         if len(ready) < num_returns:
             if timeout is None:
                 raise AssertionError("ray.wait would block for ever")
+            # ray.wait(timeout=0) returns at once: a loop of them with nothing changing spins
+            # a core for ever (on this frozen clock it never ends). 100 is far above any
+            # test's count of legitimate polls in a row.
+            self.zero_polls = self.zero_polls + 1 if timeout == 0 else 0
+            if self.zero_polls > 100:
+                raise AssertionError("ray.wait polled 100 times with timeout 0: a busy loop")
             self.clock[0] += timeout
             self.waited += timeout
         return ready, [r for r in refs if r not in ready]
@@ -300,6 +307,7 @@ def test_a_worker_that_never_loads_times_out_naming_it(fake_ray) -> None:
     pool = _pool(count=1)
     with pytest.raises(WorkerStartError, match=r"tenantq-worker-4242-0-g1 did not load within 0 s"):
         pool.wait_ready(timeout_s=0.0)
+    assert fake_ray.waits == []  # no time left: it does not poll once more
 
 
 def test_shutdown_kills_every_worker(fake_ray) -> None:

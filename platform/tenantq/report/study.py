@@ -234,6 +234,9 @@ class StudyRecord:
     def bf16(self) -> TrialRecord | None:
         return next((t for t in self.completed if t.is_bf16), None)
 
+    def _completed_numbers(self) -> str:
+        return ", ".join(str(t.number) for t in self.completed) or "none"
+
     def choose_trial(self, number: int | None = None) -> TrialRecord | None:
         """Trial `number`, else the shippable front trial with the most tenants (then the front,
         then any completed non-bf16 trial)."""
@@ -242,8 +245,13 @@ class StudyRecord:
                 if t.number == number:
                     if t.failed:
                         raise ValueError(f"--trial {number} failed; choose a completed trial")
+                    if t.tenants is None:  # running or killed: no capacity figure to show
+                        raise ValueError(
+                            f"--trial {number} has not completed ({t.status}); choose a "
+                            f"completed trial: {self._completed_numbers()}"
+                        )
                     return t
-            have = ", ".join(str(t.number) for t in self.completed) or "none"
+            have = self._completed_numbers()
             raise ValueError(f"--trial {number} is not in study {self.name!r}; completed: {have}")
         pools = (
             [t for t in self.completed if t.on_front and t.shippable and not t.is_bf16],
