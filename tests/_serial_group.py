@@ -57,6 +57,39 @@ class LoadgroupIds:
                     item._nodeid = item.nodeid + suffix
 
 
+def plain_id(nodeid: str) -> str:
+    """A node id without xdist's `@group` suffix (an `@` after the last `]`, as xdist reads it)."""
+    head, at, group = nodeid.rpartition("@")
+    return head if at and "]" not in group else nodeid
+
+
+class LastFailedIds:
+    """`--lf` after a `--dist loadgroup` run: pytest records the failed `x@serial`, but filters
+    each file's tests by the ids they are collected with, `x`, and keeps on the second file with
+    a failure only what it finds, so a failed serial test was never rerun (with or without
+    xdist). Each failure is recorded under its plain id too, and a pass or skip of either id
+    forgets both (pytest's own rule, `LFPlugin.pytest_runtest_logreport`, just before this)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        lf = self.config.pluginmanager.get_plugin("lfplugin")
+        if lf is None:
+            return
+        key = getattr(report, "id", report.nodeid)  # pytest >= 9.2 keys by the structured id
+        plain = plain_id(report.nodeid)
+        twins = [k for k in lf.lastfailed if plain_id(str(k)) == plain]
+        if key in lf.lastfailed:
+            if plain != report.nodeid:
+                lf.lastfailed[type(key).parse(plain) if hasattr(key, "parse") else plain] = True
+        else:
+            for twin in twins:
+                del lf.lastfailed[twin]
+
+
 def register(config: pytest.Config, cluster_dir: Path) -> None:
     config.pluginmanager.register(SerialGroup(cluster_dir), "tenantq-serial-group")
     config.pluginmanager.register(LoadgroupIds(), "tenantq-loadgroup-ids")
+    config.pluginmanager.register(LastFailedIds(config), "tenantq-last-failed-ids")
