@@ -82,8 +82,18 @@ def folder(pytester: pytest.Pytester, monkeypatch) -> pytest.Pytester:
 def _runs(folder: pytest.Pytester, *args: str) -> dict[str, str]:
     """node id as reported -> the worker that ran it ("" without xdist). Only xdist's plugin is
     loaded (in this process and in the workers, which read the same variable): the others'
-    imports were most of a worker's start."""
-    result = folder.runpytest_inprocess("-p", "xdist.plugin", "-p", "no:cacheprovider", *args)
+    imports were most of a worker's start. `--strict-markers` as in pyproject.toml: without
+    xdist nobody else declares the `xdist_group` marker the plugin adds; pytest remembers the
+    markers it has checked for the whole process, so that run is a subprocess."""
+    if "no:xdist" in args:
+        result = folder.runpytest_subprocess(
+            "-p", "no:cacheprovider", "--strict-markers", "-v", *args
+        )
+        result.assert_outcomes(passed=len(SERIAL) + len(PLAIN))
+        return {line.split(" PASSED")[0]: "" for line in result.outlines if " PASSED" in line}
+    result = folder.runpytest_inprocess(
+        "-p", "xdist.plugin", "-p", "no:cacheprovider", "--strict-markers", *args
+    )  # fmt: skip
     result.assert_outcomes(passed=len(SERIAL) + len(PLAIN))
     reports = result.reprec.getreports("pytest_runtest_logreport")
     return {r.nodeid: getattr(getattr(r, "node", None), "gateway", None) and r.node.gateway.id
@@ -103,3 +113,28 @@ def test_the_serial_group_runs_on_one_worker_with_serial_ids(folder) -> None:
 def test_without_loadgroup_the_ids_are_pytests_own(folder, args) -> None:
     # `--lf`, `-k` and the docs' covering-tests check see plain ids outside `--dist loadgroup`.
     assert set(_runs(folder, *args)) == SERIAL | PLAIN
+
+
+FAILING = """
+import pytest
+
+def test_plain_fails(): assert 0
+
+@pytest.mark.e2e
+def test_e2e_fails(): assert 0
+"""
+
+
+@pytest.mark.parametrize("rerun", [("-n", "2", "--dist", "loadgroup"), ("-p", "no:xdist")])
+def test_last_failed_reruns_the_serial_groups_failures_too(folder, rerun) -> None:
+    # xdist's run records `test_e2e_fails@serial` as failed; pytest's `--lf` filters a file's
+    # tests by their collected ids, which have no suffix yet (and, on the second file with a
+    # failure, drops every test it does not find), so the serial failure was never rerun.
+    (folder.path / "test_f.py").write_text(FAILING)
+    first = folder.runpytest_inprocess("-p", "xdist.plugin", "-n", "2", "--dist", "loadgroup")
+    first.assert_outcomes(passed=len(SERIAL) + len(PLAIN), failed=2)
+    xdist = () if "no:xdist" in rerun else ("-p", "xdist.plugin")
+    again = folder.runpytest_inprocess(*xdist, "--strict-markers", "--lf", *rerun)
+    again.assert_outcomes(failed=2)
+    assert {r.nodeid.split("::")[-1].split("@")[0] for r in again.reprec.getfailures()} == {
+        "test_plain_fails", "test_e2e_fails"}  # fmt: skip
