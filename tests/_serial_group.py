@@ -90,6 +90,9 @@ class LastFailedIds:
 
 
 def register(config: pytest.Config, cluster_dir: Path) -> None:
+    # xdist declares its marker only when loaded: `-p no:xdist` with --strict-markers (our
+    # addopts) would stop collection at the first serial test.
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's group (loadgroup)")
     config.pluginmanager.register(SerialGroup(cluster_dir), "tenantq-serial-group")
     config.pluginmanager.register(LoadgroupIds(), "tenantq-loadgroup-ids")
     config.pluginmanager.register(LastFailedIds(config), "tenantq-last-failed-ids")
