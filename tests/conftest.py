@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from _cwd_guard import nothing_written_to_the_current_folder  # noqa: F401 (autouse)
 from _serial_group import register as register_serial_group
 
 # The driver and the tests run JAX on the CPU unless a device test asks otherwise.
