@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from _cwd_guard import nothing_written_to_the_current_folder  # noqa: F401 (autouse)
+from _serial_group import register as register_serial_group
+
 # The driver and the tests run JAX on the CPU unless a device test asks otherwise.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -42,49 +45,13 @@ def _has_accelerator() -> bool:
         return False
 
 
-# `make test` runs on two pytest-xdist workers with `--dist loadgroup`. Tests that start Ray
-# (`ray start --head`, `ray.init`), an MLflow server, PostgreSQL or Chromium, or bind ports, must
-# not run beside each other (ports, Ray's session dir, and two Ray clusters on 2 cores push
-# every deadline): the rule is the `e2e` marker and everything under tests/cluster/, all in one
-# xdist group, so one worker runs them one after another while the other takes the rest.
-SERIAL_GROUP = "serial"
-CLUSTER_DIR = Path(__file__).parent / "cluster"
-
-
-def _is_serial(item: pytest.Item) -> bool:
-    return item.get_closest_marker("e2e") is not None or CLUSTER_DIR in item.path.parents
-
-
-class _LoadgroupIds:
-    """pytest-xdist 3.8 passes a test's group to its scheduler as a `@group` suffix of the node
-    id, written to `item._nodeid`; since pytest 9.2 the id lives in `item._id` and that write is
-    lost, so every group is silently spread over the workers (pytest-xdist issue 1386). After
-    xdist's hook, a grouped item whose id lacks the suffix gets it here, the way xdist means it."""
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]):
-        if not getattr(config.option, "loadgroup", False):  # xdist workers, --dist loadgroup
-            return
-        for item in items:
-            names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                            for m in item.iter_markers("xdist_group")})  # fmt: skip
-            suffix = "@" + "_".join(names)
-            if names and not item.nodeid.endswith(suffix):
-                if hasattr(item, "_id"):
-                    item._id = type(item._id).parse(item.nodeid + suffix)
-                else:
-                    item._nodeid = item.nodeid + suffix
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(_LoadgroupIds(), "tenantq-loadgroup-ids")
+    # `make test` runs on two pytest-xdist workers (`-n 2 --dist loadgroup`): every `e2e` test
+    # and everything under tests/cluster/ in one group, `serial`, on one worker (_serial_group).
+    register_serial_group(config, Path(__file__).parent / "cluster")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if _is_serial(item):
-            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
     if any("device" in item.keywords for item in items) and not _has_accelerator():
         skip = pytest.mark.skip(reason="needs an accelerator (GPU/TPU); JAX sees only CPUs here")
         for item in items:

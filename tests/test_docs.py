@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from _serial_group import plain_id
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 # The README shows `make demo` and `make test`; a front page is about 150 lines (issue 27).
@@ -291,12 +293,6 @@ def test_every_skipped_block_names_a_test_function() -> None:
     assert not problems, "\n".join(problems)
 
 
-def _plain_id(nodeid: str) -> str:
-    """A node id without pytest-xdist's `@group` suffix (an `@` after the last `]`)."""
-    head, at, group = nodeid.rpartition("@")
-    return head if at and "]" not in group else nodeid
-
-
 @pytest.mark.slow  # run alone: collects the named test files, 36-140 s at load 17-32
 def test_every_test_a_skipped_block_names_is_collected_by_pytest(request) -> None:
     # A test defined but not collected (a helper named test_*, a file pytest does not pick up,
@@ -306,7 +302,7 @@ def test_every_test_a_skipped_block_names_is_collected_by_pytest(request) -> Non
     named = _covering_tests()
 
     def ids(nodeids) -> set[str]:
-        plain = [_plain_id(i) for i in nodeids]
+        plain = [plain_id(i) for i in nodeids]  # xdist's `@serial` off
         return {*plain, *(i.split("[")[0] for i in plain)}
 
     collected, log = ids(item.nodeid for item in request.session.items), ""

@@ -18,7 +18,7 @@ import pytest
 from tenantq.search.driver import SearchDriver
 from tenantq.search.spec import parse_spec
 from tenantq.testing import tiny_study_spec
-from tenantq.workers.faults import DieOnInt4Weights, HangOnInt4Weights
+from tenantq.workers.faults import DieOnInt4Weights, InstantUnlessInt4Weights
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -46,13 +46,15 @@ def _failures(tmp: Path) -> tuple[list, dict[str, int]]:
 
 def test_a_hanging_worker_hits_the_deadline_and_the_study_completes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    # 90 s: a trial of the tiny suite takes seconds, its first one (baseline and compile) up
-    # to ~40 s on two loaded cores; the hung plan would sleep an hour. No retry (budget 1):
-    # one deadline is what is under test, the budget is the next test's.
-    spec, text = _spec(tmp_path, "trial_timeout = 90\nmax_trial_retries = 0")
+    # 15 s: the other plans return fixed metrics at once (no model, no compile: a real trial's
+    # first compile took up to ~40 s on two loaded cores, so the deadline was 90 s); the hung
+    # plan would sleep an hour. No retry (budget 1): one deadline is what is under test, the
+    # budget is the next test's.
+    spec, text = _spec(tmp_path, "trial_timeout = 15\nmax_trial_retries = 0")
     outcome = SearchDriver(
-        spec, text, progress=False, out_dir=tmp_path / "out", worker_class=HangOnInt4Weights
-    ).run()
+        spec, text, progress=False, out_dir=tmp_path / "out",
+        worker_class=InstantUnlessInt4Weights,
+    ).run()  # fmt: skip
     trials, per_plan = _failures(tmp_path)
     assert outcome.counts["done"] == 3
     assert [t.state for t in trials[:2]] == [S.COMPLETE, S.COMPLETE]

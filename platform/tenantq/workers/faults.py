@@ -9,7 +9,10 @@ so that Ray's workers import it by name.
 
 from __future__ import annotations
 
-from tenantq.workers.host import HostWorker
+import os
+from typing import Any
+
+from tenantq.workers.host import HostWorker, TrialResult
 from tenantq.workers.slice import SliceHost, SliceWorker
 
 INJECTED_ERROR = "injected failure (tenantq.workers.faults): this worker refuses quantized plans"
@@ -47,6 +50,33 @@ class HangOnInt4Weights(HostWorker):
         if _is_int4_weights(plan_json):
             time.sleep(HANG_S)
         return super().evaluate(plan_json, suite, split)
+
+
+class InstantUnlessInt4Weights(HostWorker):
+    """A HostWorker with no model: every plan returns `INSTANT_SUMMARY` at once, except one
+    with int4 weights, which never returns. The deadline tests' other trials then take
+    milliseconds instead of a compile, so a deadline of seconds is sound on a loaded machine;
+    what is under test (the pool kills the actor at the deadline, the trial fails as
+    "timeout", the study goes on) is the same."""
+
+    def __init__(self, name: str, model_path: str, suite: str, **_: Any) -> None:
+        import pyarrow as pa  # here, before the worker counts as ready: not in a trial's time
+
+        self.name = name
+        self._examples = pa.table({"example": pa.array([], pa.int64())})
+
+    def evaluate(self, plan_json: str, suite: str | None = None, split: str = "search"):
+        import time
+
+        if _is_int4_weights(plan_json):
+            time.sleep(HANG_S)
+        return TrialResult(
+            summary=dict(INSTANT_SUMMARY), gates={}, timings_s={}, memory_report={},
+            examples=self._examples, worker=self.name, pid=os.getpid(),
+        )  # fmt: skip
+
+
+INSTANT_SUMMARY = {"fidelity.kl_mean": 0.0}  # the default objectives' one measured metric
 
 
 class DieOnInt4Weights(HostWorker):
