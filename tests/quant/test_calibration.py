@@ -81,6 +81,16 @@ def test_second_run_reads_the_cache(checkpoint, windows, tmp_path, monkeypatch):
     # Other tokens -> another key -> recomputed (here: refused by the patched function).
     with pytest.raises(AssertionError, match="recomputed"):
         _collect(checkpoint, np.ascontiguousarray(windows[:, ::-1]), tmp_path)
+    monkeypatch.undo()
+    # On a multi-host slice the hosts read the cache only if every host found it (`agree` is
+    # engine.sharding.on_every_host there): told "not on every host", a host that has it
+    # computes, as the others do, instead of reading while they wait in a collective.
+    asked = []
+    third = cal.collect_statistics(
+        checkpoint, windows, model_id=model_identity(checkpoint), data_hash=array_hash(windows),
+        cache_dir=tmp_path, agree=lambda found: asked.append(found) or False,
+    )  # fmt: skip
+    assert asked == [True] and not third.from_cache
 
 
 def test_cut_off_run_is_recomputed(checkpoint, windows, tmp_path):

@@ -56,6 +56,20 @@ def test_second_call_reads_the_cache(checkpoint, windows, scales) -> None:
     assert not other.from_cache  # another dataset hash is another entry
 
 
+def test_a_cache_not_every_host_found_is_computed_again(checkpoint, windows, scales) -> None:
+    # On a multi-host slice the hosts read a cache only if every host found it (`agree` is
+    # engine.sharding.on_every_host there): a host that has the file but is told "not on every
+    # host" computes, as the others do, instead of reading and leaving them in a collective.
+    first, folder = scales
+    asked = []
+    again = kv_static_scales(
+        checkpoint, windows, model_id="m", data_hash="d", cache_dir=folder,
+        agree=lambda found: asked.append(found) or False,
+    )  # fmt: skip
+    assert asked == [True] and not again.from_cache
+    assert again.fingerprint() == first.fingerprint()
+
+
 def test_scales_follow_the_format_range(scales, config) -> None:
     s = scales[0]
     amax = s.stats["keys"]["absmax"][1]

@@ -79,13 +79,14 @@ class Calibrator:
     def statistics(self):
         """The `CalibrationStats` (computed once; from the disk cache when present)."""
         if self._stats is None:
+            from tenantq.engine.sharding import on_every_host
             from tenantq.evals.data import array_hash
             from tenantq.quant.calibration import collect_statistics
 
             windows = self.windows()
             self._stats = collect_statistics(
                 self.model_path, windows, model_id=self.model_id, data_hash=array_hash(windows),
-                cache_dir=self.cache_dir, params=self.params,
+                cache_dir=self.cache_dir, params=self.params, agree=on_every_host,
             )  # fmt: skip
         return self._stats
 

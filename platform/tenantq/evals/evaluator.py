@@ -246,6 +246,7 @@ class Evaluator:
         """Static KV scales calibrated on `folded`, the params the engine runs before its
         weights are quantized (after a plan's smoothquant/awq folds, which rescale v_proj's
         output and so the cached values): once per folded identity, in memory and on disk."""
+        from tenantq.engine.sharding import on_every_host
         from tenantq.evals.sensitivity import calibration_windows
         from tenantq.quant import kv_calibration as kvc
 
@@ -258,7 +259,7 @@ class Evaluator:
             self._kv_scales[folded_id] = kvc.kv_static_scales(
                 self.model_path, windows, model_id=folded_id,
                 data_hash=data.array_hash(windows), cache_dir=self.cache_dir / "calibration",
-                params=folded,
+                params=folded, agree=on_every_host,
             )  # fmt: skip
         return self._kv_scales[folded_id]
 

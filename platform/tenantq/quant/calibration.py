@@ -346,6 +346,7 @@ def collect_statistics(
     percentile: float = DEFAULT_PERCENTILE,
     params: dict | None = None,
     progress: Callable[[int, int, float], None] | None = None,
+    agree: Callable[[bool], bool] = bool,
 ) -> CalibrationStats:
     """Statistics of the checkpoint at `model_path` on `windows`, from the cache if present.
 
@@ -356,7 +357,10 @@ def collect_statistics(
     The cache folder (`cache_dir`/key) holds one Parquet file per layer, written as each
     layer finishes, and `meta.json` written last: a run cut off midway is recomputed, never
     half-read. `params` (float, path -> array) skips loading when the caller holds them.
-    `progress(layer, num_layers, seconds)` is called per layer.
+    `progress(layer, num_layers, seconds)` is called per layer. `agree(found)` says whether
+    to read the cache found on disk: on a multi-host slice every host must make the same
+    choice (`tenantq.engine.sharding.on_every_host`), or one host would read while another
+    computes and waits in a collective the first never joins.
     """
     from tenantq.model.loader import load_params
 
@@ -365,7 +369,7 @@ def collect_statistics(
     key = cache_key(version=_STATS_VERSION, model=model_id, data=data_hash, percentile=percentile)
     folder = Path(cache_dir or default_cache_dir()) / key
     meta_path = folder / "meta.json"
-    if meta_path.is_file():
+    if agree(meta_path.is_file()):
         meta = json.loads(meta_path.read_text())
         sites: dict[str, InputStats] = {}
         for name in meta["files"]:

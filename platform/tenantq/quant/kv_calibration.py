@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,13 +218,15 @@ def kv_static_scales(
     percentile: float = DEFAULT_KV_PERCENTILE,
     use_percentile: bool = False,
     params: dict | None = None,
+    agree: Callable[[bool], bool] = bool,
 ) -> KVScales:
     """K/V statistics of the checkpoint at `model_path` on `windows`, from the cache when
     present (`from_cache`), as `KVScales` for `Engine(..., kv_scales=...)`.
 
     `model_id`/`data_hash` name what is measured (`tenantq.evals.identity.model_identity`,
     `tenantq.evals.data.array_hash`; computed by the caller since quant sits above evals),
-    as for `quant.calibration.collect_statistics`, whose cache folder this shares.
+    as for `quant.calibration.collect_statistics`, whose cache folder this shares; `agree`
+    as there (the hosts of a slice read the cache only if every host found it).
     """
     from tenantq.model.loader import load_params
 
@@ -235,7 +238,7 @@ def kv_static_scales(
     folder = Path(cache_dir or default_cache_dir())
     path = folder / f"kv-v{_KV_STATS_VERSION}-{key}.parquet"
     shape = (config.num_layers, config.num_kv_heads)
-    if path.is_file():
+    if agree(path.is_file()):
         stats, meta = _read(path, *shape)
         return KVScales(
             model_id, data_hash, percentile, meta["tokens"], stats, True, use_percentile,
