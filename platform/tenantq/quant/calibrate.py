@@ -74,13 +74,9 @@ def prepare(
 ) -> Calibrated:
     """Fold and collect inputs for every site whose consumers use smoothquant/awq/gptq or
     static activation scales (amax = the max over channels of `static_statistic`)."""
-    if static_statistic not in STATIC_STATISTICS:
-        raise ValueError(
-            f"static_statistic={static_statistic!r}; valid: {', '.join(STATIC_STATISTICS)}"
-        )
+    options = _Options(alpha, awq_grid, awq_clip, act_order, static_statistic)  # checks first
     resolved = plan.resolve(config)
     out = Calibrated(dict(params))
-    options = _Options(alpha, awq_grid, awq_clip, act_order, static_statistic)
     for name, consumers in _all_sites(config).items():
         _prepare_site(out, name, consumers, resolved, config, stats, options)
     return out
@@ -117,13 +113,9 @@ def prepare_sequential(
     from tenantq.quant.apply import quantize_tensor
     from tenantq.quant.calibration import compute_statistics
 
-    if static_statistic not in STATIC_STATISTICS:
-        raise ValueError(
-            f"static_statistic={static_statistic!r}; valid: {', '.join(STATIC_STATISTICS)}"
-        )
+    options = _Options(alpha, awq_grid, awq_clip, act_order, static_statistic)  # checks first
     resolved = plan.resolve(config)
     out = Calibrated(dict(params))
-    options = _Options(alpha, awq_grid, awq_clip, act_order, static_statistic)
     seen = CalibrationStats("sequential", "", {})
 
     def rounded(path: str):
@@ -158,6 +150,12 @@ class _Options:
     awq_clip: bool
     act_order: bool
     static_statistic: str
+
+    def __post_init__(self) -> None:
+        if self.static_statistic not in STATIC_STATISTICS:
+            raise ValueError(
+                f"static_statistic={self.static_statistic!r}; valid: {', '.join(STATIC_STATISTICS)}"
+            )
 
 
 def _all_sites(config: ModelConfig) -> dict[str, tuple[str, ...]]:
