@@ -161,10 +161,10 @@ def test_workers_start_one_per_slot_with_unique_names_and_their_arguments(fake_r
     assert first.kwargs == {
         "cache_dir": "cache",
         "kind": "cpu",
-        "cores": [0],
+        "cpus": 1,  # the worker claims its cores on its own node (workers.host.claim_cores)
         "calibration": {"rows": 8},
     }
-    assert fake_ray.actors[1].kwargs["cores"] == [1 % (pool_mod.os.cpu_count() or 1)]
+    assert fake_ray.actors[1].kwargs["cpus"] == 1
     assert fake_ray.options[0]["namespace"] == "tenantq" and fake_ray.options[0]["num_cpus"] == 1
     assert pool.actor(1) is fake_ray.actors[1]
     assert pool.max_replacements == 4  # default: twice the workers
@@ -322,15 +322,15 @@ def test_the_default_worker_is_the_host_worker_and_another_class_can_stand_in(fa
     assert fake_ray.classes == [pool_mod.HostWorker, FakeActor]
 
 
-def test_each_worker_owns_consecutive_cores_wrapping_at_the_machine(fake_ray, monkeypatch) -> None:
-    monkeypatch.setattr(pool_mod.os, "cpu_count", lambda: 3)
+def test_each_worker_is_given_its_cpus_per_worker_and_ray_reserves_them(fake_ray) -> None:
+    # Which cores: the worker's own node decides (claim_cores, tests/workers/test_worker_
+    # startup.py), not the driver's os.cpu_count(); the pool passes the count and Ray
+    # reserves it.
     spec = WorkersSpec(count=2, kind="cpu", cpus_per_worker=2)
     WorkerPool(spec, "m", "s", cache_dir="c")
-    assert [a.kwargs["cores"] for a in fake_ray.actors] == [[0, 1], [2, 0]]
+    assert [a.kwargs["cpus"] for a in fake_ray.actors] == [2, 2]
+    assert [o["num_cpus"] for o in fake_ray.options] == [2, 2]
     assert [o["name"] for o in fake_ray.options] == [a.name for a in fake_ray.actors]
-    monkeypatch.setattr(pool_mod.os, "cpu_count", lambda: None)  # unknown: all on core 0
-    WorkerPool(spec, "m", "s", cache_dir="c")
-    assert [a.kwargs["cores"] for a in fake_ray.actors[2:]] == [[0, 0], [0, 0]]
 
 
 def test_a_spec_without_cpus_per_worker_gives_each_worker_one_core(fake_ray) -> None:
@@ -338,7 +338,7 @@ def test_a_spec_without_cpus_per_worker_gives_each_worker_one_core(fake_ray) -> 
         count=2, kind="gpu", gpus_per_worker=1, max_restarts=0, max_task_retries=0
     )
     WorkerPool(spec, "m", "s", cache_dir="c")
-    assert [a.kwargs["cores"] for a in fake_ray.actors] == [[0], [1]]
+    assert [a.kwargs["cpus"] for a in fake_ray.actors] == [1, 1]
 
 
 def test_loaded_workers_are_taken_in_without_waiting(fake_ray) -> None:
