@@ -203,7 +203,8 @@ def test_cli_reads_a_trial_plan_from_mlflow(source, tmp_path, capsys):
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
-    run = client.create_run(client.create_experiment("e"))
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "art").as_uri())
+    run = client.create_run(experiment)
     (tmp_path / "plan.json").write_text(json.dumps(INT8_MLP))
     client.log_artifact(run.info.run_id, str(tmp_path / "plan.json"))
     out = tmp_path / "out"

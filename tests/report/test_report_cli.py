@@ -64,8 +64,8 @@ def test_report_with_a_single_trial(studies, tmp_path) -> None:
 def test_missing_experiment_names_those_that_exist(tmp_path, capsys) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)
-    client.create_experiment("quickstart")
-    client.create_experiment("kv-grid")
+    client.create_experiment("quickstart", artifact_location=(tmp_path / "a1").as_uri())
+    client.create_experiment("kv-grid", artifact_location=(tmp_path / "a2").as_uri())
     capsys.readouterr()  # MLflow's own log lines from creating the store
     code = main(["report", "--experiment", "quickstrat", "--tracking-uri", uri,
                  "--out", str(tmp_path / "out")])  # fmt: skip
@@ -81,7 +81,7 @@ def test_missing_experiment_names_those_that_exist(tmp_path, capsys) -> None:
 
 def test_experiment_without_a_study_run(tmp_path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    MlflowClient(uri).create_experiment("empty")
+    MlflowClient(uri).create_experiment("empty", artifact_location=(tmp_path / "a3").as_uri())
     with pytest.raises(
         ValueError, match=r"^experiment 'empty' has no study run .*studies there: none$"
     ):

@@ -34,8 +34,8 @@ def store(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mlflow")
     uri = f"sqlite:///{tmp}/mlflow.db"
     client = MlflowClient(uri)
-    exp = client.create_experiment("quickstart")
-    client.create_experiment("other")
+    exp = client.create_experiment("quickstart", artifact_location=(tmp / "a1").as_uri())
+    client.create_experiment("other", artifact_location=(tmp / "a2").as_uri())
     old = _run(client, exp, kind="study", params={"study.name": "old"})
     _run(client, exp, kind="trial", parent=old, tags={"tenantq.trial": "0"})
     new = _run(client, exp, kind="study", name="run-name",

@@ -86,6 +86,18 @@ def test_study_and_trial_runs(tmp_path) -> None:
     # when a study opens it.
     exp = client.get_experiment_by_name("exp")
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
-    old = client.create_experiment("untagged")
+    old = client.create_experiment("untagged", artifact_location=(tmp_path / "art").as_uri())
     StudyTracker(uri, "untagged")
     assert client.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_a_sqlite_store_keeps_its_artifacts_beside_the_database(tmp_path, monkeypatch) -> None:
+    # MLflow's default artifact root is ./mlruns of whatever folder the process runs in: one
+    # database would scatter its artifacts over every folder a study was started from.
+    (tmp_path / "db").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    tracker = StudyTracker(f"sqlite:///{tmp_path / 'db' / 'mlflow.db'}", "beside")
+    location = tracker.client.get_experiment(tracker.experiment_id).artifact_location
+    assert location.startswith((tmp_path / "db" / "mlruns").as_uri() + "/")
+    assert not any((tmp_path / "elsewhere").iterdir())

@@ -134,6 +134,19 @@ def check_sqlite_file(url: str, key: str) -> None:
         )
 
 
+def _artifacts_beside(tracking_uri: str) -> str | None:
+    """Where a new experiment of a sqlite store keeps its artifacts: `mlruns/` beside the
+    database file, one folder per experiment. MLflow's own default is `./mlruns` of whatever
+    folder the process runs in, so the same database would scatter its artifacts over every
+    folder a study was started from. None (the store's default) for servers and other URLs."""
+    import uuid
+
+    db = sqlite_file(tracking_uri)
+    if db is None:
+        return None
+    return (db.resolve().parent / "mlruns" / uuid.uuid4().hex).as_uri()
+
+
 class StudyTracker:
     """The MLflow side of one study: experiment, parent run, nested trial runs."""
 
@@ -147,7 +160,9 @@ class StudyTracker:
         found = self.client.get_experiment_by_name(experiment)
         if found is None:
             self.experiment_id = self.client.create_experiment(
-                experiment, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+                experiment,
+                artifact_location=_artifacts_beside(tracking_uri),
+                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND},
             )
         else:
             self.experiment_id = found.experiment_id
