@@ -40,9 +40,11 @@ def stores(tmp_path_factory):
             yield pg, optuna_url, server
 
 
-def _search(cwd: Path, *flags: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+def _search(cwd: Path, *flags: str, gate: Path | None = None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TENANTQ_"))}
     env["JAX_PLATFORMS"] = "cpu"
+    if gate is not None:  # trials wait for a ticket in `gate` (tenantq.workers.faults)
+        env.update(TENANTQ_WORKER_CLASS="GatedTrials", TENANTQ_TRIAL_GATE=str(gate))
     return subprocess.Popen(
         [sys.executable, "-m", "tenantq", "search", "spec.toml", "--no-progress"]
         + ["--out", str(cwd / "out"), *flags],
@@ -82,7 +84,10 @@ def test_study_on_postgres_and_mlflow_server_survives_a_killed_driver(stores, tm
     (tmp_path / "tiny_suite.toml").write_text(TINY_SUITE)
 
     client = MlflowClient(server.url)
-    first = _search(tmp_path)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (gate / "ticket-0").write_text("")  # one trial through; the second waits for the kill
+    first = _search(tmp_path, gate=gate)
     S = optuna.trial.TrialState
     deadline = time.monotonic() + 300
     try:
@@ -95,7 +100,10 @@ def test_study_on_postgres_and_mlflow_server_survives_a_killed_driver(stores, tm
                 [experiment.experiment_id],
                 filter_string="tags.`tenantq.kind` = 'trial' and attributes.status = 'FINISHED'",
             )
-            if logged:  # a trial told and logged: kill while the next one runs
+            if not logged:
+                continue
+            held = optuna.load_study(study_name="shared", storage=optuna_url).trials
+            if any(t.state == S.RUNNING for t in held):  # one logged, the next at the gate
                 break
         assert first.poll() is None, (tmp_path / "search0.log").read_text()[-3000:]
         os.kill(first.pid, signal.SIGKILL)  # the driver dies mid-study
@@ -103,7 +111,8 @@ def test_study_on_postgres_and_mlflow_server_survives_a_killed_driver(stores, tm
     finally:
         _end_group(first)
     before = optuna.load_study(study_name="shared", storage=optuna_url).trials
-    assert sum(t.state == S.COMPLETE for t in before) < TRIALS  # killed before the end
+    assert sum(t.state == S.COMPLETE for t in before) == 1  # killed with one held at the gate
+    assert list(gate.iterdir()) == []  # the ticket was taken by the trial that completed
 
     second = _search(tmp_path, "--resume")
     try:

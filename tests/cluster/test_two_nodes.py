@@ -5,6 +5,10 @@ Ray 2.60 binds its servers to every interface once a node's address is not 127.0
 second node needs that (cluster/local.sh, `join`). So the whole cluster runs in a network
 namespace of its own whose only interface is loopback (`unshare -n`, as root): no Ray socket
 of this test is reachable from outside the namespace. The stores are sqlite files.
+
+The workers are `GatedTrials` (tenantq.workers.faults, named in the nodes' environment): every
+trial waits at a closed gate until the test opens it, so the head cannot finish the study
+before the joined node has a trial running, however fast trials are on the machine.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
-TRIALS = 6  # enough that the head is still busy when the joined node's worker has loaded
+TRIALS = 4  # two held at the gate (one per node), two more after it opens
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,8 @@ def netns():
 @pytest.fixture(scope="module")
 def cluster(netns):
     state_dir = Path(tempfile.mkdtemp(prefix="tq2-", dir="/tmp"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    (state_dir / "gate").mkdir()  # closed: no tickets; the test removes it to open
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TENANTQ_"))}
     env.update(
         TENANTQ_RAY_DIR=str(state_dir),
         TENANTQ_RAY_HEAD_IP="127.0.0.2",
@@ -71,6 +76,10 @@ def cluster(netns):
         TENANTQ_RAY_JOIN_CPUS="1",
         RAY_BIN=RAY,
         JAX_PLATFORMS="cpu",
+        # Ray's processes on both nodes inherit these: the job's driver picks the worker class,
+        # the workers wait at the gate.
+        TENANTQ_WORKER_CLASS="GatedTrials",
+        TENANTQ_TRIAL_GATE=str(state_dir / "gate"),
     )
     ns = ["nsenter", "-t", str(netns), "-n"]
 
@@ -106,14 +115,14 @@ def _get(sh, env, path: str):
 
 
 def _actors_by_node(sh, env) -> dict[str, str]:
-    """HostWorker actor name -> the `tenantq.node` label of its node ('' for the head)."""
+    """Worker actor name -> the `tenantq.node` label of its node ('' for the head)."""
     nodes = _get(sh, env, "/api/v0/nodes?detail=1&limit=100")["data"]["result"]["result"]
     label = {n["node_id"]: n.get("labels", {}).get("tenantq.node", "") for n in nodes}
     actors = _get(sh, env, "/api/v0/actors?detail=1&limit=1000")["data"]["result"]["result"]
     return {
         a["name"]: label.get(a["node_id"], "?")
         for a in actors
-        if a["class_name"] == "HostWorker" and a.get("name")
+        if a["class_name"] == "GatedTrials" and a.get("name")
     }
 
 
@@ -163,10 +172,10 @@ def test_study_grows_onto_a_joining_node_and_survives_losing_it(cluster, netns, 
         pytest.fail(f"{what} not seen in {timeout_s:.0f} s; job {record.get('status')}")
 
     # Elastic start: the study runs on the head's worker while the second one cannot be placed
-    # (a trial under way on the head alone is enough; the node then joins while it runs).
+    # (a trial held at the gate on the head alone; the node then joins while it waits).
     wait_for(
         "a trial running on the head alone",
-        lambda: any(t.state in (S.RUNNING, S.COMPLETE) for t in trials()),
+        lambda: any(t.state == S.RUNNING for t in trials()),
         400,
     )
     sh(str(LOCAL_SH), "join", "second")
@@ -180,6 +189,7 @@ def test_study_grows_onto_a_joining_node_and_survives_losing_it(cluster, netns, 
 
     lost, placement = wait_for("a trial running on the joined node", running_on_second, 300)
     sh(str(LOCAL_SH), "leave", "second", "--now")  # the node dies mid-trial
+    (state_dir / "gate").rmdir()  # the gate opens: the rest of the study runs on the head
 
     deadline = time.monotonic() + 500
     while (record := _get(sh, env, f"/api/jobs/{submission_id}"))["status"] not in {

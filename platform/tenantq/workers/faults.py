@@ -1,5 +1,9 @@
 """Workers that fail on purpose, for the tests of what a study does when a trial raises.
 
+A study started from the command line (`tenantq search`, or a Ray job) runs on one of these
+when `TENANTQ_WORKER_CLASS` names it (`tenantq.workers.pool.default_worker_class`): that is how
+the cluster tests hold a trial mid-flight (`GatedTrials`) while they kill a node or a driver.
+
 `SearchDriver(..., worker_class=FailQuantizedTrials)` runs the study on workers whose
 `evaluate` raises for every plan that quantizes something, while the all-bf16 baseline
 completes: the failure is the worker's own exception, raised in the Ray actor, exactly as a
@@ -77,6 +81,52 @@ class InstantUnlessInt4Weights(HostWorker):
 
 
 INSTANT_SUMMARY = {"fidelity.kl_mean": 0.0}  # the default objectives' one measured metric
+
+GATE_ENV = "TENANTQ_TRIAL_GATE"
+GATE_POLL_S = 0.05
+
+
+def take_ticket(folder: str | os.PathLike[str], poll_s: float = GATE_POLL_S) -> None:
+    """Wait for a ticket: any file in `folder`, taken by deleting it (one trial per ticket,
+    whichever worker deletes it first). A missing `folder` is an open gate: return at once."""
+    import time
+    from pathlib import Path
+
+    gate = Path(folder)
+    while gate.is_dir():
+        for ticket in sorted(gate.iterdir()):
+            try:
+                ticket.unlink()
+            except (FileNotFoundError, IsADirectoryError, PermissionError):
+                continue  # another worker took it first (or it is not a ticket)
+            return
+        time.sleep(poll_s)
+
+
+class GatedTrials(HostWorker):
+    """A HostWorker whose every trial first waits for a ticket in the folder named by
+    `TENANTQ_TRIAL_GATE` (read in the actor, so the variable must reach the node: set it
+    where Ray starts). A test hands out tickets (files) to let trials through one by one, and
+    removes the folder to open the gate for good; the trial is RUNNING in the study while it
+    waits, so a test can kill its node or the driver at a known point instead of racing a
+    trial that takes a second on a quiet machine."""
+
+    def evaluate(self, plan_json: str, suite: str | None = None, split: str = "search"):
+        folder = os.environ.get(GATE_ENV)
+        if not folder:
+            raise RuntimeError(
+                f"GatedTrials needs {GATE_ENV} = a folder of tickets (files) in the worker's "
+                "environment; it is not set on this node"
+            )
+        take_ticket(folder)
+        return super().evaluate(plan_json, suite, split)
+
+
+# The workers `TENANTQ_WORKER_CLASS` may name: this module's, and no other class.
+BY_NAME: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (FailQuantizedTrials, HangOnInt4Weights, InstantUnlessInt4Weights, GatedTrials)
+}
 
 
 class DieOnInt4Weights(HostWorker):

@@ -264,8 +264,30 @@ class WorkerPool:
         self._start(slot)
 
 
+WORKER_CLASS_ENV = "TENANTQ_WORKER_CLASS"
+
+
 def default_worker_class(spec: Any) -> type:
-    """One HostWorker per host; for a slice kind one SliceWorker per slice (its hosts' gang)."""
+    """One HostWorker per host; for a slice kind one SliceWorker per slice (its hosts' gang).
+
+    `TENANTQ_WORKER_CLASS` = the name of a fault-injecting worker of `tenantq.workers.faults`
+    (e.g. `GatedTrials`) replaces it, for tests of a cluster from the command line or a Ray
+    job, where no `worker_class` can be passed in."""
+    named = os.environ.get(WORKER_CLASS_ENV, "").strip()
+    if named:
+        from tenantq.workers.faults import BY_NAME
+
+        if named not in BY_NAME:
+            raise ValueError(
+                f"{WORKER_CLASS_ENV}={named!r} is not a worker of tenantq.workers.faults; "
+                f"one of {sorted(BY_NAME)}, or unset it for the real workers"
+            )
+        if getattr(spec, "kind", None) in SLICE_KINDS:
+            raise ValueError(
+                f"{WORKER_CLASS_ENV}={named!r} is a single-host worker; [workers] kind = "
+                f"{spec.kind!r} runs slice workers: unset {WORKER_CLASS_ENV}"
+            )
+        return BY_NAME[named]
     return SliceWorker if getattr(spec, "kind", None) in SLICE_KINDS else HostWorker
 
 

@@ -1,0 +1,79 @@
+"""The fault-injecting workers a study can be told to run on from the environment, and the
+ticket gate the cluster tests hold trials with (tenantq.workers.faults)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tenantq.search.spec import WorkersSpec
+from tenantq.workers.faults import GatedTrials, take_ticket
+from tenantq.workers.host import HostWorker
+from tenantq.workers.pool import WORKER_CLASS_ENV, default_worker_class
+
+
+def test_the_environment_names_a_fault_worker_for_a_study_started_from_the_command_line(
+    monkeypatch,
+) -> None:
+    spec = WorkersSpec(count=1, kind="cpu")
+    monkeypatch.setenv(WORKER_CLASS_ENV, "GatedTrials")
+    assert default_worker_class(spec) is GatedTrials
+    monkeypatch.setenv(WORKER_CLASS_ENV, "")
+    assert default_worker_class(spec) is HostWorker
+
+
+@pytest.mark.parametrize("named", ["HostWorker", "os.system", "tenantq.workers.faults.GatedTrials"])
+def test_a_worker_name_outside_the_faults_module_is_refused_with_the_names_it_could_be(
+    monkeypatch, named
+) -> None:
+    monkeypatch.setenv(WORKER_CLASS_ENV, named)
+    with pytest.raises(ValueError, match=r"not a worker of tenantq.workers.faults; one of \[") as e:
+        default_worker_class(WorkersSpec(count=1, kind="cpu"))
+    assert "GatedTrials" in str(e.value) and repr(named) in str(e.value)
+
+
+def test_a_fault_worker_is_refused_for_a_slice(monkeypatch) -> None:
+    monkeypatch.setenv(WORKER_CLASS_ENV, "GatedTrials")
+    spec = WorkersSpec(kind="cpu_slice", cpu_slice_hosts=2, cpu_devices_per_host=2)
+    with pytest.raises(ValueError, match="single-host worker"):
+        default_worker_class(spec)
+
+
+def test_a_missing_gate_folder_is_an_open_gate(tmp_path) -> None:
+    take_ticket(tmp_path / "absent")  # returns at once; a hang here fails on the suite timeout
+
+
+def test_each_ticket_lets_exactly_one_trial_through(tmp_path) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (gate / "1").write_text("")
+    (gate / "2").write_text("")
+    through: list[int] = []
+
+    def trial(i: int) -> None:
+        take_ticket(gate, poll_s=0.01)
+        through.append(i)
+
+    threads = [threading.Thread(target=trial, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while len(through) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # 20 polls: a third trial through without a ticket would show by now
+    assert len(through) == 2 and list(gate.iterdir()) == []
+    gate.rmdir()  # the gate opens for good
+    for t in threads:
+        t.join(timeout=10)
+    assert sorted(through) == [0, 1, 2]
+
+
+def test_a_gated_worker_without_its_folder_in_the_environment_says_what_to_set(
+    monkeypatch,
+) -> None:
+    monkeypatch.delenv("TENANTQ_TRIAL_GATE", raising=False)
+    worker = GatedTrials.__new__(GatedTrials)  # no model: the check comes before any work
+    with pytest.raises(RuntimeError, match="TENANTQ_TRIAL_GATE = a folder of tickets"):
+        worker.evaluate("{}")
