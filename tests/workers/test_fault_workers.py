@@ -77,3 +77,21 @@ def test_a_gated_worker_without_its_folder_in_the_environment_says_what_to_set(
     worker = GatedTrials.__new__(GatedTrials)  # no model: the check comes before any work
     with pytest.raises(RuntimeError, match="TENANTQ_TRIAL_GATE = a folder of tickets"):
         worker.evaluate("{}")
+
+
+def test_a_gate_removed_while_a_worker_is_listing_it_is_an_open_gate(tmp_path, monkeypatch) -> None:
+    """The test opens the gate (rmdir) at any moment: between a worker's `is_dir` and its
+    listing the folder may be gone; that is the gate opening, not the trial's error."""
+    from pathlib import Path
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    listing = Path.iterdir
+
+    def removed_first(self):
+        if self == gate and gate.is_dir():
+            gate.rmdir()  # opened just after the worker saw a folder
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", removed_first)
+    take_ticket(gate, poll_s=0.01)  # returns: the gate is open

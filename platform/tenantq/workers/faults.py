@@ -88,13 +88,18 @@ GATE_POLL_S = 0.05
 
 def take_ticket(folder: str | os.PathLike[str], poll_s: float = GATE_POLL_S) -> None:
     """Wait for a ticket: any file in `folder`, taken by deleting it (one trial per ticket,
-    whichever worker deletes it first). A missing `folder` is an open gate: return at once."""
+    whichever worker deletes it first). A missing `folder` is an open gate: return at once,
+    also when it goes while being listed (a test opens the gate at any moment)."""
     import time
     from pathlib import Path
 
     gate = Path(folder)
     while gate.is_dir():
-        for ticket in sorted(gate.iterdir()):
+        try:
+            tickets = sorted(gate.iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            return  # removed between the check and the listing: the gate just opened
+        for ticket in tickets:
             try:
                 ticket.unlink()
             except (FileNotFoundError, IsADirectoryError, PermissionError):
