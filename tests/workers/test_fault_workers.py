@@ -95,3 +95,59 @@ def test_a_gate_removed_while_a_worker_is_listing_it_is_an_open_gate(tmp_path, m
 
     monkeypatch.setattr(Path, "iterdir", removed_first)
     take_ticket(gate, poll_s=0.01)  # returns: the gate is open
+
+
+def _driver_starting_its_pool(tmp_path, monkeypatch):
+    """A SearchDriver whose `_start_pool` runs with Ray and the pool stubbed: what class it
+    hands the pool, which tags it sets on its parent run."""
+    import tomllib
+    from types import SimpleNamespace
+
+    import ray
+
+    import tenantq.workers as workers
+    from tenantq.search.driver import SearchDriver
+    from tenantq.search.spec import parse_spec
+    from tenantq.testing import TINY_SUITE, tiny_study_spec
+
+    (tmp_path / "tiny_suite.toml").write_text(TINY_SUITE)
+    suite = tmp_path / "tiny_suite.toml"
+    text = tiny_study_spec(tmp_path, name="f", trials=1, suite=suite, sampler="random", workers=1)
+    driver = SearchDriver(parse_spec(tomllib.loads(text)), text, progress=False)
+    seen: dict = {"tags": {}}
+
+    def tag(run_id, key, value):
+        seen["tags"][(run_id, key)] = value
+
+    driver.tracker = SimpleNamespace(parent_run_id="parent", tag=tag)
+
+    class Pool:
+        def __init__(self, *args, worker_class=None, **kwargs):
+            seen["class"] = worker_class or default_worker_class(args[0])
+
+        def wait_ready(self):
+            pass
+
+    monkeypatch.setattr(workers, "WorkerPool", Pool)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    return driver, seen
+
+
+def test_a_study_on_a_fault_worker_says_so_on_stderr_and_in_its_parent_run(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    driver, seen = _driver_starting_its_pool(tmp_path, monkeypatch)
+    monkeypatch.setenv(WORKER_CLASS_ENV, "GatedTrials")
+    driver._start_pool()
+    assert seen["class"] is GatedTrials
+    assert seen["tags"] == {("parent", "tenantq.fault_worker"): "GatedTrials"}
+    err = capsys.readouterr().err
+    assert "GatedTrials" in err and WORKER_CLASS_ENV in err and "not the real" in err
+
+
+def test_a_study_on_the_real_workers_has_no_fault_worker_tag(tmp_path, monkeypatch, capsys) -> None:
+    driver, seen = _driver_starting_its_pool(tmp_path, monkeypatch)
+    monkeypatch.delenv(WORKER_CLASS_ENV, raising=False)
+    driver._start_pool()
+    assert seen["class"] is HostWorker and seen["tags"] == {}
+    assert "fault" not in capsys.readouterr().err

@@ -352,8 +352,21 @@ class SearchDriver:
             return self.pool_factory(self)
         import ray
 
-        from tenantq.workers import WorkerPool
+        from tenantq.workers import WorkerPool, faults
+        from tenantq.workers.pool import WORKER_CLASS_ENV, default_worker_class
 
+        worker_class = self.worker_class or default_worker_class(self.spec.workers)
+        if worker_class.__module__ == faults.__name__:  # never mistaken for a real study
+            print(
+                f"tenantq search: WARNING: the workers are {worker_class.__name__}, a "
+                "fault-injecting test worker (tenantq.workers.faults), not the real one"
+                + (f" ({WORKER_CLASS_ENV} is set)" if os.environ.get(WORKER_CLASS_ENV) else "")
+                + "; the parent run is tagged tenantq.fault_worker",
+                file=sys.stderr,
+            )
+            self.tracker.tag(
+                self.tracker.parent_run_id, "tenantq.fault_worker", worker_class.__name__
+            )
         # Under `ray job submit` Ray sets RAY_ADDRESS: join that cluster, do not start one.
         address = self.address or os.environ.get("RAY_ADDRESS")
         if not ray.is_initialized():
@@ -378,7 +391,7 @@ class SearchDriver:
             cache_dir=self.spec.eval.cache_dir,
             count=self.workers,
             calibration=self.spec.calibration.worker_args(),
-            worker_class=self.worker_class,
+            worker_class=worker_class,
             trial_timeout_s=self.spec.study.trial_timeout,
             max_replacements=2 * self.workers + budget,
         )
