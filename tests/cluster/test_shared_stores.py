@@ -105,7 +105,9 @@ def test_study_on_postgres_and_mlflow_server_survives_a_killed_driver(stores, tm
             held = optuna.load_study(study_name="shared", storage=optuna_url).trials
             if any(t.state == S.RUNNING for t in held):  # one logged, the next at the gate
                 break
-        assert first.poll() is None, (tmp_path / "search0.log").read_text()[-3000:]
+        else:  # no kill at an unknown point: say which of the two never happened
+            assert first.poll() is None, (tmp_path / "search0.log").read_text()[-3000:]
+            pytest.fail("300 s without a logged trial and the next one held at the gate")
         os.kill(first.pid, signal.SIGKILL)  # the driver dies mid-study
         first.wait(timeout=30)
     finally:
@@ -129,6 +131,9 @@ def test_study_on_postgres_and_mlflow_server_survives_a_killed_driver(stores, tm
     assert [r.info.run_name for r in runs if r.info.status == "RUNNING"] == []
     (parent,) = [r for r in runs if r.data.tags.get("tenantq.kind") == "study"]
     assert parent.info.status == "FINISHED"
+    # Begun on a fault worker: said in the log and on the parent run, kept after the resume.
+    assert parent.data.tags.get("tenantq.fault_worker") == "GatedTrials"
+    assert "WARNING: the workers are GatedTrials" in (tmp_path / "search0.log").read_text()
     complete = [t.number for t in trials if t.state == S.COMPLETE]
     nested = {
         int(r.data.tags["tenantq.trial"]): r

@@ -201,6 +201,8 @@ def test_study_grows_onto_a_joining_node_and_survives_losing_it(cluster, netns, 
         time.sleep(1)
     logs = _get(sh, env, f"/api/jobs/{submission_id}/logs")["logs"]
     assert record["status"] == "SUCCEEDED", logs[-4000:]
+    # The job's driver inherited TENANTQ_WORKER_CLASS from the head and said so.
+    assert "WARNING: the workers are GatedTrials" in logs
 
     done = trials()
     finished = [t for t in done if t.state in (S.COMPLETE, S.FAIL)]
