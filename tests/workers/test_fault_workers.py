@@ -151,3 +151,23 @@ def test_a_study_on_the_real_workers_has_no_fault_worker_tag(tmp_path, monkeypat
     driver._start_pool()
     assert seen["class"] is HostWorker and seen["tags"] == {}
     assert "fault" not in capsys.readouterr().err
+
+
+def test_a_bad_worker_class_in_the_environment_stops_the_study_before_the_stores_are_touched(
+    tmp_path, monkeypatch
+) -> None:
+    import tomllib
+
+    from tenantq.search.driver import SearchDriver
+    from tenantq.search.spec import parse_spec
+    from tenantq.testing import TINY_SUITE, tiny_study_spec
+
+    (tmp_path / "tiny_suite.toml").write_text(TINY_SUITE)
+    suite = tmp_path / "tiny_suite.toml"
+    text = tiny_study_spec(tmp_path, name="f", trials=1, suite=suite, sampler="random", workers=1)
+    driver = SearchDriver(parse_spec(tomllib.loads(text)), text, progress=False)
+    monkeypatch.setenv(WORKER_CLASS_ENV, "GatedTrial")  # a typo
+    with pytest.raises(ValueError, match="TENANTQ_WORKER_CLASS='GatedTrial' is not a worker"):
+        driver.run()
+    # Nothing half-written: no Optuna study, no MLflow experiment or parent run.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny_suite.toml"]

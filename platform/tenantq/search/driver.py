@@ -147,6 +147,8 @@ class SearchDriver:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
         spec = self.spec
+        # A bad TENANTQ_WORKER_CLASS stops the study before any store is touched.
+        self._worker_class()
         # MLflow first: its experiment is only looked up or created here, so a tracking URI
         # that cannot be reached stops the study before Optuna's storage holds a new study.
         self.tracker = tracker = self._connect_tracking()
@@ -347,15 +349,25 @@ class SearchDriver:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"tracking.uri: cannot open MLflow at {uri!r}: {first}") from None
 
+    def _worker_class(self) -> type | None:
+        """The Ray pool's worker class: `worker_class`, else the spec's or the one
+        `TENANTQ_WORKER_CLASS` names (`default_worker_class`, which refuses a bad name);
+        None with a `pool_factory`."""
+        if self.pool_factory is not None:
+            return None
+        from tenantq.workers.pool import default_worker_class
+
+        return self.worker_class or default_worker_class(self.spec.workers)
+
     def _start_pool(self):
         if self.pool_factory is not None:
             return self.pool_factory(self)
         import ray
 
         from tenantq.workers import WorkerPool, faults
-        from tenantq.workers.pool import WORKER_CLASS_ENV, default_worker_class
+        from tenantq.workers.pool import WORKER_CLASS_ENV
 
-        worker_class = self.worker_class or default_worker_class(self.spec.workers)
+        worker_class = self._worker_class()
         if worker_class.__module__ == faults.__name__:  # never mistaken for a real study
             print(
                 f"tenantq search: WARNING: the workers are {worker_class.__name__}, a "
