@@ -5,6 +5,8 @@ tiny config with numpy params and hand-made statistics (no model run, no jit: mi
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -69,6 +71,23 @@ def test_a_channel_with_a_zero_side_keeps_scale_one(alpha):
     s = smoothing_scales(np.array([0.0, 3.0, 5.0]), np.array([2.0, 0.0, 4.0]), alpha)
     np.testing.assert_array_equal(s[:2], [1.0, 1.0])
     assert s[2] == pytest.approx(5.0**alpha / 4.0 ** (1 - alpha), rel=1e-12)
+
+
+def test_float32_statistics_give_float64_scales_without_warnings():
+    # The calibration statistics are float32; the scales are computed in float64 (bound
+    # 1e-12 relative to eq. 4 in float64: float32 arithmetic is off by ~1e-7). A channel
+    # with a zero side raises no divide-by-zero warning (warnings are errors here).
+    rng = np.random.default_rng(6)
+    a = np.exp(rng.uniform(-3, 3, 16)).astype(np.float32)
+    w = np.exp(rng.uniform(-3, 3, 16)).astype(np.float32)
+    w[3], a[7] = 0.0, 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = smoothing_scales(a, w, 0.37)
+    assert s.dtype == np.float64
+    want = paper_scales(a.astype(np.float64), w.astype(np.float64), 0.37)
+    want[[3, 7]] = 1.0
+    np.testing.assert_allclose(s, want, rtol=1e-12)
 
 
 def test_scales_are_clipped_to_the_guard_range():
