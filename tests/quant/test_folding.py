@@ -94,6 +94,18 @@ def test_weight_row_maximum_is_over_every_consumer():
     np.testing.assert_array_equal(weight_row_absmax(params, site), want)
 
 
+def test_weight_row_maxima_of_bf16_weights_come_back_as_float32():
+    import ml_dtypes
+
+    config = tiny_config()
+    params = {p: v.astype(ml_dtypes.bfloat16) for p, v in _params(config).items()}
+    site = fold_sites(config)["layers/0/mlp/in"]
+    got = weight_row_absmax(params, site)
+    want = np.max([np.abs(params[p].astype(np.float32)).max(axis=1) for p in site.consumers], 0)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+
+
 def _rms(x):
     return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + 1e-6)
 
@@ -141,10 +153,12 @@ def test_an_o_proj_fold_moves_into_the_value_heads_of_its_kv_group(bias):
     np.testing.assert_allclose(after, before, rtol=RTOL, atol=RTOL * np.abs(before).max())
     kv = s.reshape(2, 2, 8)[:, 0, :].ravel()
     np.testing.assert_allclose(folded[site.source], params[site.source] / kv, rtol=RTOL)
+    assert folded[site.source].dtype == folded["layers/0/attn/o_proj"].dtype == np.float32
     if bias:
         np.testing.assert_allclose(
             folded["layers/0/attn/v_bias"], params["layers/0/attn/v_bias"] / kv, rtol=RTOL
         )
+        assert folded["layers/0/attn/v_bias"].dtype == np.float32
         assert np.array_equal(folded["layers/0/attn/k_bias"], params["layers/0/attn/k_bias"])
 
 
@@ -166,6 +180,7 @@ def test_a_down_proj_fold_moves_into_up_projs_columns():
     np.testing.assert_allclose(
         folded["layers/0/mlp/up_proj"], params["layers/0/mlp/up_proj"] / s[None, :], rtol=RTOL
     )
+    assert folded["layers/0/mlp/up_proj"].dtype == np.float32
 
 
 @pytest.mark.parametrize(
@@ -215,3 +230,7 @@ def test_folded_statistics_are_those_of_x_over_s():
     np.testing.assert_allclose(got.mean_abs, np.abs(xs).mean(0), rtol=1e-6)
     np.testing.assert_allclose(got.gram, xs.T @ xs, rtol=1e-12)
     assert got.absmax.dtype == got.percentile.dtype == got.mean_abs.dtype == np.float32
+    # A float32 scale (as a search returns it) still divides the Gram in float64: 1e-15.
+    s32 = s.astype(np.float32)
+    want = stats.gram / (s32.astype(np.float64)[:, None] * s32.astype(np.float64)[None, :])
+    np.testing.assert_allclose(folded_stats(stats, s32).gram, want, rtol=1e-15)
