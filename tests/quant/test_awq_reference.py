@@ -344,19 +344,22 @@ def test_awq_weight_rounds_as_its_rule_says():
     how = _tq("int4", 8, symmetric=False)
     kw = dict(gram=gram, awq_scaled=True)
     np.testing.assert_array_equal(_deq(awq_weight(w, how, **kw)), _deq(clip_search(w, how, gram)))
-    np.testing.assert_array_equal(
-        _deq(awq_weight(w, how, clip=False, **kw)),
-        _deq(quantize(w, "int4", axis=0, group_size=8, symmetric=False)),
-    )
+    for symmetric in (False, True):
+        plain = _tq("int4", 8, symmetric=symmetric)
+        np.testing.assert_array_equal(
+            _deq(awq_weight(w, plain, clip=False, **kw)),
+            _deq(quantize(w, "int4", axis=0, group_size=8, symmetric=symmetric)),
+        )
     mx = _tq("mxfp4")
     np.testing.assert_array_equal(
         np.asarray(awq_weight(w, mx, **kw).scale), np.asarray(exponent_search(w, mx, gram).scale)
     )
 
 
-@pytest.mark.parametrize("missing", [{"awq_scaled": False}, {"gram": None}])
+@pytest.mark.parametrize("missing", [{"awq_scaled": False}, {"gram": None}, {}])
 def test_an_unfolded_awq_weight_is_refused_naming_what_to_run(missing):
-    kw = {"gram": np.eye(4), "awq_scaled": True, **missing}
+    # {}: awq_scaled not given at all (a weight is unfolded unless the caller says so)
+    kw = {"gram": np.eye(4), "awq_scaled": True, **missing} if missing else {"gram": np.eye(4)}
     with pytest.raises(ValueError) as err:
         awq_weight(np.ones((4, 2), np.float32), _tq("int8"), **kw)
     assert str(err.value) == (
