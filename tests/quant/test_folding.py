@@ -205,6 +205,9 @@ def test_value_head_scales_must_agree_within_a_kv_group():
     with pytest.raises(ValueError) as err:
         source_column_scale(config, site, s)
     assert str(err.value) == "layers/0/attn/o_in: scales differ within a KV group; share them first"
+    s[9] = 1.0 + 5e-6  # 5e-6 apart: more than float32 noise (the bound is 1e-6 relative)
+    with pytest.raises(ValueError, match="scales differ within a KV group"):
+        source_column_scale(config, site, s)
     s[9] = 1.0 + 1e-7  # float32 noise within 1e-6 relative is one scale
     np.testing.assert_array_equal(
         source_column_scale(config, site, s), s.reshape(2, 2, 8)[:, 0].ravel()
