@@ -146,20 +146,32 @@ def test_gptq_rounds_as_the_papers_algorithm_in_every_scaled_format(
     assert not np.any(want[2])
 
 
-def test_a_plans_gptq_rule_passes_its_format_group_and_options():
-    how = TensorQuant("layers/0/mlp/up_proj", "int4", 0, 8, False, "gptq", None)
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_a_plans_gptq_rule_passes_its_format_group_and_options(symmetric):
+    how = TensorQuant("layers/0/mlp/up_proj", "int4", 0, 8, symmetric, "gptq", None)
     rng = np.random.default_rng(4)
-    x = rng.standard_normal((64, 16))
+    x = rng.standard_normal((64, 3)) @ rng.standard_normal((3, 16))
+    x += 0.1 * rng.standard_normal((64, 16))
     h = (2 * x.T @ x / 64).astype(np.float32)
     w = rng.standard_normal((16, 4)).astype(np.float32)
-    got = gptq_weight(w, how, hessian=h, damp=0.05, act_order=True)
-    want = gptq_quantize(w, h, "int4", group_size=8, symmetric=False, damp=0.05, act_order=True)
+    got = gptq_weight(w, how, hessian=h, damp=3.0, act_order=True)
+    want = gptq_quantize(w, h, "int4", group_size=8, symmetric=symmetric, damp=3.0, act_order=True)
     np.testing.assert_array_equal(np.asarray(dequantize(got)), np.asarray(dequantize(want)))
-    assert got.group_size == 8 and got.zero_point is not None
-    default = gptq_quantize(w, h, "int4", group_size=8, symmetric=False)
+    assert got.group_size == 8 and (got.zero_point is None) == symmetric
+    default = gptq_quantize(w, h, "int4", group_size=8, symmetric=symmetric)
+    assert not np.array_equal(np.asarray(dequantize(default)), np.asarray(dequantize(want)))
     np.testing.assert_array_equal(
         np.asarray(dequantize(gptq_weight(w, how, hessian=h))), np.asarray(dequantize(default))
     )
+
+
+def test_a_plans_gptq_rule_names_its_tensor_when_the_damping_cannot_help(caplog):
+    how = TensorQuant("layers/1/attn/q_proj", "int8", 0, None, True, "gptq", None)
+    h = -5.0 * np.eye(8, dtype=np.float32)  # no damping up to MAX_DAMP makes it definite
+    with caplog.at_level("WARNING", logger="tenantq.quant.gptq"), pytest.raises(ValueError) as err:
+        gptq_weight(np.ones((8, 2), np.float32), how, hessian=h)
+    assert str(err.value).startswith("layers/1/attn/q_proj: GPTQ's Cholesky of H + λI failed")
+    assert "layers/1/attn/q_proj: GPTQ's Cholesky failed at damp=0.01" in caplog.text
 
 
 def test_a_gptq_rule_without_a_hessian_says_what_to_run():
