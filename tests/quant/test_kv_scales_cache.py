@@ -100,6 +100,9 @@ def test_the_fingerprint_changes_with_every_figure_and_the_choice_of_statistic()
     assert KVScales("x", "y", 99.0, 99, _stats(config), from_cache=True).fingerprint() == fp
     assert KVScales("m", "d", 99.9, 10, _stats(config)).fingerprint() != fp
     assert KVScales("m", "d", 99.0, 10, _stats(config), use_percentile=True).fingerprint() != fp
+    # the figures are float32: the same figures held as float64 have the same fingerprint
+    wide = {k: {n: v.astype(np.float64) for n, v in s.items()} for k, s in _stats(config).items()}
+    assert KVScales("m", "d", 99.0, 10, wide).fingerprint() == fp
     for tensor in ("keys", "values"):
         for name in ("absmax", "min", "max", "percentile", "layer_percentile"):
             stats = _stats(config)
@@ -160,6 +163,7 @@ def test_statistics_are_written_once_and_read_back_from_the_cache(tmp_path, stub
         for name, value in first.stats[tensor].items():
             np.testing.assert_array_equal(again.stats[tensor][name], value)
             assert again.stats[tensor][name].shape == value.shape
+            assert again.stats[tensor][name].dtype == np.float32
     assert again.fingerprint() != first.fingerprint()  # only the choice of statistic differs
     assert KVScales(**{**again.__dict__, "use_percentile": False}).fingerprint() == (
         first.fingerprint()
