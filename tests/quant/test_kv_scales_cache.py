@@ -46,6 +46,10 @@ def test_the_statistic_a_scale_divides_per_axis_and_choice():
     np.testing.assert_array_equal(pct.amax(1, "values", "tensor"), [v["layer_percentile"][1]])
     np.testing.assert_array_equal(pct.amax(0, "values", "head"), v["percentile"][0])
     assert plain.amax(0, "keys", "tensor").dtype == np.float32
+    wide = {k: {n: v.astype(np.float64) for n, v in s.items()} for k, s in stats.items()}
+    for use_percentile in (False, True):  # float32 whatever dtype holds the figures
+        s = KVScales("m", "d", 99.0, 10, wide, use_percentile=use_percentile)
+        assert s.amax(0, "keys", "tensor").dtype == np.float32
 
 
 @pytest.mark.parametrize(("fmt", "top"), [("fp8_e4m3", 448.0), ("int8", 127.0)])
