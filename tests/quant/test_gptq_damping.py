@@ -63,3 +63,24 @@ def test_damp_outside_zero_to_max_is_refused_naming_the_option_and_range(damp):
         f"layers/0/mlp/up_proj: GPTQ option damp={damp!r}; it must be a number in [0, 10] "
         "(default 0.01)"
     )
+
+
+def test_the_largest_damping_is_allowed():
+    # damp = MAX_DAMP (10) is inside [0, 10]: a positive definite H factorises at it at once.
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((32, 4))
+    _, _, used = damped_inverse_factor(2 * x.T @ x / 32, gptq.MAX_DAMP)
+    assert used == gptq.MAX_DAMP == 10.0
+
+
+def test_a_non_finite_hessian_is_refused_naming_the_tensor():
+    h = np.eye(4)
+    h[1, 2] = np.nan
+    with pytest.raises(ValueError) as err:
+        gptq_quantize(np.ones((4, 2), np.float32), h, "int8", name="layers/0/mlp/down_proj")
+    assert str(err.value) == (
+        "layers/0/mlp/down_proj: the calibration Hessian has non-finite entries"
+    )
+    with pytest.raises(ValueError) as err:  # unnamed, it is "weight"
+        damped_inverse_factor(h)
+    assert str(err.value) == "weight: the calibration Hessian has non-finite entries"

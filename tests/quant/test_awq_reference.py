@@ -1,0 +1,385 @@
+"""AWQ's searches against straightforward numpy searches written from the paper (Lin et al.
+2024, section 3.2: s = mean|x|^α over a grid of α, each scored by the layer's output error;
+then a per-group clipping search), scored here on explicit activations X instead of the Gram
+matrix the library uses, with every candidate tried and the first best kept.
+
+Rounding itself is the codec's (tested in tests/numerics); symmetric int4 is also written out
+by hand (codes in [-7, 7], scale = amax / 7). Tiny shapes, no model: about a second in all.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tenantq.numerics import (
+    compute_scale_zero_point,
+    dequantize,
+    quantize,
+    quantize_with_scale_zero_point,
+)
+from tenantq.quant.awq import (
+    CLIP_RATIOS,
+    DEFAULT_GRID,
+    awq_weight,
+    clip_search,
+    column_errors,
+    exponent_search,
+    output_error,
+    search_scale,
+)
+from tenantq.quant.calibration import InputStats
+from tenantq.quant.folding import FoldSite
+
+
+def _tq(fmt, group=None, symmetric=True, path="layers/0/mlp/up_proj", axis=0):
+    from tenantq.quant.plan import TensorQuant
+
+    return TensorQuant(path, fmt, axis, group, symmetric, "awq", None)
+
+
+def _x(rng, tokens, n):
+    # uneven channels (AWQ's salient ones) and correlated pairs (cross-channel Gram terms)
+    x = rng.standard_normal((tokens, n)) * np.exp(rng.uniform(-1.5, 1.5, n))
+    x[:, 1::2] += 0.5 * x[:, ::2]
+    return x
+
+
+def _deq(q):
+    return np.asarray(dequantize(q), np.float64)
+
+
+def _err(x, w, w_hat):
+    """‖XW − XŴ‖², from the activations themselves."""
+    return float(np.sum((x @ (np.asarray(w_hat, np.float64) - w)) ** 2))
+
+
+def test_output_and_column_errors_are_those_of_the_activations():
+    rng = np.random.default_rng(0)
+    x, w, w_hat = _x(rng, 30, 6), rng.standard_normal((6, 3)), rng.standard_normal((6, 3))
+    gram = x.T @ x
+    assert output_error(w_hat, w, gram) == pytest.approx(_err(x, w, w_hat), rel=1e-9)
+    want = np.sum((x @ (w_hat - w)) ** 2, axis=0)
+    np.testing.assert_allclose(column_errors(w_hat - w, gram), want, rtol=1e-9)
+
+
+def numpy_scale_search(x, weights, plans, grid, source=None, floor=1e-8):
+    """The paper's grid search: s = m^α / sqrt(max · min), the α of least summed error."""
+    m = np.maximum(np.abs(x).mean(axis=0), floor)
+    best = None
+    for k in range(grid):
+        s = m ** (k / grid)
+        s = s / np.sqrt(s.max() * s.min())
+        s32 = s.astype(np.float32)
+        err = 0.0
+        for p, w in weights.items():
+            how = plans[p]
+            q = _deq(quantize(w * s32[:, None], how.format, axis=0, group_size=how.group_size))
+            err += _err(x, w, q / s32[:, None])  # (x / s) @ Q(diag(s) W)
+        if source is not None:
+            how, x_v, w_v = source
+            q = _deq(quantize(w_v / s32[None, :], how.format, axis=0, group_size=how.group_size))
+            err += _err(x_v, w_v, q * s32[None, :])
+        if best is None or err < best[0]:
+            best = (err, s, k / grid)
+    return best[1], best[2]
+
+
+def _site_stats(x, paths=("a", "b")):
+    return InputStats(
+        "site", paths, len(x), np.abs(x).max(0), np.abs(x).max(0), np.abs(x).mean(0), x.T @ x
+    )
+
+
+@pytest.mark.parametrize(("fmt", "group"), [("int4", 8), ("int8", None)])
+def test_the_scale_search_picks_the_papers_alpha(fmt, group):
+    # Two consumers of one norm, both quantized; grid of 7 α values.
+    rng = np.random.default_rng(1)
+    x = _x(rng, 64, 16)
+    x[:, 3] = 0.0  # a channel that never fires: m floored at 1e-8, so s stays finite
+    weights = {p: rng.standard_normal((16, 12)).astype(np.float32) for p in ("a", "b")}
+    plans = {p: _tq(fmt, group) for p in weights}
+    site = FoldSite("site", ("a", "b"), "norm", "norm")
+    s, alpha = search_scale(weights, None, site, _site_stats(x), plans, grid=7, clip=False)
+    want_s, want_alpha = numpy_scale_search(x, weights, plans, 7)
+    assert alpha == want_alpha and alpha > 0  # seeded: the search moves off s = 1
+    np.testing.assert_allclose(s, want_s, rtol=1e-9)
+
+
+def test_a_consumer_left_in_bf16_is_not_scored():
+    rng = np.random.default_rng(2)
+    x = _x(rng, 64, 16)
+    weights = {p: rng.standard_normal((16, 12)).astype(np.float32) for p in ("a", "b")}
+    weights["b"][5] *= 40  # would dominate the score if it were counted
+    plans = {"a": _tq("int4", 8)}
+    site = FoldSite("site", ("a", "b"), "norm", "norm")
+    s, alpha = search_scale(weights, None, site, _site_stats(x), plans, grid=8, clip=False)
+    want_s, want_alpha = numpy_scale_search(x, {"a": weights["a"]}, plans, 8)
+    assert alpha == want_alpha
+    np.testing.assert_allclose(s, want_s, rtol=1e-9)
+
+
+def test_a_site_with_nothing_quantized_keeps_scale_one():
+    # Every α scores 0: the first grid point (α = 0, s = 1) is kept, no rescaling for nothing.
+    rng = np.random.default_rng(3)
+    x = _x(rng, 32, 8)
+    weights = {"a": rng.standard_normal((8, 4)).astype(np.float32)}
+    site = FoldSite("site", ("a",), "norm", "norm")
+    s, alpha = search_scale(weights, None, site, _site_stats(x, ("a",)), {}, grid=5)
+    assert alpha == 0.0
+    np.testing.assert_array_equal(s, np.ones(8))
+
+
+def test_a_quantized_producer_is_scored_on_its_own_input():
+    # down_proj reads x / s; up_proj (the producer, its columns divided by s) is quantized too
+    # and scored on ITS input x_v: the reference sums both terms.
+    rng = np.random.default_rng(4)
+    # The producer is MX: its E8M0 block scales are powers of two, so a column divided by a
+    # non-power-of-two s rounds differently (at int formats its scale would just follow s).
+    x, x_v = _x(rng, 64, 16), _x(rng, 64, 32)
+    params = {
+        "down": rng.standard_normal((16, 8)).astype(np.float32),
+        "up": (rng.standard_normal((32, 16)) * 3).astype(np.float32),
+    }
+    how_d, how_u = _tq("int4", 8, path="down"), _tq("mxfp4", path="up")
+    site = FoldSite("site", ("down",), "up", "columns")
+    s, alpha = search_scale(
+        params, None, site, _site_stats(x, ("down",)), {"down": how_d}, grid=10, clip=False,
+        source=(how_u, x_v.T @ x_v),
+    )  # fmt: skip
+    want_s, want_alpha = numpy_scale_search(
+        x, {"down": params["down"]}, {"down": how_d}, 10, source=(how_u, x_v, params["up"])
+    )
+    alone_s, alone_alpha = numpy_scale_search(x, {"down": params["down"]}, {"down": how_d}, 10)
+    assert alpha == want_alpha and alpha != alone_alpha  # seeded: the producer's term matters
+    np.testing.assert_allclose(s, want_s, rtol=1e-9)
+
+
+def test_the_default_grid_is_twenty_alphas_from_zero():
+    # The authors' grid: α in {0, 1/20, ..., 19/20}.
+    assert DEFAULT_GRID == 20
+    rng = np.random.default_rng(5)
+    x = _x(rng, 64, 16)
+    weights = {"a": rng.standard_normal((16, 8)).astype(np.float32)}
+    plans = {"a": _tq("int4", 8)}
+    site = FoldSite("site", ("a",), "norm", "norm")
+    s, alpha = search_scale(weights, None, site, _site_stats(x, ("a",)), plans, clip=False)
+    want_s, want_alpha = numpy_scale_search(x, weights, plans, 20)
+    assert alpha == want_alpha
+    np.testing.assert_allclose(s, want_s, rtol=1e-9)
+
+
+def test_at_mx_formats_the_scale_search_scores_the_exponent_search():
+    # With clip at an MX format each candidate is scored as awq_weight will round it (the
+    # exponent search on the folded Gram); without clip, by plain rounding.
+    rng = np.random.default_rng(6)
+    x = _x(rng, 64, 32)
+    weights = {"a": (rng.standard_normal((32, 8)) * 5).astype(np.float32)}
+    how = _tq("mxfp4")
+    plans, stats = {"a": how}, _site_stats(x, ("a",))
+    site = FoldSite("site", ("a",), "norm", "norm")
+    m = np.maximum(np.abs(x).mean(axis=0), 1e-8)
+    best = None
+    for k in range(6):
+        s = m ** (k / 6)
+        s = s / np.sqrt(s.max() * s.min())
+        s32 = s.astype(np.float32)
+        w = weights["a"]
+        q = _deq(exponent_search(w * s32[:, None], how, stats.gram / np.outer(s, s)))
+        err = _err(x, w, q / s32[:, None])
+        if best is None or err < best[0]:
+            best = (err, s, k / 6)
+    s, alpha = search_scale(weights, None, site, stats, plans, grid=6, clip=True)
+    assert alpha == best[2]
+    np.testing.assert_allclose(s, best[1], rtol=1e-9)
+    _, plain_alpha = search_scale(weights, None, site, stats, plans, grid=6, clip=False)
+    assert plain_alpha == numpy_scale_search(x, weights, plans, 6)[1]
+
+
+def _int4_by_hand(w, amax):
+    """Symmetric int4 of w [n, out] given the scale's amax (broadcastable): codes in ±7."""
+    scale = amax / 7.0
+    return np.clip(np.round(w / scale), -7, 7) * scale
+
+
+@pytest.mark.parametrize("n", [24, 20])  # 20: the last group of 8 holds 4 rows
+def test_the_clip_search_picks_each_groups_best_ratio_int4_by_hand(n):
+    rng = np.random.default_rng(7)
+    x = _x(rng, 128, n)
+    w = rng.standard_normal((n, 6)).astype(np.float32)
+    w[2] *= 6  # outliers make shrinking the range worth it in some groups
+    w[n - 1] *= 5
+    got = _deq(clip_search(w, _tq("int4", 8), x.T @ x))
+    want = np.zeros((n, 6))
+    chosen = []
+    for start in range(0, n, 8):
+        rows = slice(start, min(start + 8, n))
+        wg, xg = w[rows].astype(np.float64), x[:, rows]
+        for c in range(6):
+            amax = np.abs(wg[:, c]).max()
+            errors = [
+                np.sum((xg @ (_int4_by_hand(wg[:, c], amax * r) - wg[:, c])) ** 2)
+                for r in CLIP_RATIOS
+            ]
+            best = int(np.argmin(errors))  # the first of equal errors: the larger range
+            chosen.append(CLIP_RATIOS[best])
+            want[rows, c] = _int4_by_hand(wg[:, c], amax * CLIP_RATIOS[best])
+    assert min(chosen) < 1.0  # seeded: some groups clip
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_clip_ratios_run_from_one_down_to_a_half_in_steps_of_one_fortieth():
+    assert len(CLIP_RATIOS) == 21 and CLIP_RATIOS[0] == 1.0 and CLIP_RATIOS[-1] == 0.5
+    np.testing.assert_allclose(CLIP_RATIOS, np.linspace(1.0, 0.5, 21), rtol=1e-12)
+
+
+def _by_candidates(w, x, group, candidates):
+    """Per (group, column), the candidate with the least error on the group's own inputs."""
+    n, out = w.shape
+    want = np.zeros((n, out))
+    for start in range(0, n, group):
+        rows = slice(start, min(start + group, n))
+        for c in range(out):
+            errors = [np.sum((x[:, rows] @ (q[rows, c] - w[rows, c])) ** 2) for q in candidates]
+            want[rows, c] = candidates[int(np.argmin(errors))][rows, c]
+    return want
+
+
+def test_an_asymmetric_clip_shrinks_both_ends_of_the_range():
+    rng = np.random.default_rng(8)
+    x = _x(rng, 128, 16)
+    w = (rng.standard_normal((16, 5)) + 0.7).astype(np.float32)
+    w[4] *= 6
+    kw = dict(axis=0, group_size=8, symmetric=False)
+    amax = w.reshape(2, 8, 5).max(axis=1)
+    amin = w.reshape(2, 8, 5).min(axis=1)
+    candidates = []
+    for r in CLIP_RATIOS:
+        scale, zp = compute_scale_zero_point(w, "int4", amax=amax * r, amin=amin * r, **kw)
+        candidates.append(_deq(quantize_with_scale_zero_point(w, "int4", scale, zp, axis=0,
+                                                              group_size=8)))  # fmt: skip
+    got = clip_search(w, _tq("int4", 8, symmetric=False), x.T @ x)
+    assert got.zero_point is not None
+    np.testing.assert_allclose(_deq(got), _by_candidates(w, x, 8, candidates), rtol=1e-5, atol=1e-6)
+
+
+def test_nvfp4_clipping_keeps_the_unclipped_tensor_scale():
+    # nvfp4's second-level (tensor) scale comes from the whole unclipped weight, for every
+    # candidate and for the result; only the FP8 block scales shrink.
+    rng = np.random.default_rng(9)
+    x = _x(rng, 128, 32)
+    w = rng.standard_normal((32, 4)).astype(np.float32)
+    w[7] *= 8
+    kw = dict(axis=0, group_size=None, symmetric=True)
+    tensor = compute_scale_zero_point(w, "nvfp4", **kw)[0].tensor
+    amax = np.abs(w).reshape(2, 16, 4).max(axis=1)
+    candidates = []
+    for r in CLIP_RATIOS:
+        scale, zp = compute_scale_zero_point(w, "nvfp4", amax=amax * r, tensor_scale=tensor, **kw)
+        candidates.append(_deq(quantize_with_scale_zero_point(w, "nvfp4", scale, zp, axis=0)))
+    got = clip_search(w, _tq("nvfp4"), x.T @ x)
+    np.testing.assert_array_equal(np.asarray(got.tensor_scale), np.asarray(tensor))
+    np.testing.assert_allclose(_deq(got), _by_candidates(w, x, 16, candidates), rtol=1e-6)
+
+
+def numpy_exponent_search(w, x, steps=(0, 1, -1)):
+    """Per MX block and column, the E8M0 code among OCP's, one up, one down with the least
+    error on the block's inputs; kept per column only if the full error is not larger."""
+    ocp = np.asarray(compute_scale_zero_point(w, "mxfp4", axis=0)[0], np.int32)
+
+    def rounded(codes):
+        codes = np.clip(codes, 0, 254).astype(np.uint8)
+        return codes, _deq(quantize_with_scale_zero_point(w, "mxfp4", codes, None, axis=0))
+
+    n, out = w.shape
+    best = ocp.copy()
+    shifted = [rounded(ocp + step)[1] for step in steps]  # blocks round independently
+    for b in range(n // 32):
+        rows = slice(b * 32, (b + 1) * 32)
+        for c in range(out):
+            errors = [np.sum((x[:, rows] @ (q[rows, c] - w[rows, c])) ** 2) for q in shifted]
+            best[b, c] = ocp[b, c] + steps[int(np.argmin(errors))]
+    codes, q = rounded(best)
+    ocp_codes, ocp_q = rounded(ocp)
+    keep = np.sum((x @ (q - w)) ** 2, axis=0) <= np.sum((x @ (ocp_q - w)) ** 2, axis=0)
+    return np.where(keep[None, :], codes, ocp_codes), keep
+
+
+def test_the_exponent_search_picks_each_blocks_best_code_and_keeps_only_winning_columns():
+    rng = np.random.default_rng(10)
+    x = _x(rng, 256, 64)
+    w = rng.standard_normal((64, 8)).astype(np.float32)
+    w[5] *= 12.0
+    w[40] *= 7.0
+    got = exponent_search(w, _tq("mxfp4"), x.T @ x)
+    want_codes, keep = numpy_exponent_search(w.astype(np.float64), x)
+    ocp = np.asarray(compute_scale_zero_point(w, "mxfp4", axis=0)[0])
+    assert np.any(want_codes != ocp)  # seeded: some blocks move
+    np.testing.assert_array_equal(np.asarray(got.scale), want_codes)
+    assert got.fmt == "mxfp4" and got.axis == 0
+
+
+def test_a_column_the_full_gram_says_got_worse_keeps_the_ocp_codes():
+    # Two blocks whose inputs are strongly anti-correlated: each block alone prefers a code
+    # the cross-block terms undo; the full-Gram check must fall back to OCP's for that column.
+    rng = np.random.default_rng(11)
+    z = rng.standard_normal((256, 32))
+    x = np.concatenate([z, -z + 0.05 * rng.standard_normal((256, 32))], axis=1)
+    w = np.tile(rng.uniform(4.6, 7.9, (32, 1)), (2, 6)).astype(np.float32)
+    w[:, 1:] *= rng.uniform(0.5, 1.0, (1, 5)).astype(np.float32)
+    got = exponent_search(w, _tq("mxfp4"), x.T @ x)
+    want_codes, keep = numpy_exponent_search(w.astype(np.float64), x)
+    np.testing.assert_array_equal(np.asarray(got.scale), want_codes)
+    ocp = _deq(quantize(w, "mxfp4", axis=0))
+    assert np.all(
+        column_errors(_deq(got) - w, x.T @ x) <= column_errors(ocp - w, x.T @ x) * (1 + 1e-9)
+    )
+
+
+def test_awq_weight_rounds_as_its_rule_says():
+    rng = np.random.default_rng(12)
+    x = _x(rng, 64, 32)
+    w = rng.standard_normal((32, 4)).astype(np.float32)
+    gram = x.T @ x
+    how = _tq("int4", 8, symmetric=False)
+    kw = dict(gram=gram, awq_scaled=True)
+    np.testing.assert_array_equal(_deq(awq_weight(w, how, **kw)), _deq(clip_search(w, how, gram)))
+    for symmetric in (False, True):
+        plain = _tq("int4", 8, symmetric=symmetric)
+        np.testing.assert_array_equal(
+            _deq(awq_weight(w, plain, clip=False, **kw)),
+            _deq(quantize(w, "int4", axis=0, group_size=8, symmetric=symmetric)),
+        )
+    mx = _tq("mxfp4")
+    np.testing.assert_array_equal(
+        np.asarray(awq_weight(w, mx, **kw).scale), np.asarray(exponent_search(w, mx, gram).scale)
+    )
+
+
+@pytest.mark.parametrize("missing", [{"awq_scaled": False}, {"gram": None}, {}])
+def test_an_unfolded_awq_weight_is_refused_naming_what_to_run(missing):
+    # {}: awq_scaled not given at all (a weight is unfolded unless the caller says so)
+    kw = {"gram": np.eye(4), "awq_scaled": True, **missing} if missing else {"gram": np.eye(4)}
+    with pytest.raises(ValueError) as err:
+        awq_weight(np.ones((4, 2), np.float32), _tq("int8"), **kw)
+    assert str(err.value) == (
+        "layers/0/mlp/up_proj: algorithm 'awq' needs its input's scale searched and folded "
+        "first; run tenantq.quant.calibrate.prepare(params, plan, config, stats) and pass its "
+        "inputs to apply_plan"
+    )
+
+
+def test_awq_refuses_a_weight_not_quantized_along_its_input():
+    with pytest.raises(ValueError) as err:
+        awq_weight(
+            np.ones((4, 2), np.float32), _tq("int8", axis=1), gram=np.eye(4), awq_scaled=True
+        )
+    assert (
+        str(err.value) == "layers/0/mlp/up_proj: AWQ applies to linear weights [in, out] (axis 0)"
+    )
+
+
+def test_the_exponent_search_is_only_for_mx_formats():
+    with pytest.raises(ValueError) as err:
+        exponent_search(np.ones((32, 2), np.float32), _tq("int4", 32), np.eye(32))
+    assert str(err.value) == "layers/0/mlp/up_proj: the exponent search is for MX formats, not int4"
