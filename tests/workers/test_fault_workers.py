@@ -25,6 +25,7 @@ def test_the_environment_names_a_fault_worker_for_a_study_started_from_the_comma
     assert default_worker_class(spec) is HostWorker
     monkeypatch.setenv(WORKER_CLASS_ENV, " GatedTrials\n")  # as a shell or a job file writes it
     assert default_worker_class(spec) is GatedTrials
+    assert default_worker_class(object()) is GatedTrials  # a spec without a kind: one host
 
 
 def test_without_the_environment_a_slice_runs_slice_workers_and_a_host_host_workers(
