@@ -4,8 +4,9 @@ artifacts hold, and the one-line errors for a store, experiment or study that is
 
 The store is built once per process (`_store`: an MLflow sqlite store runs its migrations,
 ~7 s of CPU) and only read by the tests, each of which calls `load_study` itself. Under mutmut
-(imported in its forkserver before the tests are collected) it is built at import, so every
-mutant's forked run reads it in well under a second instead of building its own.
+(imported in its forkserver before the tests are collected) it is built at import, by a child
+process, so every mutant's forked run reads it in well under a second instead of building
+its own.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -42,12 +44,9 @@ def _run(client, exp, *, kind, parent=None, tags=None, params=None, metrics=None
     return run.info.run_id
 
 
-@functools.cache
-def _store() -> tuple[str, str, str]:
-    """(uri, the latest study's parent run id, the unnamed study's parent run id)."""
-    tmp = Path(tempfile.mkdtemp(prefix="tenantq-report-store-"))
-    owner = os.getpid()  # forked test processes must not remove the store they share
-    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(tmp, ignore_errors=True))
+def _build(tmp: Path) -> tuple[str, str, str]:
+    """Write the store into `tmp`: (uri, the latest study's parent run id, the unnamed
+    study's parent run id)."""
     uri = f"sqlite:///{tmp}/mlflow.db"
     client = MlflowClient(uri)
     exp = client.create_experiment("quickstart", artifact_location=(tmp / "a1").as_uri())
@@ -79,13 +78,35 @@ def _store() -> tuple[str, str, str]:
     unnamed = _run(client, unnamed_exp, kind="study", name="run-x",
                    params={"objectives": "maximize tenants_at_slo"})  # fmt: skip
     _run(client, other, kind="trial", parent=unnamed, tags={"tenantq.trial": "0"})
-    # the pooled sqlite connections are not carried into forked test processes
-    client._tracking_client.store.engine.dispose()
+    (tmp / "ids.json").write_text(json.dumps([uri, new, unnamed]))
     return uri, new, unnamed
 
 
-if "mutmut" in sys.modules:  # build it once in mutmut's forkserver (see the docstring)
-    _store()
+def _new_folder() -> Path:
+    tmp = Path(tempfile.mkdtemp(prefix="tenantq-report-store-"))
+    owner = os.getpid()  # forked test processes must not remove the store they share
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(tmp, ignore_errors=True))
+    return tmp
+
+
+@functools.cache
+def _store() -> tuple[str, str, str]:
+    return _build(_new_folder())
+
+
+if "mutmut" in sys.modules and __name__ != "__main__":
+    # In mutmut's forkserver (see the docstring): the store is written by a child process,
+    # so that no MLflow client, engine or thread lives in the process every mutant forks
+    # from; the modules a read needs are imported here once.
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+
+    _folder = _new_folder()
+    subprocess.run([sys.executable, __file__, str(_folder)], check=True, capture_output=True)
+    _ids = tuple(json.loads((_folder / "ids.json").read_text()))
+    _store = functools.cache(lambda: _ids)  # noqa: F811
+
+if __name__ == "__main__":
+    _build(Path(sys.argv[1]))
 
 
 def test_the_latest_study_run_is_read_with_its_trials_in_order() -> None:
