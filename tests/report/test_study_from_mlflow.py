@@ -188,3 +188,54 @@ def test_a_sqlite_store_that_does_not_exist_is_named_and_not_created(tmp_path) -
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match=r"^--tracking-uri: MLflow cannot track to 'ftp://h/x'"):
         load_study("ftp://h/x", "quickstart")
+
+
+def test_reading_an_artifact_leaves_no_download_behind(tmp_path, monkeypatch) -> None:
+    # MLflow downloads into a fresh temporary folder of its own unless given one; the report
+    # reads each artifact through a folder it removes, so a long-lived UI leaks nothing.
+    uri, _, _ = _store()
+    two = load_study(uri, "quickstart").trials[1]
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    assert two.artifact_json("budget.json") == {"tenants": 40}
+    assert list(scratch.iterdir()) == []
+
+
+class _Opened(Exception):
+    """Raised by the stand-in client: load_study got as far as opening the store."""
+
+
+def test_an_in_memory_sqlite_store_is_opened_not_refused_as_a_missing_file(monkeypatch) -> None:
+    import mlflow
+
+    opened: list[str] = []
+
+    def client(uri: str):
+        opened.append(uri)
+        raise _Opened
+
+    monkeypatch.setattr(mlflow, "MlflowClient", client)
+    with pytest.raises(_Opened):
+        load_study("sqlite:///:memory:", "quickstart")
+    assert opened == ["sqlite:///:memory:"]
+
+
+def test_a_store_with_no_experiment_left_says_none(monkeypatch) -> None:
+    # Every store starts with `Default`, but it can be deleted: the list is then empty.
+    import mlflow
+
+    class Empty:
+        def __init__(self, uri: str) -> None:
+            self.uri = uri
+
+        def get_experiment_by_name(self, name: str):
+            return None
+
+        def search_experiments(self):
+            return []
+
+    monkeypatch.setattr(mlflow, "MlflowClient", Empty)
+    with pytest.raises(ValueError) as err:
+        load_study("http://127.0.0.1:1", "qs")
+    assert str(err.value) == "no experiment 'qs' in http://127.0.0.1:1; experiments there: none"
