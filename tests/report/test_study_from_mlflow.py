@@ -164,6 +164,10 @@ def test_a_missing_study_names_the_studies_there() -> None:
         r"quickstart, unnamed$",
     ):
         load_study(uri, "qs")
+    # a study run without its `study.name` param is listed as `?`
+    with pytest.raises(ValueError) as err:
+        load_study(uri, "unnamed", "nope")
+    assert str(err.value) == "experiment 'unnamed' has no study 'nope'; studies there: ?"
 
 
 def test_an_experiment_without_a_study_run_says_which_tag_it_looked_for() -> None:
