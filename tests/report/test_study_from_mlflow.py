@@ -243,3 +243,38 @@ def test_a_store_with_no_experiment_left_says_none(monkeypatch) -> None:
     with pytest.raises(ValueError) as err:
         load_study("http://127.0.0.1:1", "qs")
     assert str(err.value) == "no experiment 'qs' in http://127.0.0.1:1; experiments there: none"
+
+
+def test_a_study_of_more_trials_than_mlflows_default_page_is_read_whole(monkeypatch) -> None:
+    # MLflow's `search_runs` returns 1,000 runs unless asked for more; a study of 1,500
+    # trials must come back whole. The stand-in keeps that contract without writing 1,500
+    # runs to a store.
+    import types
+
+    import mlflow
+
+    def run(run_id: str, tags: dict, params: dict | None = None):
+        info = types.SimpleNamespace(run_id=run_id, status="FINISHED", start_time=1, run_name="")
+        data = types.SimpleNamespace(tags=tags, params=params or {}, metrics={})
+        return types.SimpleNamespace(info=info, data=data)
+
+    parent = run("p", {"tenantq.kind": "study"}, {"study.name": "big"})
+    trials = [
+        run(f"t{n}", {"tenantq.kind": "trial", "tenantq.trial": str(n), "mlflow.parentRunId": "p"})
+        for n in range(1500)
+    ]
+
+    class Paged:
+        def __init__(self, uri: str) -> None:
+            pass
+
+        def get_experiment_by_name(self, name: str):
+            return types.SimpleNamespace(experiment_id="1")
+
+        def search_runs(self, ids, filter_string="", order_by=None, max_results=1000):
+            found = [parent] if "'study'" in filter_string else trials
+            return found[:max_results]
+
+    monkeypatch.setattr(mlflow, "MlflowClient", Paged)
+    study = load_study("http://127.0.0.1:1", "big")
+    assert len(study.trials) == 1500 and study.trials[-1].number == 1499
