@@ -246,7 +246,7 @@ def test_a_store_with_no_experiment_left_says_none(monkeypatch) -> None:
 
 
 def test_a_study_of_more_trials_than_mlflows_default_page_is_read_whole(monkeypatch) -> None:
-    # MLflow's `search_runs` returns 1,000 runs unless asked for more; a study of 1,500
+    # MLflow's `search_runs` returns 1,000 runs unless asked for more; a study of 1,501
     # trials must come back whole. The stand-in keeps that contract without writing 1,500
     # runs to a store.
     import types
@@ -263,6 +263,8 @@ def test_a_study_of_more_trials_than_mlflows_default_page_is_read_whole(monkeypa
         run(f"t{n}", {"tenantq.kind": "trial", "tenantq.trial": str(n), "mlflow.parentRunId": "p"})
         for n in range(1500)
     ]
+    # a trial run without its number tag (written by hand, or half-written) sorts first as -1
+    trials.append(run("t-", {"tenantq.kind": "trial", "mlflow.parentRunId": "p"}))
 
     class Paged:
         def __init__(self, uri: str) -> None:
@@ -277,4 +279,5 @@ def test_a_study_of_more_trials_than_mlflows_default_page_is_read_whole(monkeypa
 
     monkeypatch.setattr(mlflow, "MlflowClient", Paged)
     study = load_study("http://127.0.0.1:1", "big")
-    assert len(study.trials) == 1500 and study.trials[-1].number == 1499
+    assert len(study.trials) == 1501 and study.trials[-1].number == 1499
+    assert (study.trials[0].number, study.trials[0].run_id) == (-1, "t-")
