@@ -9,11 +9,12 @@ its failure budget)."""
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 
 import optuna
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -453,6 +454,11 @@ TestLedgerMachine.settings = settings(
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
+    # Under mutmut (its runner imports it before collecting the tests) a failing mutant needs
+    # no minimal example: without shrinking, a killed mutant stops at its first failure.
+    phases=[p for p in settings.default.phases if p not in (Phase.shrink, Phase.explain)]
+    if "mutmut" in sys.modules
+    else settings.default.phases,
 )
 
 

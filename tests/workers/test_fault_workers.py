@@ -12,6 +12,7 @@ from tenantq.search.spec import WorkersSpec
 from tenantq.workers.faults import GatedTrials, take_ticket
 from tenantq.workers.host import HostWorker
 from tenantq.workers.pool import WORKER_CLASS_ENV, default_worker_class
+from tenantq.workers.slice import SliceWorker
 
 
 def test_the_environment_names_a_fault_worker_for_a_study_started_from_the_command_line(
@@ -22,6 +23,20 @@ def test_the_environment_names_a_fault_worker_for_a_study_started_from_the_comma
     assert default_worker_class(spec) is GatedTrials
     monkeypatch.setenv(WORKER_CLASS_ENV, "")
     assert default_worker_class(spec) is HostWorker
+    monkeypatch.setenv(WORKER_CLASS_ENV, " GatedTrials\n")  # as a shell or a job file writes it
+    assert default_worker_class(spec) is GatedTrials
+    assert default_worker_class(object()) is GatedTrials  # a spec without a kind: one host
+
+
+def test_without_the_environment_a_slice_runs_slice_workers_and_a_host_host_workers(
+    monkeypatch,
+) -> None:
+    monkeypatch.delenv(WORKER_CLASS_ENV, raising=False)
+    host = WorkersSpec(count=1, kind="cpu")
+    gang = WorkersSpec(kind="cpu_slice", cpu_slice_hosts=2, cpu_devices_per_host=2)
+    assert default_worker_class(host) is HostWorker
+    assert default_worker_class(gang) is SliceWorker
+    assert default_worker_class(object()) is HostWorker  # a spec without a kind: one host
 
 
 @pytest.mark.parametrize("named", ["HostWorker", "os.system", "tenantq.workers.faults.GatedTrials"])
@@ -37,8 +52,12 @@ def test_a_worker_name_outside_the_faults_module_is_refused_with_the_names_it_co
 def test_a_fault_worker_is_refused_for_a_slice(monkeypatch) -> None:
     monkeypatch.setenv(WORKER_CLASS_ENV, "GatedTrials")
     spec = WorkersSpec(kind="cpu_slice", cpu_slice_hosts=2, cpu_devices_per_host=2)
-    with pytest.raises(ValueError, match="single-host worker"):
+    with pytest.raises(ValueError) as err:
         default_worker_class(spec)
+    assert str(err.value) == (
+        "TENANTQ_WORKER_CLASS='GatedTrials' is a single-host worker; [workers] kind = "
+        "'cpu_slice' runs slice workers: unset TENANTQ_WORKER_CLASS"
+    )
 
 
 def test_a_missing_gate_folder_is_an_open_gate(tmp_path) -> None:

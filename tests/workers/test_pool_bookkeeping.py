@@ -420,3 +420,60 @@ def test_a_workers_start_error_is_one_line() -> None:
     assert _start_error(other) == "The actor died."
     assert _start_error(HostLost("node lost\nmore")) == "node lost"
     assert _start_error(HostLost("")) == "HostLost"
+
+
+def test_trials_that_finished_together_come_back_from_one_wait(fake_ray) -> None:
+    # The driver tells every finished trial in one sitting: after the first ready ref, the
+    # pool collects all the others already done (ray.wait with num_returns = all, timeout 0).
+    pool = _pool(count=3)
+    pool.wait_ready(all_=True)
+    for key in ("a", "b", "c"):
+        pool.submit(key, "{}")
+    first, second, third = _evaluations(fake_ray)
+    first.finish(value=1)
+    third.finish(value=3)
+    assert sorted(f.key for f in pool.wait(0.0)) == ["a", "c"]
+    assert pool.in_flight == 1 and pool.in_flight_keys() == ["b"]
+
+
+def test_a_slice_pool_runs_slice_workers_and_frees_each_killed_gangs_groups(
+    fake_ray, monkeypatch
+) -> None:
+    # Ray scopes a placement group to the job, not to the SliceWorker that made it: after the
+    # pool kills one (lost, past its deadline, shut down) it removes that worker's groups.
+    monkeypatch.delenv(pool_mod.WORKER_CLASS_ENV, raising=False)
+    released: list[str] = []
+    monkeypatch.setattr(pool_mod, "release_slice", lambda name: released.append(name) or 1)
+    now = [0.0]
+    monkeypatch.setattr(pool_mod.time, "perf_counter", lambda: now[0])
+    spec = WorkersSpec(count=1, kind="cpu_slice", cpu_slice_hosts=2, cpu_devices_per_host=4)
+    pool = WorkerPool(spec, "m", "s", cache_dir="c", trial_timeout_s=10.0)
+    assert fake_ray.classes == [pool_mod.SliceWorker]
+    shape = fake_ray.actors[0].kwargs["slice_shape"]
+    assert (shape["kind"], shape["hosts"], shape["devices_per_host"]) == ("cpu_slice", 2, 4)
+    pool.wait_ready()
+    pool.submit("lost", "{}")
+    _evaluations(fake_ray)[-1].finish(error=_lost())
+    assert pool.wait(0.0)[0].worker_lost
+    assert released == ["tenantq-worker-4242-0-g1"]  # the lost gang's groups
+    pool.wait_ready()
+    pool.submit("slow", "{}")
+    now[0] = 10.0
+    assert pool.wait(1.0)[0].reason == "timeout"
+    assert released[-1] == "tenantq-worker-4242-0-g2"  # the expired one's
+    assert "slice_shape" in fake_ray.actors[-1].kwargs  # its replacement is a slice worker too
+    pool.shutdown()
+    assert released == [f"tenantq-worker-4242-0-g{g}" for g in (1, 2, 3)]
+
+
+def test_a_host_pool_frees_no_placement_groups(fake_ray, monkeypatch) -> None:
+    released: list[str] = []
+    monkeypatch.setattr(pool_mod, "release_slice", lambda name: released.append(name) or 1)
+    pool = _pool(count=1)
+    assert "slice_shape" not in fake_ray.actors[0].kwargs
+    pool.wait_ready()
+    pool.submit("lost", "{}")
+    _evaluations(fake_ray)[-1].finish(error=_lost())
+    pool.wait(0.0)
+    pool.shutdown()
+    assert len(fake_ray.killed) == 2 and released == []

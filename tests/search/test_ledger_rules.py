@@ -1,0 +1,174 @@
+"""The ledger's smaller rules, each alone against real Optuna (in-memory storage): what a
+retry copies, what a told trial carries (constraints, worker, a bounded error), the budget's
+floors and cap, the `on_told` hook, deferred logging, and the one-line `LedgerError`s.
+
+Bounds are exact: the numbers come from the rule under test (a failure budget below 1 is 1,
+ten asks per trial of the budget, errors kept to 2,000 characters)."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from tenantq.search.ledger import ASKS_PER_TRIAL, Ledger, LedgerError, State
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _study() -> optuna.Study:
+    return optuna.create_study(directions=["minimize"], sampler=optuna.samplers.RandomSampler(0))
+
+
+def _run(ledger: Ledger, plan: str, worker: str | None = "w0"):
+    entry = ledger.ask()
+    entry.trial.suggest_categorical("plan", ["a", "b", "c"])
+    assert ledger.route(entry, plan) == "run"
+    ledger.dispatched(entry, worker)
+    return entry
+
+
+def test_a_retry_copies_the_plan_and_attributes_but_not_the_failures_own() -> None:
+    study = _study()
+    ledger = Ledger(study, trials=2, failure_budget=3)
+    entry = _run(ledger, "a", worker="w7")
+    entry.trial.set_user_attr("worker_pid", 4242)
+    entry.trial.set_user_attr("summary", {"kl": 0.1})
+    ledger.fail(entry, "worker_died", "ActorDiedError: the node died")
+    (retry,) = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert retry.params == entry.trial.params
+    assert retry.system_attrs["failed_trial"] == entry.number
+    # the plan's own attributes travel, the failed attempt's (error, reason, worker) do not
+    assert retry.user_attrs == {
+        "plan_fingerprint": "a",
+        "dispatched_trial": entry.number,
+        "summary": {"kl": 0.1},
+        "retry_of": entry.number,
+    }
+    assert ledger.counts["retries"] == 1 and ledger.failures == {"a": 1}
+
+
+def test_a_told_trial_records_its_worker_its_reason_and_at_most_2000_characters_of_error() -> None:
+    study = _study()
+    ledger = Ledger(study, trials=2, failure_budget=1)
+    entry = _run(ledger, "a", worker="w3")
+    ledger.fail(entry, "error", "x" * 2500)
+    (frozen,) = study.get_trials()
+    assert frozen.user_attrs["worker"] == "w3"
+    assert frozen.user_attrs["failure_reason"] == "error"
+    assert frozen.user_attrs["error"] == "x" * 2000
+    assert entry.error == "x" * 2500  # the driver's own record keeps it whole
+    nameless = _run(ledger, "b", worker=None)
+    ledger.complete(nameless, [0.5])
+    assert "worker" not in study.get_trials()[-1].user_attrs and nameless.worker is None
+
+
+def test_constraints_are_told_with_the_values_and_a_duplicate_repeats_them() -> None:
+    study = _study()
+    ledger = Ledger(study, trials=2, failure_budget=1)
+    entry = _run(ledger, "a")
+    entry.trial.set_user_attr("summary", {"tenants": 7})  # as the driver records it
+    ledger.complete(entry, [0.5], constraints={"fits": -1.0}, summary={"tenants": 7})
+    assert entry.constraints == {"fits": -1.0} and entry.summary == {"tenants": 7}
+    dup = ledger.ask()
+    dup.trial.suggest_categorical("plan", ["a", "b", "c"])
+    assert ledger.route(dup, "a") == "duplicate"
+    first, second = study.get_trials()
+    assert first.constraints == second.constraints == {"fits": -1.0}
+    assert second.user_attrs["summary"] == {"tenants": 7}
+    assert second.user_attrs["duplicate_of"] == entry.number == dup.duplicate_of
+    assert dup.values == [0.5] and dup.constraints == {"fits": -1.0}
+    # resumed, the duplicate's answer comes from the study's record: the same constraints
+    again = Ledger(study, trials=2, failure_budget=1)
+    again.restore(study.get_trials(deepcopy=False))
+    assert again.results[entry.number] == ([0.5], {"fits": -1.0}, {"tenants": 7})
+
+
+def test_a_failure_budget_below_one_still_allows_one_attempt() -> None:
+    for budget in (0, -3):
+        ledger = Ledger(_study(), trials=1, failure_budget=budget)
+        assert ledger.failure_budget == 1
+        entry = _run(ledger, "a")
+        ledger.fail(entry, "worker_died", "lost")
+        assert ledger.counts["retries"] == 0 and "a" in ledger.settled and ledger.done == 1
+
+
+def test_asks_are_capped_at_ten_per_trial_of_the_budget_unless_given() -> None:
+    assert ASKS_PER_TRIAL == 10
+    assert Ledger(_study(), trials=3, failure_budget=1).max_asks == 30
+    assert Ledger(_study(), trials=3, failure_budget=1, max_asks=0).max_asks == 0
+    ledger = Ledger(_study(), trials=2, failure_budget=1, max_asks=2)
+    first = _run(ledger, "a")
+    ledger.complete(first, [0.1])
+    dup = ledger.ask()
+    dup.trial.suggest_categorical("plan", ["a", "b", "c"])
+    ledger.route(dup, "a")  # a measured plan again: an ask used, no plan settled
+    assert ledger.asks == 2 and ledger.done == 1
+    assert not ledger.wants_more() and ledger.exhausted() and ledger.finished()
+
+
+def test_a_study_that_settled_its_budget_is_not_exhausted_at_the_cap() -> None:
+    ledger = Ledger(_study(), trials=1, failure_budget=1, max_asks=1)
+    ledger.complete(_run(ledger, "a"), [0.1])
+    assert ledger.asks == 1 and ledger.done == 1 and not ledger.exhausted()
+
+
+def test_on_told_hears_each_trial_once_after_optuna_was_told() -> None:
+    heard: list[tuple[int, str, str]] = []
+    study = _study()
+
+    def hook(entry) -> None:
+        state = study.get_trials()[entry.number].state.name
+        heard.append((entry.number, entry.outcome, state))
+
+    ledger = Ledger(study, trials=3, failure_budget=1, on_told=hook)
+    ledger.complete(_run(ledger, "a"), [0.1])
+    ledger.fail(_run(ledger, "b"), "plan", "plan: no such tenant")
+    assert heard == [(0, "complete", "COMPLETE"), (1, "failed", "FAIL")]
+
+
+def test_a_trial_whose_run_could_not_be_logged_leaves_the_live_set_and_is_remembered() -> None:
+    ledger = Ledger(_study(), trials=2, failure_budget=1)
+    entry = _run(ledger, "a")
+    with pytest.raises(LedgerError, match=r"^trial 0 is dispatched, not told$"):
+        ledger.log_deferred(entry)  # not told yet: its outcome does not exist
+    ledger.complete(entry, [0.1])
+    ledger.log_deferred(entry)
+    assert ledger.deferred == {0} and 0 not in ledger.live and entry.state == State.TOLD
+    assert not ledger.untold_logs()
+
+
+def test_an_unknown_reason_or_a_second_tell_is_a_one_line_ledger_error() -> None:
+    ledger = Ledger(_study(), trials=2, failure_budget=1)
+    entry = _run(ledger, "a")
+    with pytest.raises(LedgerError) as err:
+        ledger.fail(entry, "oops", "?")
+    assert str(err.value) == "unknown failure reason 'oops'"
+    assert entry.outcome is None and entry.state == State.DISPATCHED  # nothing was told
+    ledger.complete(entry, [0.1])
+    with pytest.raises(LedgerError) as err:
+        ledger.complete(entry, [0.2])
+    assert str(err.value) == "trial 0 was told already (complete)"
+    with pytest.raises(LedgerError) as err:
+        ledger.dispatched(entry, "w1")
+    assert str(err.value) == "trial 0: told -> dispatched is not allowed"
+    with pytest.raises(LedgerError) as err:
+        ledger.route(entry, "b")
+    assert str(err.value) == "trial 0 is told, not asked"
+    with pytest.raises(LedgerError) as err:
+        ledger._tell(entry, "failed")  # the ledger's one door to Optuna refuses a second tell
+    assert str(err.value) == "trial 0 was told already (complete)"
+
+
+def test_non_finite_or_non_numeric_values_fail_the_trial_with_reason_nan() -> None:
+    for bad in ([float("nan")], [float("inf")], ["0.5"], [None]):
+        ledger = Ledger(_study(), trials=1, failure_budget=1)
+        entry = _run(ledger, "a")
+        ledger.complete(entry, bad)
+        assert entry.outcome == "failed" and entry.reason == "nan"
+        assert entry.error == f"objective values {bad} are not all finite numbers"
+        assert "a" in ledger.settled and "a" not in ledger.measured
+    ledger = Ledger(_study(), trials=1, failure_budget=1)
+    entry = _run(ledger, "a")
+    ledger.complete(entry, [1])  # an int is a number
+    assert entry.outcome == "complete" and entry.values == [1.0]
+    assert isinstance(entry.values[0], float)
