@@ -47,7 +47,7 @@ DEFAULT_SPEC = Path(__file__).resolve().parents[3] / "experiments" / "quickstart
 class SpacePoint:
     """One plan of the finite space: its choice per axis, fingerprint and exact tenants."""
 
-    choice: tuple[str, str, str]  # (mlp, attn, kv)
+    choice: tuple[str, ...]  # (mlp, attn, kv); per layer: (mlp_0.., kv_0..)
     fingerprint: str
     tenants: int
     plan_json: str
@@ -123,6 +123,63 @@ def build_points(spec_path: str | Path = DEFAULT_SPEC) -> tuple[list[SpacePoint]
                 )
                 points.append(SpacePoint(choice, plan.fingerprint(), b.tenants, plan.to_json()))
     return points, prep
+
+
+# ---------------------------------------------------------------- the per-layer space
+# Issue 25's larger space: every layer's MLP format x every layer's KV format (keys per
+# channel, values per token), attention, embed and lm_head bf16. On the 4-layer reference
+# model 3^4 x 2^4 = 1,296 plans; measured exhaustively into experiments/ground-truth/.
+LAYER_MLP_FORMATS = ("bf16", "int8", "int4")
+LAYER_KV_FORMATS = ("bf16", "int4")
+SPACE_NAMES = ("mlp-attn-kv", "per-layer")
+TRUTH_TABLES = {
+    "mlp-attn-kv": "mlp-attn-kv-168.jsonl",
+    "per-layer": "layer-mlp-kv-1296.jsonl",
+}
+
+
+def layer_plan(mlp: tuple[str, ...], kv: tuple[str, ...], group_size: int | None):
+    """The plan of one per-layer choice: a rule per quantized layer's MLP, a per-layer KV
+    format (`KVPlan.layer_formats`) per quantized layer's cache."""
+    from tenantq.quant.plan import KVPlan, QuantPlan, Rule
+
+    rules = tuple(
+        Rule(f"layers/{i}/mlp/(gate|up|down)_proj", f, group_size=group_size)
+        for i, f in enumerate(mlp)
+        if f != "bf16"
+    )
+    layers = tuple((i, f, f) for i, f in enumerate(kv) if f != "bf16")
+    return QuantPlan(rules=rules, kv=KVPlan(layer_formats=layers))
+
+
+def build_layer_points(spec_path: str | Path = DEFAULT_SPEC) -> tuple[list[SpacePoint], Any]:
+    """Every plan of the per-layer space on `spec_path`'s deployment, tenants by
+    `capacity.budget`; returns (points, prepared spec)."""
+    import itertools
+
+    from tenantq.capacity import budget
+    from tenantq.search.context import prepare
+    from tenantq.search.spec import load_spec
+
+    spec = load_spec(spec_path)
+    prep = prepare(spec, Path(spec_path).read_text())
+    layers = prep.config.num_layers
+    points = []
+    for mlp in itertools.product(LAYER_MLP_FORMATS, repeat=layers):
+        for kv in itertools.product(LAYER_KV_FORMATS, repeat=layers):
+            plan = layer_plan(mlp, kv, spec.space.group_size)
+            b = budget(prep.capacity_config, plan, prep.deployment, spec.deployment.context_tokens)
+            points.append(SpacePoint(mlp + kv, plan.fingerprint(), b.tenants, plan.to_json()))
+    return points, prep
+
+
+def space_points(name: str, spec_path: str | Path = DEFAULT_SPEC):
+    """(points, prepared spec) of the space called `name` (SPACE_NAMES)."""
+    if name == "mlp-attn-kv":
+        return build_points(spec_path)
+    if name == "per-layer":
+        return build_layer_points(spec_path)
+    raise ValueError(f"--space {name!r}: unknown; choose one of {', '.join(SPACE_NAMES)}")
 
 
 # ---------------------------------------------------------------- the quality cache

@@ -1,0 +1,179 @@
+"""The exhaustive ground truth of a finite space, kept in the repository as a JSON-lines table.
+
+One row per measured plan (fingerprint, choice, tenants, the quality metrics, model hash,
+dataset hash, code commit, seconds). `measure` evaluates the plans the table lacks with one
+Evaluator and rewrites the table atomically after every batch, so a killed pass loses at most
+the batch in flight and the next one resumes from what the file holds. A table measured on
+another model or dataset is refused with the hashes named, never mixed with today's figures.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from tenantq.model.files import CACHE_DIR, atomic_write_text
+
+TRUTH_DIR = Path(__file__).resolve().parents[3] / "experiments" / "ground-truth"
+BATCH_PLANS = 10  # plans per atomic rewrite of the table
+BATCH_S = 300.0  # ... or seconds, whichever comes first
+METRIC_PREFIXES = ("fidelity.", "examples.", "passed")  # the summary keys a row keeps
+
+
+class StaleTruthError(ValueError):
+    """The table was measured on another model or dataset than today's."""
+
+
+def code_commit(repo: Path = TRUTH_DIR.parents[1]) -> str:
+    """HEAD of the checkout that runs the measurement, '+dirty' when platform/ has changes."""
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                             check=True)  # fmt: skip
+        return out.stdout.strip()
+
+    try:
+        head, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "platform")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def current_keys(model_path: Path, suite) -> tuple[str, str]:
+    """(model identity, dataset hash) of today's model and suite, as a measurement records."""
+    from tenantq.evals import Evaluator
+
+    evaluator = Evaluator(model_path, suite, cache_dir=CACHE_DIR / "ground-truth")
+    return evaluator.identity, evaluator.dataset_hash
+
+
+def read_table(
+    path: str | Path, *, model: str | None = None, dataset: str | None = None
+) -> dict[str, dict[str, Any]]:
+    """fingerprint -> row for every row of `path` (none if the file is absent). With `model`
+    and `dataset` given, a row measured on other ones raises StaleTruthError."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    rows: dict[str, dict[str, Any]] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            fingerprint = row["fingerprint"]
+            missing = {"metrics", "model", "dataset"} - set(row)
+            if missing:
+                raise KeyError(", ".join(sorted(missing)))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not a ground-truth row ({e!r}); fix or remove it") from e
+        rows[fingerprint] = row
+    for key, want in (("model", model), ("dataset", dataset)):
+        if want is None:
+            continue
+        stale = [r for r in rows.values() if r[key] != want]
+        if stale:
+            raise StaleTruthError(
+                f"{path}: {len(stale)} of {len(rows)} rows were measured on {key} "
+                f"{stale[0][key][:16]}, today's {key} is {want[:16]}; the table is stale: "
+                f"move it aside and measure again (--measure)"
+            )
+    return rows
+
+
+def write_table(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
+    """The whole table, one JSON row per line sorted by fingerprint, written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ordered = sorted(rows, key=lambda r: r["fingerprint"])
+    atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in ordered))
+
+
+def quality_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The numeric quality figures of an evaluation summary (KL with its interval, top-1,
+    perplexity ratio, token and example counts)."""
+    return {k: v for k, v in summary.items()
+            if k.startswith(METRIC_PREFIXES) and isinstance(v, int | float)}  # fmt: skip
+
+
+def row_for(point, summary: dict[str, Any], model: str, dataset: str, commit: str,
+            seconds: float) -> dict[str, Any]:  # fmt: skip
+    return {
+        "fingerprint": point.fingerprint, "choice": list(point.choice), "tenants": point.tenants,
+        "metrics": quality_metrics(summary), "model": model, "dataset": dataset,
+        "commit": commit, "seconds": round(seconds, 3),
+    }  # fmt: skip
+
+
+def rows_from_cache(cache: dict[str, dict[str, Any]], points) -> list[dict[str, Any]]:
+    """Rows for the per-plan JSON cache of `efficiency.exhaustive_pass` (the format before this
+    table), for the plans of `points` it holds; commit 'unknown' (the cache did not record it)."""
+    out = []
+    for p in points:
+        rec = cache.get(p.fingerprint)
+        if rec and "model" in rec and "dataset_hash" in rec:
+            seconds = rec.get("timings_s", {}).get("total", 0.0)
+            out.append(row_for(p, rec["summary"], rec["model"], rec["dataset_hash"],
+                               rec.get("commit", "unknown"), seconds))  # fmt: skip
+    return out
+
+
+def measure(
+    points,
+    model_path: Path,
+    path: str | Path,
+    *,
+    suite,
+    limit: int | None = None,
+    batch_plans: int = BATCH_PLANS,
+    batch_s: float = BATCH_S,
+    shuffle_seed: int | None = None,
+    log: Callable[[str], None] = print,
+    evaluator=None,
+) -> dict[str, dict[str, Any]]:
+    """Measure the distinct plans of `points` that `path` lacks (at most `limit` of them; in a
+    seeded random order with `shuffle_seed`, so a partial table samples the whole space),
+    rewriting the table after every `batch_plans` plans or `batch_s` seconds. Refuses a table
+    measured on another model or dataset before measuring anything."""
+    from tenantq.quant.plan import QuantPlan
+
+    if evaluator is None:
+        from tenantq.evals import Evaluator
+
+        evaluator = Evaluator(model_path, suite, cache_dir=CACHE_DIR / "ground-truth")
+    model, dataset = evaluator.identity, evaluator.dataset_hash
+    rows = read_table(path, model=model, dataset=dataset)
+    todo: dict[str, Any] = {}
+    for p in points:
+        if p.fingerprint not in rows:
+            todo.setdefault(p.fingerprint, p)
+    todo_list = list(todo.values())
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(todo_list)
+    todo_list = todo_list[:limit]
+    log(f"{path}: {len(rows)} plans measured, {len(todo)} to measure, {len(todo_list)} now")
+    commit = code_commit()
+    pending = 0
+    last_write = began_all = time.perf_counter()
+    for i, p in enumerate(todo_list, 1):
+        began = time.perf_counter()
+        result = evaluator.evaluate(QuantPlan.from_json(p.plan_json))
+        seconds = time.perf_counter() - began
+        rows[p.fingerprint] = row_for(p, result.summary, model, dataset, commit, seconds)
+        pending += 1
+        kl = result.summary.get("fidelity.kl_mean", float("nan"))
+        log(f"[{i}/{len(todo_list)}] {'/'.join(p.choice)} tenants={p.tenants} kl={kl:.5f} "
+            f"{seconds:.1f}s")  # fmt: skip
+        if pending >= batch_plans or time.perf_counter() - last_write >= batch_s:
+            write_table(path, rows.values())
+            pending, last_write = 0, time.perf_counter()
+            elapsed = time.perf_counter() - began_all
+            log(f"table written: {len(rows)} rows; {60 * i / elapsed:.2f} plans/min this run")
+    if pending:
+        write_table(path, rows.values())
+    return rows

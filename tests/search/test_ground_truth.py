@@ -1,0 +1,125 @@
+"""The ground-truth table (tenantq.search.ground_truth): batches written atomically, a killed
+pass resumed from the last written batch, a table of another model or dataset refused. Unit
+tests with a stand-in Evaluator (no JAX); the bench reading the table is in test_efficiency.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tenantq.quant.plan import QuantPlan, Rule
+from tenantq.search.efficiency import SpacePoint
+from tenantq.search.ground_truth import (
+    StaleTruthError,
+    measure,
+    read_table,
+    rows_from_cache,
+    write_table,
+)
+
+MODEL, DATASET = "m" * 64, "d" * 64
+
+
+def _points(n: int) -> list[SpacePoint]:
+    plans = [QuantPlan(rules=(Rule(f"layers/{i}/mlp/down_proj", "int4", group_size=64),))
+             for i in range(n)]  # fmt: skip
+    return [SpacePoint(("int4", str(i)), p.fingerprint(), 10 + i, p.to_json())
+            for i, p in enumerate(plans)]  # fmt: skip
+
+
+class _Result:
+    def __init__(self, kl: float):
+        self.summary = {"fidelity.kl_mean": kl, "fidelity.kl_mean.ci_low": kl / 2,
+                        "suite.name": "x", "identity.plan": "p"}  # fmt: skip
+        self.timings_s = {"total": 0.0}
+
+
+class _Evaluator:
+    """Counts evaluations; raises KeyboardInterrupt (a kill) at evaluation `die_at`."""
+
+    def __init__(self, model=MODEL, dataset=DATASET, die_at: int | None = None):
+        self.identity, self.dataset_hash, self.die_at = model, dataset, die_at
+        self.calls: list[str] = []
+
+    def evaluate(self, plan):
+        if self.die_at is not None and len(self.calls) + 1 == self.die_at:
+            raise KeyboardInterrupt
+        self.calls.append(plan.fingerprint())
+        return _Result(0.001 * len(self.calls))
+
+
+def test_a_pass_killed_mid_batch_resumes_from_the_last_written_batch(tmp_path):
+    # 7 plans in batches of 3, killed while evaluating the 5th: batch 1 (plans 1-3) is on disk,
+    # plan 4 of batch 2 is lost with the kill; the resumed pass measures exactly plans 4-7.
+    points, table = _points(7), tmp_path / "truth.jsonl"
+    first = _Evaluator(die_at=5)
+    with pytest.raises(KeyboardInterrupt):
+        measure(points, tmp_path, table, suite=None, batch_plans=3, evaluator=first,
+                log=lambda s: None)  # fmt: skip
+    assert set(read_table(table)) == {p.fingerprint for p in points[:3]}
+    assert [p.name for p in tmp_path.iterdir()] == ["truth.jsonl"]  # no temporary file left
+    second = _Evaluator()
+    rows = measure(points, tmp_path, table, suite=None, batch_plans=3, evaluator=second,
+                   log=lambda s: None)  # fmt: skip
+    assert second.calls == [p.fingerprint for p in points[3:]]
+    assert set(read_table(table)) == set(rows) == {p.fingerprint for p in points}
+    row = read_table(table)[points[0].fingerprint]
+    # the row keeps the quality figures (not the suite's name) and says what was measured
+    assert row["metrics"] == {"fidelity.kl_mean": 0.001, "fidelity.kl_mean.ci_low": 0.0005}
+    assert (row["model"], row["dataset"], row["choice"], row["tenants"]) == (
+        MODEL, DATASET, ["int4", "0"], 10)  # fmt: skip
+    assert row["commit"]
+
+
+def test_a_failed_rewrite_leaves_the_previous_table_whole(tmp_path, monkeypatch):
+    import os
+
+    table = tmp_path / "truth.jsonl"
+    write_table(table, [{"fingerprint": "a", "metrics": {}, "model": MODEL, "dataset": DATASET}])
+    before = table.read_text()
+
+    def broken_replace(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        write_table(table, [{"fingerprint": "b", "metrics": {}, "model": MODEL,
+                             "dataset": DATASET}])  # fmt: skip
+    assert table.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["truth.jsonl"]
+
+
+@pytest.mark.parametrize("key", ["model", "dataset"])
+def test_a_table_of_another_model_or_dataset_is_refused_before_measuring(tmp_path, key):
+    points, table = _points(3), tmp_path / "truth.jsonl"
+    measure(points[:2], tmp_path, table, suite=None, evaluator=_Evaluator(), log=lambda s: None)
+    today = _Evaluator(**{key: "f" * 64})
+    with pytest.raises(StaleTruthError) as err:
+        measure(points, tmp_path, table, suite=None, evaluator=today, log=lambda s: None)
+    old = MODEL if key == "model" else DATASET
+    assert str(err.value) == (
+        f"{table}: 2 of 2 rows were measured on {key} {old[:16]}, today's {key} is "
+        f"{'f' * 16}; the table is stale: move it aside and measure again (--measure)"
+    )
+    assert today.calls == []
+
+
+def test_a_damaged_row_is_named_by_line(tmp_path):
+    table = tmp_path / "truth.jsonl"
+    table.write_text(json.dumps({"fingerprint": "a", "metrics": {}, "model": MODEL,
+                                 "dataset": DATASET}) + "\n{trunc\n")  # fmt: skip
+    with pytest.raises(ValueError, match=r"truth.jsonl:2: not a ground-truth row"):
+        read_table(table)
+
+
+def test_a_per_plan_cache_converts_to_rows_with_its_hashes(tmp_path):
+    points = _points(2)
+    cache = {points[0].fingerprint: {"summary": {"fidelity.kl_mean": 0.5, "suite.name": "x"},
+                                     "model": MODEL, "dataset_hash": DATASET,
+                                     "timings_s": {"total": 7.25}}}  # fmt: skip
+    rows = rows_from_cache(cache, points)
+    assert rows == [{"fingerprint": points[0].fingerprint, "choice": ["int4", "0"],
+                     "tenants": 10, "metrics": {"fidelity.kl_mean": 0.5}, "model": MODEL,
+                     "dataset": DATASET, "commit": "unknown", "seconds": 7.25}]  # fmt: skip
