@@ -123,3 +123,32 @@ def test_a_per_plan_cache_converts_to_rows_with_its_hashes(tmp_path):
     assert rows == [{"fingerprint": points[0].fingerprint, "choice": ["int4", "0"],
                      "tenants": 10, "metrics": {"fidelity.kl_mean": 0.5}, "model": MODEL,
                      "dataset": DATASET, "commit": "unknown", "seconds": 7.25}]  # fmt: skip
+
+
+@pytest.mark.slow  # prepares the quickstart study and builds its knapsack sampler (~10 s)
+def test_quickstart_runs_measure_each_plan_once_and_resume_from_the_table(tmp_path):
+    # Stand-in Evaluator: KL from the plan's fingerprint (deterministic, no JAX). Two samplers x
+    # one seed x budget 3: every run reaches 3 distinct plans, the table holds each plan once,
+    # and a second call with the same seeds reaches the same plans and measures none.
+    from tenantq.search.efficiency import quickstart_hypervolume
+
+    class Hashed(_Evaluator):
+        def evaluate(self, plan):
+            self.calls.append(plan.fingerprint())
+            return _Result(1e-4 + int(plan.fingerprint()[:4], 16) / 65536 * 1e-2)
+
+    table, first = tmp_path / "q.jsonl", Hashed()
+    runs = quickstart_hypervolume(samplers=("random", "capacity_aware"), seeds=(0,),
+                                  budgets=(2, 3), table=table, evaluator=first,
+                                  log=lambda s: None)  # fmt: skip
+    assert [(r["sampler"], r["budget"], r["evaluated"]) for r in runs] == [
+        ("random", 2, 2), ("random", 3, 3),
+        ("capacity_aware", 2, 2), ("capacity_aware", 3, 3),
+    ]  # fmt: skip
+    assert all(r["hypervolume"] > 0 for r in runs)
+    assert len(first.calls) == len(set(first.calls)) == len(read_table(table))
+    again = Hashed()
+    rerun = quickstart_hypervolume(samplers=("random", "capacity_aware"), seeds=(0,),
+                                   budgets=(2, 3), table=table, evaluator=again,
+                                   log=lambda s: None)  # fmt: skip
+    assert again.calls == [] and rerun == runs

@@ -144,11 +144,20 @@ def efficiency_main(argv: list[str]) -> int:
         metavar="SEED",
         help="a made-up KL on the space's real tenants instead of the cache (sampler development)",
     )
+    p.add_argument(
+        "--quickstart",
+        action="store_true",
+        help="hypervolume after each budget on the quickstart spec's own space (defaults: "
+        "budgets 10,25; samplers capacity_aware,nsga2,tpe)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tenantq.search import efficiency as eff
     from tenantq.search import ground_truth as truth
+
+    if args.quickstart:
+        return quickstart_main(args, argv)
 
     table = Path(args.truth) if args.truth else TRUTH_DIR / eff.TRUTH_TABLES[args.space]
     if args.space != "mlp-attn-kv" and not args.measure_only:
@@ -223,6 +232,34 @@ def efficiency_main(argv: list[str]) -> int:
         f"{'enqueued first' if args.baselines else 'not given'}"
     )
     print(eff.render_table(summary))
+    return 0
+
+
+def quickstart_main(args, argv: list[str]) -> int:
+    """`--efficiency --quickstart`: measured-front hypervolume per sampler, seed and budget."""
+    import numpy as np
+
+    from tenantq.search import efficiency as eff
+    from tenantq.search.ground_truth import TRUTH_DIR
+
+    budgets = args.budgets if "--budgets" in argv else "10,25"
+    samplers = args.samplers if "--samplers" in argv else "capacity_aware,nsga2,tpe"
+    rows = eff.quickstart_hypervolume(
+        args.spec, tuple(samplers.split(",")), tuple(int(s) for s in args.seeds.split(",")),
+        tuple(int(b) for b in budgets.split(",")),
+        table=Path(args.truth) if args.truth else TRUTH_DIR / eff.QUICKSTART_TABLE,
+        log=lambda s: print(s, flush=True) if not args.json else None,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps({"runs": rows}, indent=2))
+        return 0
+    print("measured-front hypervolume in (tenants, log10 KL), mean +- sd over seeds")
+    for kind in dict.fromkeys(r["sampler"] for r in rows):
+        cells = []
+        for b in sorted({r["budget"] for r in rows}):
+            hv = [r["hypervolume"] for r in rows if r["sampler"] == kind and r["budget"] == b]
+            cells.append(f"@{b}: {np.mean(hv):.2f} +- {np.std(hv):.2f}")
+        print(f"{kind:>16}  " + "   ".join(cells))
     return 0
 
 
