@@ -318,3 +318,36 @@ def test_the_one_shot_baseline_never_learns_from_a_measurement():
     a = run_sampler(OneShotSampler(order), land, 20)[0]
     b = run_sampler(OneShotSampler(modelopt_order(changed)), changed, 20)[0]
     assert [t for t, _ in a] == [t for t, _ in b]
+
+
+@pytest.mark.slow  # builds the 168 plans and loads the reference model for its hashes (~15 s)
+def test_bench_efficiency_reads_the_ground_truth_table_and_refuses_a_stale_one(
+    tmp_path, monkeypatch, capsys
+):
+    # A table for the real 168-plan space with today's hashes and loss = tenants / 1000 (every
+    # tenant level on the front, 54 levels: test_bench_efficiency_reads_the_cache); then one row
+    # from another dataset: the bench stops with exit 2 and one line naming the table.
+    import json
+
+    from tenantq.bench.search import main
+    from tenantq.search.efficiency import SUITE_PATH, build_points
+    from tenantq.search.ground_truth import current_keys, row_for, write_table
+
+    monkeypatch.chdir(tmp_path)  # the baseline cache is relative to the working folder
+    points, prep = build_points()
+    model, dataset = current_keys(prep.model_path, SUITE_PATH)
+    rows = [row_for(p, {"fidelity.kl_mean": p.tenants / 1000}, model, dataset, "c", 0.0)
+            for p in points]  # fmt: skip
+    table = tmp_path / "truth.jsonl"
+    write_table(table, rows)
+    argv = ["--efficiency", "--truth", str(table), "--budgets", "10", "--seeds", "0",
+            "--samplers", "random", "--ask-cost", "0", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["front"]) == 54 and out["runs"][0]["evaluated"] == 10
+    rows[0]["dataset"] = "0" * 64
+    write_table(table, rows)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"error: {table}: 1 of 168 rows")
+    assert f"dataset 0000000000000000, today's dataset is {dataset[:16]}" in err
