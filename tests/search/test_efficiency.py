@@ -351,3 +351,24 @@ def test_bench_efficiency_reads_the_ground_truth_table_and_refuses_a_stale_one(
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith(f"error: {table}: 1 of 168 rows")
     assert f"dataset 0000000000000000, today's dataset is {dataset[:16]}" in err
+
+
+def test_a_nan_quality_does_not_move_the_hypervolume_reference():
+    # A plan whose evaluation gave NaN KL (a broken plan) must neither be the worst plan nor
+    # poison the reference: the reference is that of the finite plans, whatever their order.
+    from tenantq.search.efficiency import hv_reference
+
+    finite = [(40, 0.01), (20, 0.001)]
+    assert hv_reference([(30, float("nan")), *finite]) == hv_reference(finite)
+    assert hv_reference([*finite, (30, float("nan"))]) == hv_reference(finite)
+
+
+def test_a_row_without_the_quality_metric_is_named():
+    # Only the first row was checked for the metric: a later row without it raised a bare
+    # KeyError. The error names the plan and the metric.
+    from tenantq.search.efficiency import Landscape, SpacePoint
+
+    points = [SpacePoint(("a",), "f1", 10, ""), SpacePoint(("b",), "f2", 20, "")]
+    cache = {"f1": {"summary": {"fidelity.kl_mean": 0.1}}, "f2": {"summary": {}}}
+    with pytest.raises(ValueError, match=r"f2: no numeric 'fidelity.kl_mean'"):
+        Landscape.from_cache(points, cache)

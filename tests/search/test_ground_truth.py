@@ -152,3 +152,32 @@ def test_quickstart_runs_measure_each_plan_once_and_resume_from_the_table(tmp_pa
                                    budgets=(2, 3), table=table, evaluator=again,
                                    log=lambda s: None)  # fmt: skip
     assert again.calls == [] and rerun == runs
+
+
+def test_two_passes_on_one_table_keep_each_others_rows(tmp_path):
+    # Pass A measures plans 0-1 with one write at its end; while A evaluates its 2nd plan, pass
+    # B measures plans 2-3 into the same table and returns. A's write must keep B's two rows:
+    # a rewrite from A's in-memory rows alone would drop them (4 rows expected, not 2).
+    points, table = _points(4), tmp_path / "truth.jsonl"
+
+    class Interleaved(_Evaluator):
+        def evaluate(self, plan):
+            if len(self.calls) == 1:
+                measure(points[2:], tmp_path, table, suite=None, evaluator=_Evaluator(),
+                        log=lambda s: None)  # fmt: skip
+            return super().evaluate(plan)
+
+    measure(points[:2], tmp_path, table, suite=None, evaluator=Interleaved(), log=lambda s: None)
+    assert set(read_table(table)) == {p.fingerprint for p in points}
+    assert [p.name for p in tmp_path.iterdir()] == ["truth.jsonl"]
+
+
+def test_a_pass_refuses_a_table_holding_plans_of_another_space(tmp_path):
+    # A table measured on plans 0-2 given to a pass over plans 3-5 (e.g. --truth naming the
+    # per-layer table for the 168-plan space): refused before measuring, the table unchanged.
+    points, table = _points(6), tmp_path / "truth.jsonl"
+    measure(points[:3], tmp_path, table, suite=None, evaluator=_Evaluator(), log=lambda s: None)
+    before, other = table.read_text(), _Evaluator()
+    with pytest.raises(StaleTruthError, match=r"3 of 3 rows are plans outside this space"):
+        measure(points[3:], tmp_path, table, suite=None, evaluator=other, log=lambda s: None)
+    assert other.calls == [] and table.read_text() == before
