@@ -9,7 +9,10 @@ another model or dataset is refused with the hashes named, never mixed with toda
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import random
 import subprocess
 import time
@@ -94,6 +97,31 @@ def write_table(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
     atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in ordered))
 
 
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on the table's folder (no lock file left beside the table): two passes
+    on one table take turns at re-reading and rewriting it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def merge_into_table(
+    path: str | Path, new: dict[str, dict[str, Any]], *, model: str, dataset: str
+) -> dict[str, dict[str, Any]]:
+    """Re-read `path` under a lock and rewrite it with `new` added: rows another pass wrote
+    since this one read the table are kept, not overwritten. Returns the table as written."""
+    path = Path(path)
+    with _locked(path):
+        rows = {**read_table(path, model=model, dataset=dataset), **new}
+        write_table(path, rows.values())
+    return rows
+
+
 def quality_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """The numeric quality figures of an evaluation summary (KL with its interval, top-1,
     perplexity ratio, token and example counts)."""
@@ -148,6 +176,13 @@ def measure(
         evaluator = Evaluator(model_path, suite, cache_dir=CACHE_DIR / "ground-truth")
     model, dataset = evaluator.identity, evaluator.dataset_hash
     rows = read_table(path, model=model, dataset=dataset)
+    space = {p.fingerprint for p in points}
+    foreign = [fp for fp in rows if fp not in space]
+    if foreign:
+        raise StaleTruthError(
+            f"{path}: {len(foreign)} of {len(rows)} rows are plans outside this space (first "
+            f"{foreign[0]}); the table belongs to another space: give this space's table"
+        )
     todo: dict[str, Any] = {}
     for p in points:
         if p.fingerprint not in rows:
@@ -158,22 +193,21 @@ def measure(
     todo_list = todo_list[:limit]
     log(f"{path}: {len(rows)} plans measured, {len(todo)} to measure, {len(todo_list)} now")
     commit = code_commit()
-    pending = 0
+    pending: dict[str, dict[str, Any]] = {}
     last_write = began_all = time.perf_counter()
     for i, p in enumerate(todo_list, 1):
         began = time.perf_counter()
         result = evaluator.evaluate(QuantPlan.from_json(p.plan_json))
         seconds = time.perf_counter() - began
-        rows[p.fingerprint] = row_for(p, result.summary, model, dataset, commit, seconds)
-        pending += 1
+        pending[p.fingerprint] = row_for(p, result.summary, model, dataset, commit, seconds)
         kl = result.summary.get("fidelity.kl_mean", float("nan"))
         log(f"[{i}/{len(todo_list)}] {'/'.join(p.choice)} tenants={p.tenants} kl={kl:.5f} "
             f"{seconds:.1f}s")  # fmt: skip
-        if pending >= batch_plans or time.perf_counter() - last_write >= batch_s:
-            write_table(path, rows.values())
-            pending, last_write = 0, time.perf_counter()
+        if len(pending) >= batch_plans or time.perf_counter() - last_write >= batch_s:
+            rows = merge_into_table(path, pending, model=model, dataset=dataset)
+            pending, last_write = {}, time.perf_counter()
             elapsed = time.perf_counter() - began_all
             log(f"table written: {len(rows)} rows; {60 * i / elapsed:.2f} plans/min this run")
     if pending:
-        write_table(path, rows.values())
+        rows = merge_into_table(path, pending, model=model, dataset=dataset)
     return rows
