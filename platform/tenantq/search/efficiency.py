@@ -301,8 +301,10 @@ def hypervolume(found: list[tuple[int, float]], reference: tuple[float, float]) 
 
 
 def hv_reference(all_points: list[tuple[int, float]]) -> tuple[float, float]:
-    """0 tenants and 0.1 decade above the space's worst KL: every plan lies inside."""
-    return 0.0, math.log10(max(max(q for _, q in all_points), KL_FLOOR)) + 0.1
+    """0 tenants and 0.1 decade above the space's worst finite KL: every plan lies inside (a
+    NaN KL, a broken plan, is on no front and sets no reference)."""
+    worst = max((q for _, q in all_points if math.isfinite(q)), default=KL_FLOOR)
+    return 0.0, math.log10(max(worst, KL_FLOOR)) + 0.1
 
 
 # ---------------------------------------------------------------- sampler comparison
@@ -330,6 +332,12 @@ class Landscape:
         if not isinstance(summary.get(key), int | float):
             numeric = sorted(k for k, v in summary.items() if isinstance(v, int | float))
             raise ValueError(f"metric {key!r} is not in the cache; cached: {', '.join(numeric)}")
+        for p in points:
+            if not isinstance(cache[p.fingerprint]["summary"].get(key), int | float):
+                raise ValueError(
+                    f"plan {p.fingerprint}: no numeric {key!r} in its cached quality; measure "
+                    f"it again (remove its row or record, then --measure)"
+                )
         return cls(tuple(points), {p.fingerprint: sign * cache[p.fingerprint]["summary"][key]
                                    for p in points})  # fmt: skip
 
@@ -817,17 +825,18 @@ def quickstart_hypervolume(
                     result = evaluator.evaluate(plan)
                     point = SpacePoint(tuple(f"{k}={v}" for k, v in sorted(params.items())),
                                        fp, b.tenants, "")  # fmt: skip
-                    rows[fp] = truth.row_for(point, result.summary, evaluator.identity,
-                                             evaluator.dataset_hash, commit,
-                                             time.perf_counter() - began)  # fmt: skip
-                    truth.write_table(table, rows.values())  # one plan per write: minutes each
+                    row = truth.row_for(point, result.summary, evaluator.identity,
+                                        evaluator.dataset_hash, commit,
+                                        time.perf_counter() - began)  # fmt: skip
+                    # one plan per write (minutes each), merged with rows other runs wrote
+                    rows = truth.merge_into_table(table, {fp: row}, model=evaluator.identity,
+                                                  dataset=evaluator.dataset_hash)  # fmt: skip
                 kl = rows[fp]["metrics"][QUALITY_METRIC]
                 found.setdefault(fp, (b.tenants, kl))
                 study.tell(trial, [b.tenants, kl])
             log(f"{kind} seed {seed}: {len(found)} distinct plans in {asks} asks")
             runs.append({"sampler": kind, "seed": seed, "found": list(found.values())})
-    worst = max(q for r in runs for _, q in r["found"])
-    ref = (0.0, math.log10(max(worst, KL_FLOOR)) + 0.1)
+    ref = hv_reference([point for r in runs for point in r["found"]])
     return [{"sampler": r["sampler"], "seed": r["seed"], "budget": budget,
              "evaluated": len(r["found"][:budget]),
              "hypervolume": hypervolume(r["found"][:budget], ref)}
