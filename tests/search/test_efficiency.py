@@ -372,3 +372,33 @@ def test_a_row_without_the_quality_metric_is_named():
     cache = {"f1": {"summary": {"fidelity.kl_mean": 0.1}}, "f2": {"summary": {}}}
     with pytest.raises(ValueError, match=r"f2: no numeric 'fidelity.kl_mean'"):
         Landscape.from_cache(points, cache)
+
+
+@pytest.mark.slow  # builds the 168 plans (~5 s); today's hashes stubbed (no model load)
+def test_bench_efficiency_names_a_damaged_or_incomplete_table_in_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    # Bad input gets one line and exit 2 (as a stale table does), not a traceback: a table whose
+    # last line was cut, and a table lacking plans of the space (another space's table).
+    from tenantq.bench.search import main
+    from tenantq.search import ground_truth
+    from tenantq.search.efficiency import build_points
+    from tenantq.search.ground_truth import row_for, write_table
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ground_truth, "current_keys", lambda *a: ("m" * 64, "d" * 64))
+    points, _ = build_points()
+    rows = [row_for(p, {"fidelity.kl_mean": p.tenants / 1000}, "m" * 64, "d" * 64, "c", 0.0)
+            for p in points]  # fmt: skip
+    table = tmp_path / "truth.jsonl"
+    argv = ["--efficiency", "--truth", str(table), "--budgets", "10", "--seeds", "0",
+            "--samplers", "random", "--ask-cost", "0", "--json"]  # fmt: skip
+    write_table(table, rows)
+    table.write_text(table.read_text()[:-40])  # the last row cut mid-line
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"error: {table}:168: not a ground-truth row")
+    write_table(table, rows[:100])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "68 of the space's plans have no cached quality" in err
