@@ -206,7 +206,10 @@ def efficiency_main(argv: list[str]) -> int:
         keys = truth.current_keys(prep.model_path, eff.SUITE_PATH)
         rows = truth.read_table(table, model=keys[0], dataset=keys[1])
         summaries = {fp: {"summary": r["metrics"]} for fp, r in rows.items()}
-        land = eff.Landscape.from_cache(points, summaries, args.metric)
+        try:
+            land = eff.Landscape.from_cache(points, summaries, args.metric)
+        except ValueError as e:  # plans missing, a metric absent: the table's fault
+            raise truth.TruthTableError(f"{table}: {e}") from e
     rows = eff.compare(
         land, prep.spec, tuple(int(b) for b in args.budgets.split(",")),
         tuple(int(s) for s in args.seeds.split(",")), tuple(args.samplers.split(",")),
@@ -265,11 +268,11 @@ def quickstart_main(args, argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if "--efficiency" in argv:
-        from tenantq.search.ground_truth import StaleTruthError
+        from tenantq.search.ground_truth import TruthTableError
 
         try:
             return efficiency_main(argv)
-        except StaleTruthError as e:  # a table of another model or dataset: one line, no trace
+        except TruthTableError as e:  # stale, damaged or incomplete table: one line, no trace
             print(f"error: {e}", file=sys.stderr)
             return 2
     p = argparse.ArgumentParser(prog="python -m tenantq.bench search", description=__doc__)

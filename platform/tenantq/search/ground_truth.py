@@ -28,8 +28,12 @@ BATCH_S = 300.0  # ... or seconds, whichever comes first
 METRIC_PREFIXES = ("fidelity.", "examples.", "passed")  # the summary keys a row keeps
 
 
-class StaleTruthError(ValueError):
-    """The table was measured on another model or dataset than today's."""
+class TruthTableError(ValueError):
+    """The table cannot be used as it is (a damaged row, plans missing); the message says why."""
+
+
+class StaleTruthError(TruthTableError):
+    """The table was measured on another model or dataset (or space) than today's."""
 
 
 def code_commit(repo: Path = TRUTH_DIR.parents[1]) -> str:
@@ -74,7 +78,9 @@ def read_table(
             if missing:
                 raise KeyError(", ".join(sorted(missing)))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{n}: not a ground-truth row ({e!r}); fix or remove it") from e
+            raise TruthTableError(
+                f"{path}:{n}: not a ground-truth row ({e!r}); fix or remove it"
+            ) from e
         rows[fingerprint] = row
     for key, want in (("model", model), ("dataset", dataset)):
         if want is None:
