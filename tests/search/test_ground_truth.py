@@ -181,3 +181,15 @@ def test_a_pass_refuses_a_table_holding_plans_of_another_space(tmp_path):
     with pytest.raises(StaleTruthError, match=r"3 of 3 rows are plans outside this space"):
         measure(points[3:], tmp_path, table, suite=None, evaluator=other, log=lambda s: None)
     assert other.calls == [] and table.read_text() == before
+
+
+def test_a_plan_twice_in_the_table_is_refused_naming_both_lines(tmp_path):
+    # Two tables merged by hand or by git (e.g. two trees measuring the per-layer space) can
+    # hold one plan twice with different figures; the last one silently won. Refused instead.
+    table = tmp_path / "truth.jsonl"
+    row = {"fingerprint": "a", "metrics": {"fidelity.kl_mean": 0.1}, "model": MODEL,
+           "dataset": DATASET}  # fmt: skip
+    other = {**row, "metrics": {"fidelity.kl_mean": 0.2}}
+    table.write_text("".join(json.dumps(r) + "\n" for r in (row, other)))
+    with pytest.raises(ValueError, match=r"truth.jsonl:2: plan a is also on line 1"):
+        read_table(table)
