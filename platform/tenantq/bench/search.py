@@ -188,8 +188,10 @@ def efficiency_main(argv: list[str]) -> int:
                 f"model {stale[0]['model'][:16]} / dataset {stale[0]['dataset'][:16]}, not "
                 f"today's {keys[0][:16]} / {keys[1][:16]}; not imported"
             )
-        truth.write_table(table, {**{r["fingerprint"]: r for r in imported}, **rows}.values())
-        print(f"{table}: {len(imported)} cached plans imported")
+        # the table's own rows win over the cache's; merged under the table's lock
+        fresh = {r["fingerprint"]: r for r in imported if r["fingerprint"] not in rows}
+        truth.merge_into_table(table, fresh, model=keys[0], dataset=keys[1])
+        print(f"{table}: {len(fresh)} of {len(imported)} cached plans imported (the rest held)")
     if args.measure:
         truth.measure(
             points, prep.model_path, table, suite=eff.SUITE_PATH, limit=args.measure_limit,

@@ -68,6 +68,7 @@ def read_table(
     if not path.exists():
         return {}
     rows: dict[str, dict[str, Any]] = {}
+    line_of: dict[str, int] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -81,7 +82,12 @@ def read_table(
             raise TruthTableError(
                 f"{path}:{n}: not a ground-truth row ({e!r}); fix or remove it"
             ) from e
-        rows[fingerprint] = row
+        if fingerprint in line_of:  # e.g. two tables merged: which figures hold is unknown
+            raise TruthTableError(
+                f"{path}:{n}: plan {fingerprint} is also on line {line_of[fingerprint]}; keep "
+                f"one of the two rows"
+            )
+        rows[fingerprint], line_of[fingerprint] = row, n
     for key, want in (("model", model), ("dataset", dataset)):
         if want is None:
             continue
