@@ -402,3 +402,51 @@ def test_bench_efficiency_names_a_damaged_or_incomplete_table_in_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "68 of the space's plans have no cached quality" in err
+
+
+@pytest.mark.slow  # builds the 168 plans (~5 s); today's hashes stubbed (no model load)
+def test_import_cache_adds_only_plans_the_table_lacks_and_refuses_a_stale_record(
+    tmp_path, monkeypatch, capsys
+):
+    # The table's row of plan 0 (KL 0.5) holds against the cache's (0.9); plan 1 comes from the
+    # cache with commit 'unknown'. A cache record of another dataset: nothing imported.
+    from tenantq.bench.search import main
+    from tenantq.search import ground_truth
+    from tenantq.search.efficiency import build_points, write_record
+    from tenantq.search.ground_truth import read_table, row_for, write_table
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ground_truth, "current_keys", lambda *a: ("m" * 64, "d" * 64))
+    points, _ = build_points()
+    table, cache = tmp_path / "truth.jsonl", tmp_path / "cache"
+    write_table(table, [row_for(points[0], {"fidelity.kl_mean": 0.5}, "m" * 64, "d" * 64,
+                                "c", 1.0)])  # fmt: skip
+    for p, kl in ((points[0], 0.9), (points[1], 0.3)):
+        write_record(
+            cache,
+            {
+                "fingerprint": p.fingerprint,
+                "model": "m" * 64,
+                "dataset_hash": "d" * 64,
+                "summary": {"fidelity.kl_mean": kl},
+            },
+        )
+    argv = ["--efficiency", "--truth", str(table), "--import-cache", str(cache), "--measure-only"]
+    assert main(argv) == 0
+    rows = read_table(table)
+    assert {fp: r["metrics"]["fidelity.kl_mean"] for fp, r in rows.items()} == {
+        points[0].fingerprint: 0.5, points[1].fingerprint: 0.3}  # fmt: skip
+    assert rows[points[1].fingerprint]["commit"] == "unknown"
+    before = table.read_text()
+    write_record(
+        cache,
+        {
+            "fingerprint": points[2].fingerprint,
+            "model": "m" * 64,
+            "dataset_hash": "0" * 64,
+            "summary": {"fidelity.kl_mean": 0.1},
+        },
+    )
+    with pytest.raises(SystemExit, match=r"1 records were measured on model m{16} / dataset 0{16}"):
+        main(argv)
+    assert table.read_text() == before
