@@ -1,10 +1,9 @@
 """The exhaustive ground truth of a finite space, kept in the repository as a JSON-lines table.
 
-One row per measured plan (fingerprint, choice, tenants, the quality metrics, model hash,
-dataset hash, code commit, seconds). `measure` evaluates the plans the table lacks with one
-Evaluator and rewrites the table atomically after every batch, so a killed pass loses at most
-the batch in flight and the next one resumes from what the file holds. A table measured on
-another model or dataset is refused with the hashes named, never mixed with today's figures.
+One row per measured plan (fingerprint, choice, tenants, quality metrics, model and dataset
+hashes, commit, seconds). `measure` adds the plans the table lacks, merging each batch into the
+file under a lock and rewriting it atomically, so a kill loses at most the batch in flight and
+two passes keep each other's rows; a table of another model, dataset or space is refused.
 """
 
 from __future__ import annotations
