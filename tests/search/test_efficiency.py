@@ -318,3 +318,135 @@ def test_the_one_shot_baseline_never_learns_from_a_measurement():
     a = run_sampler(OneShotSampler(order), land, 20)[0]
     b = run_sampler(OneShotSampler(modelopt_order(changed)), changed, 20)[0]
     assert [t for t, _ in a] == [t for t, _ in b]
+
+
+@pytest.mark.slow  # builds the 168 plans and loads the reference model for its hashes (~15 s)
+def test_bench_efficiency_reads_the_ground_truth_table_and_refuses_a_stale_one(
+    tmp_path, monkeypatch, capsys
+):
+    # A table for the real 168-plan space with today's hashes and loss = tenants / 1000 (every
+    # tenant level on the front, 54 levels: test_bench_efficiency_reads_the_cache); then one row
+    # from another dataset: the bench stops with exit 2 and one line naming the table.
+    import json
+
+    from tenantq.bench.search import main
+    from tenantq.search.efficiency import SUITE_PATH, build_points
+    from tenantq.search.ground_truth import current_keys, row_for, write_table
+
+    monkeypatch.chdir(tmp_path)  # the baseline cache is relative to the working folder
+    points, prep = build_points()
+    model, dataset = current_keys(prep.model_path, SUITE_PATH)
+    rows = [row_for(p, {"fidelity.kl_mean": p.tenants / 1000}, model, dataset, "c", 0.0)
+            for p in points]  # fmt: skip
+    table = tmp_path / "truth.jsonl"
+    write_table(table, rows)
+    argv = ["--efficiency", "--truth", str(table), "--budgets", "10", "--seeds", "0",
+            "--samplers", "random", "--ask-cost", "0", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["front"]) == 54 and out["runs"][0]["evaluated"] == 10
+    rows[0]["dataset"] = "0" * 64
+    write_table(table, rows)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"error: {table}: 1 of 168 rows")
+    assert f"dataset 0000000000000000, today's dataset is {dataset[:16]}" in err
+
+
+def test_a_nan_quality_does_not_move_the_hypervolume_reference():
+    # A plan whose evaluation gave NaN KL (a broken plan) must neither be the worst plan nor
+    # poison the reference: the reference is that of the finite plans, whatever their order.
+    from tenantq.search.efficiency import hv_reference
+
+    finite = [(40, 0.01), (20, 0.001)]
+    assert hv_reference([(30, float("nan")), *finite]) == hv_reference(finite)
+    assert hv_reference([*finite, (30, float("nan"))]) == hv_reference(finite)
+
+
+def test_a_row_without_the_quality_metric_is_named():
+    # Only the first row was checked for the metric: a later row without it raised a bare
+    # KeyError. The error names the plan and the metric.
+    from tenantq.search.efficiency import Landscape, SpacePoint
+
+    points = [SpacePoint(("a",), "f1", 10, ""), SpacePoint(("b",), "f2", 20, "")]
+    cache = {"f1": {"summary": {"fidelity.kl_mean": 0.1}}, "f2": {"summary": {}}}
+    with pytest.raises(ValueError, match=r"f2: no numeric 'fidelity.kl_mean'"):
+        Landscape.from_cache(points, cache)
+
+
+@pytest.mark.slow  # builds the 168 plans (~5 s); today's hashes stubbed (no model load)
+def test_bench_efficiency_names_a_damaged_or_incomplete_table_in_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    # Bad input gets one line and exit 2 (as a stale table does), not a traceback: a table whose
+    # last line was cut, and a table lacking plans of the space (another space's table).
+    from tenantq.bench.search import main
+    from tenantq.search import ground_truth
+    from tenantq.search.efficiency import build_points
+    from tenantq.search.ground_truth import row_for, write_table
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ground_truth, "current_keys", lambda *a: ("m" * 64, "d" * 64))
+    points, _ = build_points()
+    rows = [row_for(p, {"fidelity.kl_mean": p.tenants / 1000}, "m" * 64, "d" * 64, "c", 0.0)
+            for p in points]  # fmt: skip
+    table = tmp_path / "truth.jsonl"
+    argv = ["--efficiency", "--truth", str(table), "--budgets", "10", "--seeds", "0",
+            "--samplers", "random", "--ask-cost", "0", "--json"]  # fmt: skip
+    write_table(table, rows)
+    table.write_text(table.read_text()[:-40])  # the last row cut mid-line
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"error: {table}:168: not a ground-truth row")
+    write_table(table, rows[:100])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "68 of the space's plans have no cached quality" in err
+
+
+@pytest.mark.slow  # builds the 168 plans (~5 s); today's hashes stubbed (no model load)
+def test_import_cache_adds_only_plans_the_table_lacks_and_refuses_a_stale_record(
+    tmp_path, monkeypatch, capsys
+):
+    # The table's row of plan 0 (KL 0.5) holds against the cache's (0.9); plan 1 comes from the
+    # cache with commit 'unknown'. A cache record of another dataset: nothing imported.
+    from tenantq.bench.search import main
+    from tenantq.search import ground_truth
+    from tenantq.search.efficiency import build_points, write_record
+    from tenantq.search.ground_truth import read_table, row_for, write_table
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ground_truth, "current_keys", lambda *a: ("m" * 64, "d" * 64))
+    points, _ = build_points()
+    table, cache = tmp_path / "truth.jsonl", tmp_path / "cache"
+    write_table(table, [row_for(points[0], {"fidelity.kl_mean": 0.5}, "m" * 64, "d" * 64,
+                                "c", 1.0)])  # fmt: skip
+    for p, kl in ((points[0], 0.9), (points[1], 0.3)):
+        write_record(
+            cache,
+            {
+                "fingerprint": p.fingerprint,
+                "model": "m" * 64,
+                "dataset_hash": "d" * 64,
+                "summary": {"fidelity.kl_mean": kl},
+            },
+        )
+    argv = ["--efficiency", "--truth", str(table), "--import-cache", str(cache), "--measure-only"]
+    assert main(argv) == 0
+    rows = read_table(table)
+    assert {fp: r["metrics"]["fidelity.kl_mean"] for fp, r in rows.items()} == {
+        points[0].fingerprint: 0.5, points[1].fingerprint: 0.3}  # fmt: skip
+    assert rows[points[1].fingerprint]["commit"] == "unknown"
+    before = table.read_text()
+    write_record(
+        cache,
+        {
+            "fingerprint": points[2].fingerprint,
+            "model": "m" * 64,
+            "dataset_hash": "0" * 64,
+            "summary": {"fidelity.kl_mean": 0.1},
+        },
+    )
+    with pytest.raises(SystemExit, match=r"1 records were measured on model m{16} / dataset 0{16}"):
+        main(argv)
+    assert table.read_text() == before

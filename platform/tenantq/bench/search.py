@@ -16,12 +16,12 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 import tomllib
 from pathlib import Path
 
-from tenantq.model.files import CACHE_DIR
 from tenantq.testing import TINY_SUITE
 
 PHASES = ("load", "quantize", "compile", "fidelity", "needles", "structured")
@@ -87,13 +87,39 @@ def run_one(base: dict, workers: int, trials: int, suite: str, warm: Path, root:
 
 
 def efficiency_main(argv: list[str]) -> int:
-    """Sampler front coverage and hypervolume on the cached finite space; `--measure` first
-    runs (or resumes) the exhaustive pass that fills the cache."""
+    """Sampler front coverage and hypervolume on a finite space's ground truth (the table in
+    experiments/ground-truth/); `--measure` first measures (or resumes) the plans it lacks."""
+    from tenantq.search.ground_truth import TRUTH_DIR
+
     p = argparse.ArgumentParser(prog="python -m tenantq.bench search --efficiency")
     p.add_argument("--efficiency", action="store_true")
     p.add_argument("--spec", default=str(DEFAULT_SPEC), help="deployment for the tenant count")
-    p.add_argument("--cache-dir", default=str(CACHE_DIR / "efficiency"), help="quality cache")
-    p.add_argument("--measure", action="store_true", help="measure plans missing from the cache")
+    p.add_argument(
+        "--space",
+        default="mlp-attn-kv",
+        choices=("mlp-attn-kv", "per-layer"),
+        help="mlp-attn-kv: 168 plans; per-layer: each layer's MLP x KV format (1,296 plans)",
+    )
+    p.add_argument(
+        "--truth",
+        default=None,
+        help=f"ground-truth table (JSON lines; default: {TRUTH_DIR}/<space's table>)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="read a per-plan JSON quality cache (the format before the table) instead",
+    )
+    p.add_argument(
+        "--import-cache",
+        default=None,
+        metavar="DIR",
+        help="add a per-plan JSON cache's rows to the table (hashes checked) before anything",
+    )
+    p.add_argument("--measure", action="store_true", help="measure plans missing from the table")
+    p.add_argument("--measure-limit", type=int, default=None, help="measure at most N plans")
+    p.add_argument("--measure-only", action="store_true", help="measure, then stop (no comparison)")
+    p.add_argument("--batch", type=int, default=10, help="plans per atomic write of the table")
     p.add_argument("--budgets", default="10,20,25,40", help="evaluations per run")
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--samplers", default="random,nsga2,tpe,capacity_aware")
@@ -118,12 +144,30 @@ def efficiency_main(argv: list[str]) -> int:
         metavar="SEED",
         help="a made-up KL on the space's real tenants instead of the cache (sampler development)",
     )
+    p.add_argument(
+        "--quickstart",
+        action="store_true",
+        help="hypervolume after each budget on the quickstart spec's own space (defaults: "
+        "budgets 10,25; samplers capacity_aware,nsga2,tpe)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tenantq.search import efficiency as eff
+    from tenantq.search import ground_truth as truth
 
-    cost = eff.ask_cost(eff.preset_context(), args.ask_cost) if args.ask_cost else None
+    if args.quickstart:
+        return quickstart_main(args, argv)
+
+    table = Path(args.truth) if args.truth else TRUTH_DIR / eff.TRUTH_TABLES[args.space]
+    if args.space != "mlp-attn-kv" and not args.measure_only:
+        raise SystemExit(
+            f"--space {args.space}: the sampler comparison runs on mlp-attn-kv only so far; "
+            f"give --measure --measure-only to measure its ground truth"
+        )
+    cost = None
+    if args.ask_cost and not args.measure_only:
+        cost = eff.ask_cost(eff.preset_context(), args.ask_cost)
     if cost and not args.json:
         print(
             f"capacity_aware on llama-3.1-8b per-tensor (tpu-v6e, 8192 tokens): "
@@ -132,13 +176,42 @@ def efficiency_main(argv: list[str]) -> int:
             f"{cost['asks']} asks; bytes exact: {cost['exact_bytes']})"
         )
 
-    points, prep = eff.build_points(args.spec)
+    points, prep = eff.space_points(args.space, args.spec)
+    if args.import_cache:
+        keys = truth.current_keys(prep.model_path, eff.SUITE_PATH)
+        rows = truth.read_table(table, model=keys[0], dataset=keys[1])
+        imported = truth.rows_from_cache(eff.read_cache(args.import_cache), points)
+        stale = [r for r in imported if (r["model"], r["dataset"]) != keys]
+        if stale:
+            raise SystemExit(
+                f"--import-cache {args.import_cache}: {len(stale)} records were measured on "
+                f"model {stale[0]['model'][:16]} / dataset {stale[0]['dataset'][:16]}, not "
+                f"today's {keys[0][:16]} / {keys[1][:16]}; not imported"
+            )
+        # the table's own rows win over the cache's; merged under the table's lock
+        fresh = {r["fingerprint"]: r for r in imported if r["fingerprint"] not in rows}
+        truth.merge_into_table(table, fresh, model=keys[0], dataset=keys[1])
+        print(f"{table}: {len(fresh)} of {len(imported)} cached plans imported (the rest held)")
     if args.measure:
-        eff.exhaustive_pass(points, prep.model_path, Path(args.cache_dir), log=print)
+        truth.measure(
+            points, prep.model_path, table, suite=eff.SUITE_PATH, limit=args.measure_limit,
+            batch_plans=args.batch, shuffle_seed=0 if args.space == "per-layer" else None,
+            log=lambda s: print(s, flush=True),
+        )  # fmt: skip
+    if args.measure_only:
+        return 0
     if args.synthetic is not None:
         land = eff.synthetic_landscape(points, args.synthetic)
-    else:
+    elif args.cache_dir:
         land = eff.Landscape.from_cache(points, eff.read_cache(args.cache_dir), args.metric)
+    else:
+        keys = truth.current_keys(prep.model_path, eff.SUITE_PATH)
+        rows = truth.read_table(table, model=keys[0], dataset=keys[1])
+        summaries = {fp: {"summary": r["metrics"]} for fp, r in rows.items()}
+        try:
+            land = eff.Landscape.from_cache(points, summaries, args.metric)
+        except ValueError as e:  # plans missing, a metric absent: the table's fault
+            raise truth.TruthTableError(f"{table}: {e}") from e
     rows = eff.compare(
         land, prep.spec, tuple(int(b) for b in args.budgets.split(",")),
         tuple(int(s) for s in args.seeds.split(",")), tuple(args.samplers.split(",")),
@@ -155,7 +228,7 @@ def efficiency_main(argv: list[str]) -> int:
     source = (
         f"synthetic KL (seed {args.synthetic})"
         if args.synthetic is not None
-        else f"{args.metric} from {args.cache_dir}"
+        else f"{args.metric} from {args.cache_dir or table}"
     )
     print(
         f"search efficiency: {len(points)} plans ({len(land.loss)} distinct fingerprints), "
@@ -167,9 +240,43 @@ def efficiency_main(argv: list[str]) -> int:
     return 0
 
 
+def quickstart_main(args, argv: list[str]) -> int:
+    """`--efficiency --quickstart`: measured-front hypervolume per sampler, seed and budget."""
+    import numpy as np
+
+    from tenantq.search import efficiency as eff
+    from tenantq.search.ground_truth import TRUTH_DIR
+
+    budgets = args.budgets if "--budgets" in argv else "10,25"
+    samplers = args.samplers if "--samplers" in argv else "capacity_aware,nsga2,tpe"
+    rows = eff.quickstart_hypervolume(
+        args.spec, tuple(samplers.split(",")), tuple(int(s) for s in args.seeds.split(",")),
+        tuple(int(b) for b in budgets.split(",")),
+        table=Path(args.truth) if args.truth else TRUTH_DIR / eff.QUICKSTART_TABLE,
+        log=lambda s: print(s, flush=True) if not args.json else None,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps({"runs": rows}, indent=2))
+        return 0
+    print("measured-front hypervolume in (tenants, log10 KL), mean +- sd over seeds")
+    for kind in dict.fromkeys(r["sampler"] for r in rows):
+        cells = []
+        for b in sorted({r["budget"] for r in rows}):
+            hv = [r["hypervolume"] for r in rows if r["sampler"] == kind and r["budget"] == b]
+            cells.append(f"@{b}: {np.mean(hv):.2f} +- {np.std(hv):.2f}")
+        print(f"{kind:>16}  " + "   ".join(cells))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if "--efficiency" in argv:
-        return efficiency_main(argv)
+        from tenantq.search.ground_truth import TruthTableError
+
+        try:
+            return efficiency_main(argv)
+        except TruthTableError as e:  # stale, damaged or incomplete table: one line, no trace
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     p = argparse.ArgumentParser(prog="python -m tenantq.bench search", description=__doc__)
     smoke = os.environ.get(SMOKE_ENV) == "1"
     p.add_argument("--spec", default=str(DEFAULT_SPEC))

@@ -47,7 +47,7 @@ DEFAULT_SPEC = Path(__file__).resolve().parents[3] / "experiments" / "quickstart
 class SpacePoint:
     """One plan of the finite space: its choice per axis, fingerprint and exact tenants."""
 
-    choice: tuple[str, str, str]  # (mlp, attn, kv)
+    choice: tuple[str, ...]  # (mlp, attn, kv); per layer: (mlp_0.., kv_0..)
     fingerprint: str
     tenants: int
     plan_json: str
@@ -123,6 +123,63 @@ def build_points(spec_path: str | Path = DEFAULT_SPEC) -> tuple[list[SpacePoint]
                 )
                 points.append(SpacePoint(choice, plan.fingerprint(), b.tenants, plan.to_json()))
     return points, prep
+
+
+# ---------------------------------------------------------------- the per-layer space
+# Issue 25's larger space: every layer's MLP format x every layer's KV format (keys per
+# channel, values per token), attention, embed and lm_head bf16. On the 4-layer reference
+# model 3^4 x 2^4 = 1,296 plans; measured exhaustively into experiments/ground-truth/.
+LAYER_MLP_FORMATS = ("bf16", "int8", "int4")
+LAYER_KV_FORMATS = ("bf16", "int4")
+SPACE_NAMES = ("mlp-attn-kv", "per-layer")
+TRUTH_TABLES = {
+    "mlp-attn-kv": "mlp-attn-kv-168.jsonl",
+    "per-layer": "layer-mlp-kv-1296.jsonl",
+}
+
+
+def layer_plan(mlp: tuple[str, ...], kv: tuple[str, ...], group_size: int | None):
+    """The plan of one per-layer choice: a rule per quantized layer's MLP, a per-layer KV
+    format (`KVPlan.layer_formats`) per quantized layer's cache."""
+    from tenantq.quant.plan import KVPlan, QuantPlan, Rule
+
+    rules = tuple(
+        Rule(f"layers/{i}/mlp/(gate|up|down)_proj", f, group_size=group_size)
+        for i, f in enumerate(mlp)
+        if f != "bf16"
+    )
+    layers = tuple((i, f, f) for i, f in enumerate(kv) if f != "bf16")
+    return QuantPlan(rules=rules, kv=KVPlan(layer_formats=layers))
+
+
+def build_layer_points(spec_path: str | Path = DEFAULT_SPEC) -> tuple[list[SpacePoint], Any]:
+    """Every plan of the per-layer space on `spec_path`'s deployment, tenants by
+    `capacity.budget`; returns (points, prepared spec)."""
+    import itertools
+
+    from tenantq.capacity import budget
+    from tenantq.search.context import prepare
+    from tenantq.search.spec import load_spec
+
+    spec = load_spec(spec_path)
+    prep = prepare(spec, Path(spec_path).read_text())
+    layers = prep.config.num_layers
+    points = []
+    for mlp in itertools.product(LAYER_MLP_FORMATS, repeat=layers):
+        for kv in itertools.product(LAYER_KV_FORMATS, repeat=layers):
+            plan = layer_plan(mlp, kv, spec.space.group_size)
+            b = budget(prep.capacity_config, plan, prep.deployment, spec.deployment.context_tokens)
+            points.append(SpacePoint(mlp + kv, plan.fingerprint(), b.tenants, plan.to_json()))
+    return points, prep
+
+
+def space_points(name: str, spec_path: str | Path = DEFAULT_SPEC):
+    """(points, prepared spec) of the space called `name` (SPACE_NAMES)."""
+    if name == "mlp-attn-kv":
+        return build_points(spec_path)
+    if name == "per-layer":
+        return build_layer_points(spec_path)
+    raise ValueError(f"--space {name!r}: unknown; choose one of {', '.join(SPACE_NAMES)}")
 
 
 # ---------------------------------------------------------------- the quality cache
@@ -244,8 +301,10 @@ def hypervolume(found: list[tuple[int, float]], reference: tuple[float, float]) 
 
 
 def hv_reference(all_points: list[tuple[int, float]]) -> tuple[float, float]:
-    """0 tenants and 0.1 decade above the space's worst KL: every plan lies inside."""
-    return 0.0, math.log10(max(max(q for _, q in all_points), KL_FLOOR)) + 0.1
+    """0 tenants and 0.1 decade above the space's worst finite KL: every plan lies inside (a
+    NaN KL, a broken plan, is on no front and sets no reference)."""
+    worst = max((q for _, q in all_points if math.isfinite(q)), default=KL_FLOOR)
+    return 0.0, math.log10(max(worst, KL_FLOOR)) + 0.1
 
 
 # ---------------------------------------------------------------- sampler comparison
@@ -273,6 +332,12 @@ class Landscape:
         if not isinstance(summary.get(key), int | float):
             numeric = sorted(k for k, v in summary.items() if isinstance(v, int | float))
             raise ValueError(f"metric {key!r} is not in the cache; cached: {', '.join(numeric)}")
+        for p in points:
+            if not isinstance(cache[p.fingerprint]["summary"].get(key), int | float):
+                raise ValueError(
+                    f"plan {p.fingerprint}: no numeric {key!r} in its cached quality; measure "
+                    f"it again (remove its row or record, then --measure)"
+                )
         return cls(tuple(points), {p.fingerprint: sign * cache[p.fingerprint]["summary"][key]
                                    for p in points})  # fmt: skip
 
@@ -694,3 +759,85 @@ def synthetic_landscape(points: list[SpacePoint], seed: int) -> Landscape:
         both = 1.3 if (mlp != "bf16" and SYNTHETIC_KV_KL[kv] > 0) else 1.0
         loss[p.fingerprint] = (w + SYNTHETIC_KV_KL[kv]) * both * rng.uniform(0.85, 1.15)
     return Landscape(tuple(points), loss)
+
+
+# ---------------------------------------------------------------- the quickstart space
+QUICKSTART_TABLE = "quickstart-measured.jsonl"  # measured plans only: no exhaustive truth
+
+
+def quickstart_hypervolume(
+    spec_path: str | Path = DEFAULT_SPEC,
+    samplers: tuple[str, ...] = ("capacity_aware", "nsga2", "tpe"),
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4),
+    budgets: tuple[int, ...] = (10, 25),
+    *,
+    table: str | Path,
+    suite: str | Path = SUITE_PATH,
+    evaluator=None,
+    log=print,
+) -> list[dict[str, Any]]:
+    """Hypervolume of the measured front after each budget of distinct plans, per sampler and
+    seed, on the quickstart spec's own space (millions of plans; no exhaustive truth).
+
+    The spec's objectives are narrowed to tenants and `fidelity.kl_mean` on the efficiency
+    suite (one compile and one forward per plan; the quick suite's needles would add a decode
+    compile each). Samplers come from the driver's `make_sampler` with the study's context,
+    plans and tenants from `plan_and_budget`. Every plan's KL is kept in `table` (the ground-
+    truth table: shared by all runs, resumed, refused when stale), so a plan two runs reach is
+    measured once. Hypervolume in (tenants, log10 KL) from 0 tenants and 0.1 decade above the
+    worst KL any run measured, common to all runs."""
+    import optuna
+
+    from tenantq.search import ground_truth as truth
+    from tenantq.search.context import prepare
+    from tenantq.search.samplers import make_sampler
+    from tenantq.search.space import suggest
+    from tenantq.search.spec import load_spec
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    base = load_spec(spec_path)
+    kept = [o for o in base.objectives if o.metric in ("tenants", QUALITY_METRIC)]
+    spec = base.model_copy(update={"objectives": kept})
+    context = prepare(spec, "")
+    if evaluator is None:
+        from tenantq.evals import Evaluator
+        from tenantq.model.files import CACHE_DIR
+
+        evaluator = Evaluator(context.model_path, suite, cache_dir=CACHE_DIR / "ground-truth")
+    rows = truth.read_table(table, model=evaluator.identity, dataset=evaluator.dataset_hash)
+    commit = truth.code_commit()
+    runs = []
+    for kind in samplers:
+        for seed in seeds:
+            chosen = spec.sampler.model_copy(update={"kind": kind, "seed": seed})
+            sampler = make_sampler(spec.model_copy(update={"sampler": chosen}), context)
+            study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+            found: dict[str, tuple[int, float]] = {}
+            asks = 0
+            while len(found) < max(budgets) and asks < MAX_ASKS_PER_EVALUATION * max(budgets):
+                trial = study.ask()
+                asks += 1
+                params = suggest(trial, spec.space, context.config)
+                plan, b = context.plan_and_budget(params)
+                fp = plan.fingerprint()
+                if fp not in rows:
+                    began = time.perf_counter()
+                    result = evaluator.evaluate(plan)
+                    point = SpacePoint(tuple(f"{k}={v}" for k, v in sorted(params.items())),
+                                       fp, b.tenants, "")  # fmt: skip
+                    row = truth.row_for(point, result.summary, evaluator.identity,
+                                        evaluator.dataset_hash, commit,
+                                        time.perf_counter() - began)  # fmt: skip
+                    # one plan per write (minutes each), merged with rows other runs wrote
+                    rows = truth.merge_into_table(table, {fp: row}, model=evaluator.identity,
+                                                  dataset=evaluator.dataset_hash)  # fmt: skip
+                kl = rows[fp]["metrics"][QUALITY_METRIC]
+                found.setdefault(fp, (b.tenants, kl))
+                study.tell(trial, [b.tenants, kl])
+            log(f"{kind} seed {seed}: {len(found)} distinct plans in {asks} asks")
+            runs.append({"sampler": kind, "seed": seed, "found": list(found.values())})
+    ref = hv_reference([point for r in runs for point in r["found"]])
+    return [{"sampler": r["sampler"], "seed": r["seed"], "budget": budget,
+             "evaluated": len(r["found"][:budget]),
+             "hypervolume": hypervolume(r["found"][:budget], ref)}
+            for r in runs for budget in budgets]  # fmt: skip
