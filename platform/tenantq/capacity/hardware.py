@@ -38,10 +38,16 @@ class HardwareProfile:
     peak_bf16_flops_per_s: int | None = None
     peak_int8_ops_per_s: int | None = None
     peak_fp8_flops_per_s: int | None = None
-    # Weight elements per second a matmul converts from each stored format before it
-    # multiplies, where that is a pass of its own (XLA:CPU: bf16 emulation, dequantization).
-    # Empty on accelerators: their kernels dequantize in registers, hidden under the bytes.
+    # Where a matmul converts its weight in a pass of its own before multiplying (XLA:CPU),
+    # the weight elements per second of that pass, per stored format; empty on accelerators,
+    # whose kernels dequantize in registers, hidden under the bytes. XLA:CPU has two paths:
+    # a batched product (more than one row) runs a native bf16 dot on a bf16 copy that a
+    # loop fusion dequantizes from int8/int4 first (a bf16 weight: no pass), and a one-row
+    # product converts every weight, bf16 included, to a float32 copy for a float32
+    # matrix-vector dot (`convert_b1_elements_per_s`). The dot then reads the copy (2 or 4
+    # bytes per element), not the stored bytes. A format absent from a table has no pass.
     convert_elements_per_s: tuple[tuple[str, float], ...] = ()
+    convert_b1_elements_per_s: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.hbm_bytes, int) or self.hbm_bytes <= 0:
