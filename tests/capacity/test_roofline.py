@@ -292,6 +292,25 @@ def test_cli_takes_a_bare_slo_number_as_tok_per_s(cli):
     assert rc == rc2 == 0 and bare == unit and "tenants at 20 tok/s" in bare
 
 
+def test_cli_slo_reads_a_spaced_label_as_the_unspaced_one(cli):
+    # `--slo "1500 tok/s"` (one shell word with a space) and `--slo 1500tok/s` are one SLO.
+    argv = ["--model", "llama-3.1-8b", "--hardware", "h100", "--context", "8192", "--slo"]
+    rc, spaced, _ = cli([*argv, "1500 tok/s"])
+    rc2, packed, _ = cli([*argv, "1500tok/s"])
+    assert rc == rc2 == 0 and spaced == packed and "tenants at 1500 tok/s" in spaced
+
+
+@pytest.mark.parametrize("label", ["1500 tok/min", "1,500 tok/s", "tok/s", "1500 tps"])
+def test_cli_bad_slo_label_is_one_line_naming_the_flag(cli, capsys, label):
+    argv = ["--model", "llama-3.1-8b", "--hardware", "h100", "--context", "8192", "--slo"]
+    with pytest.raises(SystemExit) as exit_:
+        cli([*argv, label])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    want = rf"tenantq capacity: error: argument --slo: cannot read '{label}' .*20tok/s"
+    assert re.fullmatch(want, last)
+
+
 def test_cli_slo_prints_the_three_lines_and_json(cli):
     args = ["--model", "llama-3.1-8b", "--hardware", "h100", "--context", "8192",
             "--weights", "int4", "--kv", "fp8_e4m3", "--slo", "50tok/s"]  # fmt: skip
