@@ -106,3 +106,49 @@ def test_w4a8_rules_take_groups_but_8bit_w8a8_does_not() -> None:
         Rule(".*", "int4", symmetric=False, activations="int8")
     with pytest.raises(ValueError, match="needs weights in"):
         Rule(".*", "mxfp4", activations="int8")
+
+
+TP_SCRIPT = """
+import json
+import numpy as np
+from tenantq.engine import Engine
+from tenantq.engine.sharding import device_bytes
+from tenantq.quant.plan import QuantPlan, Rule
+from tenantq.testing import tiny_config, tiny_params
+config = tiny_config()
+params = tiny_params(config)
+plan = QuantPlan((Rule("layers/.*", "int4", group_size=16, activations="int8"),))
+prompts = [[3, 4, 5, 6, 7], [9, 8, 7]]
+one = Engine(config, params, plan, max_seqs=2, max_seq_tokens=32)
+two = Engine(config, params, plan, tp=2, max_seqs=2, max_seq_tokens=32)
+a, b = one.logits(prompts), two.logits(prompts)
+held = {p: sorted(device_bytes(v).values()) for p, v in two.params.items()}
+print(json.dumps({"diff": float(np.abs(a - b).max()), "top": float(np.abs(a).max()),
+                  "held": held}))
+"""
+
+
+@pytest.mark.slow  # a subprocess that imports JAX and builds a sharded engine
+def test_w4a8_under_tensor_parallelism_matches_one_chip_and_the_planner() -> None:
+    # W4A8 with groups along the input splits its row-parallel weights (o, down) between
+    # groups: each device multiplies whole groups, so the sharded engine sums the same exact
+    # group products (int32) in another order. Bound: float32 re-association of the logits'
+    # sums, 1e-5 of the largest logit (about 2^-17: a few hundred terms at 2^-24 each).
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tenantq.capacity.weights import tensor_bytes
+    from tenantq.testing import tiny_config
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", TP_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["diff"] <= 1e-5 * out["top"]
+    plan = QuantPlan((Rule("layers/.*", "int4", group_size=16, activations="int8"),))
+    for t in tensor_bytes(tiny_config(), plan, tp=2):
+        assert out["held"][t.path] == [t.bytes_per_chip] * 2, t.path
