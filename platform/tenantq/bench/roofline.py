@@ -194,6 +194,7 @@ def run(args) -> dict:
         # ratio of a step to the micro-benchmarks beside it is what stays meaningful.
         profile, figures = cpu_profile(args)
         profiles.append({"plan": name, **figures})
+        print(json.dumps(profiles[-1]), file=sys.stderr, flush=True)  # progress, to poll
         plan = _plan(name)
         counted = sum(t.bytes_per_chip for t in tensor_bytes(config, plan, 1))
         for b in args.batches:
@@ -216,6 +217,7 @@ def run(args) -> dict:
                 "bound": st.bound, "error": st.step_s / measured - 1,
                 "weights_stored_bytes": stored, "weights_counted_bytes": counted,
             })  # fmt: skip
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             del engine
     load_after = _loadavg()
     judged = [r for r in rows if r["measured_ms"] >= 1.0]
