@@ -108,6 +108,30 @@ def measure_matmul(batch: int, size: int, repeats: int) -> dict[str, float]:
     return out
 
 
+def measure_bf16_dot(rows: int, cols: int, copies: int, batch: int, repeats: int):
+    """(pack elements/s, FLOP/s) of XLA:CPU's batched bf16 dot over `copies` distinct
+    [rows, cols] weights: timed at 2 rows (the weight pass dominates) and at `batch` rows,
+    t(M) = n / pack + 2 M n / peak, two equations for the two rates."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(1), copies)
+    ws = [jax.random.normal(k, (rows, cols), jnp.bfloat16) for k in keys]
+    n = rows * cols * copies
+    dims = (((1,), (0,)), ((), ()))
+    f = jax.jit(lambda x, ws: [jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+                               for w in ws])  # fmt: skip
+    t = {}
+    for m in (2, batch):
+        x = jnp.ones((m, rows), jnp.bfloat16)
+        t[m] = _best_s(lambda x=x: jax.block_until_ready(f(x, ws)), repeats)
+    # Too small or too noisy to tell apart (t(batch) <= t(2)): all of t(batch) as products.
+    wide = t[batch] > t[2]
+    peak = 2 * (batch - 2) * n / (t[batch] - t[2]) if wide else 2 * batch * n / t[batch]
+    pack_s = max(t[2] - 4 * n / peak, 0.1 * t[2])
+    return n / pack_s, peak
+
+
 def _plan(name: str):
     from tenantq.quant.plan import KVPlan, QuantPlan, Rule
 
@@ -157,17 +181,23 @@ def cpu_profile(args) -> tuple[object, dict]:
     convert, convert_b1 = measure_convert(
         shape["hidden_size"], shape["intermediate_size"], args.convert_copies, args.repeats
     )
+    pack, bf16_peak = measure_bf16_dot(
+        shape["hidden_size"], shape["intermediate_size"], args.convert_copies,
+        max(max(args.batches), 4), args.repeats,
+    )  # fmt: skip
+    peaks["bf16"] = bf16_peak  # the products alone: the weight's packing is `pack`
     overhead = step_overhead_s(args.steps, args.repeats)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     profile = HardwareProfile(
         "cpu-measured", memory, int(bw), "this CPU, measured by python -m tenantq.bench roofline",
         peak_bf16_flops_per_s=int(peaks["bf16"]), peak_int8_ops_per_s=int(peaks["int8"]),
         peak_fp8_flops_per_s=int(peaks["fp8"]), convert_elements_per_s=tuple(convert.items()),
-        convert_b1_elements_per_s=tuple(convert_b1.items()),
+        convert_b1_elements_per_s=tuple(convert_b1.items()), dot_pack_elements_per_s=pack,
     )  # fmt: skip
     figures = {"bandwidth_bytes_per_s": bw, "peak_per_s": peaks, "step_overhead_s": overhead,
                "convert_elements_per_s": convert,
-               "convert_b1_elements_per_s": convert_b1}  # fmt: skip
+               "convert_b1_elements_per_s": convert_b1,
+               "dot_pack_elements_per_s": pack}  # fmt: skip
     return profile, figures
 
 
@@ -241,7 +271,8 @@ def _profile_line(p: dict) -> str:
     conv1 = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in p["convert_b1_elements_per_s"].items())
     return (
         f"{p.get('plan', '')}: stream {p['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; matmul "
-        f"{peaks}; conversion G elements/s to bf16 {conv}, to f32 (1 row) {conv1}; "
+        f"{peaks}; conversion G elements/s to bf16 {conv}, to f32 (1 row) {conv1}; bf16 dot "
+        f"packing {p['dot_pack_elements_per_s'] / 1e9:.2f} G elements/s; "
         f"step overhead {p['step_overhead_s'] * 1e3:.2f} ms"
     )
 

@@ -45,9 +45,13 @@ class HardwareProfile:
     # loop fusion dequantizes from int8/int4 first (a bf16 weight: no pass), and a one-row
     # product converts every weight, bf16 included, to a float32 copy for a float32
     # matrix-vector dot (`convert_b1_elements_per_s`). The dot then reads the copy (2 or 4
-    # bytes per element), not the stored bytes. A format absent from a table has no pass.
+    # bytes per element), not the stored bytes. A format absent from a table has no pass
+    # (see also `dot_pack_elements_per_s`).
     convert_elements_per_s: tuple[tuple[str, float], ...] = ()
     convert_b1_elements_per_s: tuple[tuple[str, float], ...] = ()
+    # XLA:CPU's batched bf16 dot (YNNPACK) packs its weight operand into its own layout at
+    # every call, a pass over every weight element before the products: elements/s of it.
+    dot_pack_elements_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.hbm_bytes, int) or self.hbm_bytes <= 0:

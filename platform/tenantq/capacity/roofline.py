@@ -171,11 +171,13 @@ def cpu_weight_pass(
     hardware converts weights in a pass of its own (see `HardwareProfile`): each weight with a
     conversion rate for its stored format costs its elements at that rate, and its dot then
     reads the converted copy (bf16, 2 B per element, for a batch; float32, 4 B, for one row);
-    a weight without one is read as stored. An untied embedding: the batch's rows only.
+    a weight without one is read as stored. A batch's dot also packs each weight it
+    multiplies (`dot_pack_elements_per_s`). An untied embedding: the batch's rows only.
     Accelerator profiles (no rates): (0, the stored bytes, `weight_step_bytes`)."""
     table = hw.convert_b1_elements_per_s if batch == 1 else hw.convert_elements_per_s
     rates = dict(table)
-    if not rates:
+    pack = hw.dot_pack_elements_per_s if batch > 1 else None
+    if not rates and pack is None:
         return 0.0, weight_step_bytes(config, plan, tp, batch)
     copy_bytes = 4 if batch == 1 else 2
     resolved = plan.resolve(config)
@@ -190,12 +192,18 @@ def cpu_weight_pass(
             n, stored = n * rows // t.shape[0], -(-stored * rows // t.shape[0])
         tq = resolved.get(t.path)
         rate = rates.get(t.format)
-        # Norms are no matmul; W8A8/W4A8 dots multiply the stored codes; a gather is no dot.
-        if t.line == "norms" or rate is None or (tq is not None and tq.activations):
+        gather = t.path == "embed" and not config.tie_word_embeddings
+        # Norms are no matmul; W8A8/W4A8 dots multiply the stored codes (not modelled here).
+        if t.line == "norms" or (tq is not None and tq.activations):
+            read += stored
+            continue
+        if pack is not None and not gather:
+            seconds += n / pack
+        if rate is None:
             read += stored
             continue
         seconds += n / rate
-        read += stored if t.path == "embed" and not config.tie_word_embeddings else copy_bytes * n
+        read += stored if gather else copy_bytes * n
     return seconds, read
 
 
