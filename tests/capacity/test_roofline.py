@@ -60,12 +60,13 @@ def test_llama_8b_bf16_step_on_h100_by_hand():
     assert st.step_s == pytest.approx(5.301074e-3, rel=1e-6)  # + 0.5 ms overhead
 
 
-def _cpu(convert: dict, convert_b1: dict):
+def _cpu(convert: dict, convert_b1: dict, pack: float | None = None):
     from tenantq.capacity.hardware import HardwareProfile
 
     # A CPU profile of run 1's order (docs/results/roofline.md): 20 GB/s, bf16 100 G/s.
     hw = HardwareProfile("cpu", 64 * 2**30, 20 * 10**9, "CPU", 100 * 10**9, 200 * 10**9,
-                         None, tuple(convert.items()), tuple(convert_b1.items()))  # fmt: skip
+                         None, tuple(convert.items()), tuple(convert_b1.items()),
+                         dot_pack_elements_per_s=pack)  # fmt: skip
     return Deployment.of(hw)
 
 
@@ -98,6 +99,14 @@ def test_cpu_conversion_pass_adds_and_the_dot_reads_the_converted_copy():
     kv1 = kv_step_bytes(LLAMA8, QuantPlan(), d, 1, 512)
     read1 = 4 * matmul_elements + 8_192 + norm_bytes
     assert one.memory_s == pytest.approx((read1 + kv1) / 20e9, rel=1e-12)
+    # With the batched dot's packing pass (2e9 elements/s): every matmul weight once more,
+    # bf16 included, for a batch (not the gathered embedding rows); none for one row.
+    packed = _cpu({"int8": 1e9}, {"bf16": 2e9, "int8": 1e9}, pack=2e9)
+    p8 = decode_step(LLAMA8, int8, packed, 4, 512, overhead_s=1e-3)
+    assert p8.convert_s == pytest.approx(st.convert_s + matmul_elements / 2e9, rel=1e-12)
+    p16 = decode_step(LLAMA8, QuantPlan(), packed, 4, 512, overhead_s=0.0)
+    assert p16.convert_s == pytest.approx(matmul_elements / 2e9, rel=1e-12)
+    assert decode_step(LLAMA8, QuantPlan(), packed, 1, 512).convert_s == one.convert_s
 
 
 @pytest.mark.parametrize(
