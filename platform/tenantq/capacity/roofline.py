@@ -5,8 +5,9 @@ fixed overhead. Bytes are the weights in their stored formats plus every tenant'
 scales included, counted by the budget's own byte functions (`tensor_bytes`, the KV storage
 rows), never a second count; FLOPs are split by the format each matmul runs in (bf16 for
 weight-only formats, int8/fp8 for W8A8 and W4A8). On a CPU profile (XLA:CPU converts weights
-in a pass of its own, `HardwareProfile.convert_elements_per_s`) that pass comes first and
-adds, and the dot reads the converted copy instead of the stored bytes. The SLO is a decode
+in a pass of its own, `HardwareProfile.convert_elements_per_s`, and a batched dot packs its
+weight) those passes come first and add, and the dot reads the converted copy instead of the
+stored bytes. The SLO is a decode
 (TPOT) rate, 1 / step; new prompt tokens per request (`prompt_tokens`, 0 by default) add a
 batched prefill amortised over the request's output.
 Imports no JAX, Ray or MLflow.
