@@ -54,16 +54,21 @@ def measure_bandwidth(nbytes: int, repeats: int) -> float:
     return 2 * src.nbytes / _best_s(lambda: np.copyto(dst, src), repeats)
 
 
-def measure_convert(rows: int, cols: int, copies: int, repeats: int) -> tuple[dict, dict]:
+def measure_convert(
+    rows: int, cols: int, copies: int, bandwidth: float, repeats: int
+) -> tuple[dict, dict]:
     """Weight elements/s of the conversion pass the engine's matmul runs before its dot on
-    XLA:CPU, per stored format, timed alone: `matmul`'s own `dequantize(w).astype(bf16)`
-    (the batched path's bf16 copy; a bf16 weight has none) and that copy in float32 (the
-    one-row path). Over `copies` distinct [rows, cols] weights (the model's MLP shape), each
-    converted once per call, as a decode step converts each of its weights once."""
+    XLA:CPU, per stored format, timed where the engine pays it: inside the engine's own
+    `matmul`, whose converted copy is a temporary that XLA:CPU faults in afresh at every call
+    (a copy returned as an output is not: the runtime may reuse its pages). Batched path: the
+    matmul at 2 rows less a bf16 weight's at 2 rows (no conversion; the dot and its packing);
+    one-row path: the matmul at 1 row less the time to read its float32 copy at `bandwidth`.
+    Over `copies` distinct [rows, cols] weights (the model's MLP shape), each once per call."""
     import jax
     import jax.numpy as jnp
 
-    from tenantq.numerics import QArray, dequantize, quantize
+    from tenantq.model.layers import matmul
+    from tenantq.numerics import quantize
 
     keys = jax.random.split(jax.random.key(0), copies)
     ws = [jax.random.normal(k, (rows, cols), jnp.float32) for k in keys]
@@ -72,18 +77,16 @@ def measure_convert(rows: int, cols: int, copies: int, repeats: int) -> tuple[di
         "int8": [quantize(w, "int8", axis=0) for w in ws],
         "int4": [quantize(w, "int4", axis=0, group_size=128) for w in ws],
     }
-
-    def to_bf16(q):
-        return dequantize(q).astype(jnp.bfloat16) if isinstance(q, QArray) else q
-
-    batched = jax.jit(lambda qs: [to_bf16(q) for q in qs])
-    one_row = jax.jit(lambda qs: [to_bf16(q).astype(jnp.float32) for q in qs])
+    f = jax.jit(lambda x, qs: [matmul(x, q, dtype=jnp.bfloat16) for q in qs])
     n = rows * cols * copies
-    out, out_b1 = {}, {}
-    for fmt, qs in stored.items():
-        if fmt != "bf16":
-            out[fmt] = n / _best_s(lambda qs=qs: jax.block_until_ready(batched(qs)), repeats)
-        out_b1[fmt] = n / _best_s(lambda qs=qs: jax.block_until_ready(one_row(qs)), repeats)
+    t = {}
+    for m in (1, 2):
+        x = jnp.ones((m, rows), jnp.bfloat16)
+        for fmt, qs in stored.items():
+            t[fmt, m] = _best_s(lambda x=x, qs=qs: jax.block_until_ready(f(x, qs)), repeats)
+    out = {fmt: n / max(t[fmt, 2] - t["bf16", 2], 0.1 * t[fmt, 2]) for fmt in ("int8", "int4")}
+    read_s = 4 * n / bandwidth
+    out_b1 = {fmt: n / max(t[fmt, 1] - read_s, 0.1 * t[fmt, 1]) for fmt in stored}
     return out, out_b1
 
 
@@ -179,7 +182,7 @@ def cpu_profile(args) -> tuple[object, dict]:
     bw = measure_bandwidth(args.stream_bytes, args.repeats + 2)
     peaks = measure_matmul(max(args.batches), args.matmul_size, args.repeats)
     convert, convert_b1 = measure_convert(
-        shape["hidden_size"], shape["intermediate_size"], args.convert_copies, args.repeats
+        shape["hidden_size"], shape["intermediate_size"], args.convert_copies, bw, args.repeats
     )
     pack, bf16_peak = measure_bf16_dot(
         shape["hidden_size"], shape["intermediate_size"], args.convert_copies,
