@@ -383,3 +383,22 @@ def test_cli_slo_on_plain_cpu_names_the_missing_figures(cli):
     rc, _, err = cli(["--model", "llama-3.1-8b", "--hardware", "cpu", "--memory", "64GiB",
                       "--context", "8192", "--slo", "20tok/s"])  # fmt: skip
     assert rc == 2 and "--slo: hardware cpu has no bandwidth and peak figures" in err
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"convert_elements_per_s": (("int8", 0.0),)},
+        {"convert_b1_elements_per_s": (("bf16", -1e9),)},
+        {"convert_elements_per_s": (("int8", float("nan")),)},
+        {"dot_pack_elements_per_s": 0.0},
+        {"dot_pack_elements_per_s": float("inf")},
+    ],
+)
+def test_cpu_pass_rates_must_be_positive_and_finite(field):
+    # A zero rate divides by zero in the step model; a negative one makes a step faster
+    # than its bytes; an infinite one is a pass that costs nothing (leave the format out).
+    from tenantq.capacity.hardware import HardwareProfile
+
+    with pytest.raises(ValueError, match=r"hardware cpu: .* must be a positive, finite rate"):
+        HardwareProfile("cpu", 2**30, 20 * 10**9, "CPU", 100 * 10**9, **field)
