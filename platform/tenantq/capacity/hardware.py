@@ -60,6 +60,15 @@ class HardwareProfile:
             value = self.peak_for(fmt)
             if value is not None and (isinstance(value, bool) or value <= 0):
                 raise ValueError(f"hardware {self.name}: peak {fmt} rate must be positive")
+        passes = [*self.convert_elements_per_s, *self.convert_b1_elements_per_s]
+        if self.dot_pack_elements_per_s is not None:
+            passes.append(("dot packing", self.dot_pack_elements_per_s))
+        for what, rate in passes:  # a zero rate divides by zero; leave a free pass out
+            if isinstance(rate, bool) or not 0 < rate < float("inf"):
+                raise ValueError(
+                    f"hardware {self.name}: {what} pass rate {rate!r} must be a positive, "
+                    "finite rate (elements/s); leave out a format that has no pass"
+                )
 
     def peak_for(self, compute_format: str) -> int | float | None:
         """The vendor's dense peak for `compute_format` (bf16, int8, fp8), or None."""
