@@ -111,10 +111,30 @@ def measure_matmul(batch: int, size: int, repeats: int) -> dict[str, float]:
     return out
 
 
-def measure_bf16_dot(rows: int, cols: int, copies: int, batch: int, repeats: int):
+def bf16_dot_rates(t2: float, tb: float, n: int, batch: int, bandwidth: float):
+    """(pack elements/s, FLOP/s) from a batched bf16 dot's times over n weight elements at 2
+    and `batch` rows, inverting the step model's own charge for it (`capacity.roofline`):
+    t(M) = n / pack + max(2 n / bandwidth, 2 M n / peak). Two rows are taken as bound by the
+    weight read (2 n bytes; the dot reads its packed copy once more), `batch` rows by the
+    products; where the rates found say otherwise at 2 rows, both times are taken as
+    products (t(b) - t(2) = 2 (b - 2) n / peak)."""
+    read_s = 2 * n / bandwidth
+    pack_s = t2 - read_s
+    if pack_s > 0 and tb - pack_s > read_s:
+        peak = 2 * batch * n / (tb - pack_s)
+        if 4 * n / peak <= read_s:
+            return n / pack_s, peak
+    # Too small or too noisy to tell apart (t(batch) <= t(2)): all of t(batch) as products.
+    wide = tb > t2
+    peak = 2 * (batch - 2) * n / (tb - t2) if wide else 2 * batch * n / tb
+    pack_s = max(t2 - max(read_s, 4 * n / peak), 0.1 * t2)
+    return n / pack_s, peak
+
+
+def measure_bf16_dot(rows: int, cols: int, copies: int, batch: int, bandwidth: float, repeats: int):
     """(pack elements/s, FLOP/s) of XLA:CPU's batched bf16 dot over `copies` distinct
-    [rows, cols] weights: timed at 2 rows (the weight pass dominates) and at `batch` rows,
-    t(M) = n / pack + 2 M n / peak, two equations for the two rates."""
+    [rows, cols] weights, timed at 2 rows (the weight passes dominate) and at `batch` rows:
+    two equations for the two rates (`bf16_dot_rates`)."""
     import jax
     import jax.numpy as jnp
 
@@ -128,11 +148,7 @@ def measure_bf16_dot(rows: int, cols: int, copies: int, batch: int, repeats: int
     for m in (2, batch):
         x = jnp.ones((m, rows), jnp.bfloat16)
         t[m] = _best_s(lambda x=x: jax.block_until_ready(f(x, ws)), repeats)
-    # Too small or too noisy to tell apart (t(batch) <= t(2)): all of t(batch) as products.
-    wide = t[batch] > t[2]
-    peak = 2 * (batch - 2) * n / (t[batch] - t[2]) if wide else 2 * batch * n / t[batch]
-    pack_s = max(t[2] - 4 * n / peak, 0.1 * t[2])
-    return n / pack_s, peak
+    return bf16_dot_rates(t[2], t[batch], n, batch, bandwidth)
 
 
 def _plan(name: str):
@@ -186,7 +202,7 @@ def cpu_profile(args) -> tuple[object, dict]:
     )
     pack, bf16_peak = measure_bf16_dot(
         shape["hidden_size"], shape["intermediate_size"], args.convert_copies,
-        max(max(args.batches), 4), args.repeats,
+        max(max(args.batches), 4), bw, args.repeats,
     )  # fmt: skip
     peaks["bf16"] = bf16_peak  # the products alone: the weight's packing is `pack`
     overhead = step_overhead_s(args.steps, args.repeats)
