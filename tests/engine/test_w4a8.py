@@ -165,7 +165,7 @@ def test_w4a8_tied_head_is_the_same_product_as_its_untied_layout(activations: st
     x = jnp.asarray(rng.standard_normal((4, IN)), jnp.float32)
     tied = quantize(e, "int4", axis=1, group_size=GROUP)
     untied = quantize(e.T, "int4", axis=0, group_size=GROUP)
-    assert (np.asarray(tied.scale).T == np.asarray(untied.scale)).all()
+    assert np.array_equal(np.asarray(untied.scale), np.asarray(tied.scale).T)
     got = matmul(x, tied, dtype=jnp.float32, activations=activations, transpose=True)
     want = matmul(x, untied, dtype=jnp.float32, activations=activations)
     assert np.array_equal(np.asarray(got), np.asarray(want))
