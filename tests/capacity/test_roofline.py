@@ -71,7 +71,7 @@ def _cpu(convert: dict, convert_b1: dict, pack: float | None = None):
 
 
 def test_cpu_conversion_pass_adds_and_the_dot_reads_the_converted_copy():
-    # Llama-3.1-8B (the hand check above): 7,504,924,672 matmul weight elements besides the
+    # Llama-3.1-8B (the hand check above): 7,504,658,432 matmul weight elements besides the
     # embedding (lm_head 525,336,576 + 32 x 218,103,808), norms 2 x 4,096 x 32 + 4,096 =
     # 266,240 elements (532,480 B in bf16), one embedding row of 4,096 (8,192 B) per token.
     matmul_elements, norm_bytes = 525_336_576 + 32 * 218_103_808, 532_480
