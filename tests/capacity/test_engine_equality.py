@@ -49,6 +49,13 @@ PLANS = {
             layer_formats=((1, "fp8_e5m2", "nvfp4"),),
         ),  # fmt: skip
     ),
+    "W4A8: int4/g128 x int8 activations, int4 x fp8 lm_head, int8 kv": QuantPlan(
+        rules=(
+            Rule("layers/.*", "int4", group_size=128, activations="int8"),
+            Rule("lm_head", "int4", group_size=16, activations="fp8_e4m3"),
+        ),
+        kv=KVPlan("int8", "channel", "int8", "token"),
+    ),
     "kv axes swapped": QuantPlan(kv=KVPlan("int4", "token", "nvfp4", "channel", sink_tokens=3)),
     "static fp8 per tensor (the fp8 default)": QuantPlan.uniform("bf16", "fp8_e4m3"),
     "static int8 keys per head, int2 values per head, sinks": QuantPlan(

@@ -60,22 +60,53 @@ def test_llama_8b_bf16_step_on_h100_by_hand():
     assert st.step_s == pytest.approx(5.301074e-3, rel=1e-6)  # + 0.5 ms overhead
 
 
-def test_cpu_weight_conversion_is_a_third_roof_not_an_added_term():
+def _cpu(convert: dict, convert_b1: dict, pack: float | None = None):
     from tenantq.capacity.hardware import HardwareProfile
 
-    # Run 1's CPU profile (docs/results/roofline.md): 19.32 GB/s, bf16 116 G/s, conversion
-    # of bf16 weights 0.20 G elements/s: Llama-3.1-8B's 7.5e9 matmul weights take ~37 s.
-    def cpu(convert_rate):
-        hw = HardwareProfile("cpu-run1", 64 * 2**30, 19_320_000_000, "CPU", 116 * 10**9,
-                             236 * 10**9, 28 * 10**9, (("bf16", convert_rate),))  # fmt: skip
-        return decode_step(LLAMA8, QuantPlan(), Deployment.of(hw), 4, 512, overhead_s=1e-3)
+    # A CPU profile of run 1's order (docs/results/roofline.md): 20 GB/s, bf16 100 G/s.
+    hw = HardwareProfile("cpu", 64 * 2**30, 20 * 10**9, "CPU", 100 * 10**9, 200 * 10**9,
+                         None, tuple(convert.items()), tuple(convert_b1.items()),
+                         dot_pack_elements_per_s=pack)  # fmt: skip
+    return Deployment.of(hw)
 
-    slow = cpu(0.2e9)
-    assert slow.convert_s > max(slow.memory_s, slow.compute_s) and slow.bound == "convert"
-    assert slow.step_s == pytest.approx(slow.convert_s + 1e-3, rel=1e-12)  # not + memory_s
-    fast = cpu(1e15)  # a conversion under the bytes costs nothing more
-    assert 0 < fast.convert_s < fast.memory_s and fast.bound == "memory"
-    assert fast.step_s == pytest.approx(fast.memory_s + 1e-3, rel=1e-12)
+
+def test_cpu_conversion_pass_adds_and_the_dot_reads_the_converted_copy():
+    # Llama-3.1-8B (the hand check above): 7,504,658,432 matmul weight elements besides the
+    # embedding (lm_head 525,336,576 + 32 x 218,103,808), norms 2 x 4,096 x 32 + 4,096 =
+    # 266,240 elements (532,480 B in bf16), one embedding row of 4,096 (8,192 B) per token.
+    matmul_elements, norm_bytes = 525_336_576 + 32 * 218_103_808, 532_480
+    d = _cpu({"int8": 1e9}, {"bf16": 2e9, "int8": 1e9})
+    int8 = QuantPlan((Rule(".*", "int8"),))
+    # Batch 4, int8 weights (per output channel: + 4 B of scale per column): the pass
+    # converts every matmul element at 1e9/s; the dot reads a bf16 copy (2 B each); the 4
+    # embedding rows are gathered as stored (4 x (4,096 + 4) B), the norms read as stored.
+    st = decode_step(LLAMA8, int8, d, 4, 512, overhead_s=1e-3)
+    embed_elements = 4 * 4_096  # the rows gathered are converted too
+    assert st.convert_s == pytest.approx((matmul_elements + embed_elements) / 1e9, rel=1e-12)
+    read = 2 * matmul_elements + 4 * (4_096 + 4) + norm_bytes
+    kv = kv_step_bytes(LLAMA8, int8, d, 4, 512)
+    assert st.memory_s == pytest.approx((read + kv) / 20e9, rel=1e-12)
+    assert st.step_s == pytest.approx(st.convert_s + max(st.memory_s, st.compute_s) + 1e-3)
+    assert st.bound == "convert"
+    # Batch 4 in bf16: no pass on the batched path, the dot reads the stored bf16 weights.
+    bf16 = decode_step(LLAMA8, QuantPlan(), d, 4, 512, overhead_s=0.0)
+    assert bf16.convert_s == 0.0
+    assert bf16.step_s == pytest.approx(max(bf16.memory_s, bf16.compute_s), rel=1e-12)
+    assert bf16.memory_s == pytest.approx((bf16.weight_bytes + bf16.kv_bytes) / 20e9)
+    # Batch 1 in bf16: the one-row path converts to float32 (at 2e9/s) and reads 4 B each.
+    one = decode_step(LLAMA8, QuantPlan(), d, 1, 512, overhead_s=0.0)
+    assert one.convert_s == pytest.approx((matmul_elements + 4_096) / 2e9, rel=1e-12)
+    kv1 = kv_step_bytes(LLAMA8, QuantPlan(), d, 1, 512)
+    read1 = 4 * matmul_elements + 8_192 + norm_bytes
+    assert one.memory_s == pytest.approx((read1 + kv1) / 20e9, rel=1e-12)
+    # With the batched dot's packing pass (2e9 elements/s): every matmul weight once more,
+    # bf16 included, for a batch (not the gathered embedding rows); none for one row.
+    packed = _cpu({"int8": 1e9}, {"bf16": 2e9, "int8": 1e9}, pack=2e9)
+    p8 = decode_step(LLAMA8, int8, packed, 4, 512, overhead_s=1e-3)
+    assert p8.convert_s == pytest.approx(st.convert_s + matmul_elements / 2e9, rel=1e-12)
+    p16 = decode_step(LLAMA8, QuantPlan(), packed, 4, 512, overhead_s=0.0)
+    assert p16.convert_s == pytest.approx(matmul_elements / 2e9, rel=1e-12)
+    assert decode_step(LLAMA8, QuantPlan(), packed, 1, 512).convert_s == one.convert_s
 
 
 @pytest.mark.parametrize(
@@ -270,6 +301,25 @@ def test_cli_takes_a_bare_slo_number_as_tok_per_s(cli):
     assert rc == rc2 == 0 and bare == unit and "tenants at 20 tok/s" in bare
 
 
+def test_cli_slo_reads_a_spaced_label_as_the_unspaced_one(cli):
+    # `--slo "1500 tok/s"` (one shell word with a space) and `--slo 1500tok/s` are one SLO.
+    argv = ["--model", "llama-3.1-8b", "--hardware", "h100", "--context", "8192", "--slo"]
+    rc, spaced, _ = cli([*argv, "1500 tok/s"])
+    rc2, packed, _ = cli([*argv, "1500tok/s"])
+    assert rc == rc2 == 0 and spaced == packed and "tenants at 1500 tok/s" in spaced
+
+
+@pytest.mark.parametrize("label", ["1500 tok/min", "1,500 tok/s", "tok/s", "1500 tps"])
+def test_cli_bad_slo_label_is_one_line_naming_the_flag(cli, capsys, label):
+    argv = ["--model", "llama-3.1-8b", "--hardware", "h100", "--context", "8192", "--slo"]
+    with pytest.raises(SystemExit) as exit_:
+        cli([*argv, label])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    want = rf"tenantq capacity: error: argument --slo: cannot read '{label}' .*20tok/s"
+    assert re.fullmatch(want, last)
+
+
 def test_cli_slo_prints_the_three_lines_and_json(cli):
     args = ["--model", "llama-3.1-8b", "--hardware", "h100", "--context", "8192",
             "--weights", "int4", "--kv", "fp8_e4m3", "--slo", "50tok/s"]  # fmt: skip
@@ -333,3 +383,22 @@ def test_cli_slo_on_plain_cpu_names_the_missing_figures(cli):
     rc, _, err = cli(["--model", "llama-3.1-8b", "--hardware", "cpu", "--memory", "64GiB",
                       "--context", "8192", "--slo", "20tok/s"])  # fmt: skip
     assert rc == 2 and "--slo: hardware cpu has no bandwidth and peak figures" in err
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"convert_elements_per_s": (("int8", 0.0),)},
+        {"convert_b1_elements_per_s": (("bf16", -1e9),)},
+        {"convert_elements_per_s": (("int8", float("nan")),)},
+        {"dot_pack_elements_per_s": 0.0},
+        {"dot_pack_elements_per_s": float("inf")},
+    ],
+)
+def test_cpu_pass_rates_must_be_positive_and_finite(field):
+    # A zero rate divides by zero in the step model; a negative one makes a step faster
+    # than its bytes; an infinite one is a pass that costs nothing (leave the format out).
+    from tenantq.capacity.hardware import HardwareProfile
+
+    with pytest.raises(ValueError, match=r"hardware cpu: .* must be a positive, finite rate"):
+        HardwareProfile("cpu", 2**30, 20 * 10**9, "CPU", 100 * 10**9, **field)

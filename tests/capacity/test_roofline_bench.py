@@ -28,3 +28,29 @@ def test_roofline_bench_predicts_each_measured_step_and_counts_the_same_bytes() 
         assert r["measured_ms"] > 0 and r["predicted_ms"] > 0
         assert r["error"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1, rel=1e-6)
         assert r["weights_stored_bytes"] == r["weights_counted_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("bandwidth", "pack", "peak"),
+    [
+        (22e9, 2.16e9, 865e9),  # the CPU of docs/results/roofline.md: 2 rows memory-bound
+        (22e9, 2.16e9, 20e9),  # a slow peak: 2 rows compute-bound as well
+        (22e9, 5e8, 300e9),
+    ],
+)
+def test_bf16_dot_rates_invert_the_step_models_own_equation(bandwidth, pack, peak) -> None:
+    # The step model (capacity.roofline) charges a batched bf16 dot of n weight elements
+    # n / pack + max(2 n / bandwidth, 2 M n / peak) at M rows. Times made by that equation
+    # must give back the rates they were made from; else the profile double-counts a term
+    # (the weight read inside the packing time, then again as bytes) and the model's own
+    # prediction of the micro-benchmark it was measured from is off.
+    from tenantq.bench.roofline import bf16_dot_rates
+
+    n, batch = 8 * 1024 * 2816, 64
+
+    def t(m):
+        return n / pack + max(2 * n / bandwidth, 2 * m * n / peak)
+
+    got_pack, got_peak = bf16_dot_rates(t(2), t(batch), n, batch, bandwidth)
+    assert got_pack == pytest.approx(pack, rel=1e-9)
+    assert got_peak == pytest.approx(peak, rel=1e-9)

@@ -106,3 +106,90 @@ def test_w4a8_rules_take_groups_but_8bit_w8a8_does_not() -> None:
         Rule(".*", "int4", symmetric=False, activations="int8")
     with pytest.raises(ValueError, match="needs weights in"):
         Rule(".*", "mxfp4", activations="int8")
+
+
+TP_SCRIPT = """
+import json
+import numpy as np
+from tenantq.engine import Engine
+from tenantq.engine.sharding import device_bytes
+from tenantq.quant.plan import QuantPlan, Rule
+from tenantq.testing import tiny_config, tiny_params
+config = tiny_config()
+params = tiny_params(config)
+plan = QuantPlan((Rule("layers/.*", "int4", group_size=16, activations="int8"),))
+prompts = [[3, 4, 5, 6, 7], [9, 8, 7]]
+one = Engine(config, params, plan, max_seqs=2, max_seq_tokens=32)
+two = Engine(config, params, plan, tp=2, max_seqs=2, max_seq_tokens=32)
+a, b = one.logits(prompts), two.logits(prompts)
+held = {p: sorted(device_bytes(v).values()) for p, v in two.params.items()}
+print(json.dumps({"diff": float(np.abs(a - b).max()), "top": float(np.abs(a).max()),
+                  "held": held}))
+"""
+
+
+@pytest.mark.slow  # a subprocess that imports JAX and builds a sharded engine
+def test_w4a8_under_tensor_parallelism_matches_one_chip_and_the_planner() -> None:
+    # W4A8 with groups along the input splits its row-parallel weights (o, down) between
+    # groups: each device multiplies whole groups, so the sharded engine sums the same exact
+    # group products (int32) in another order. Bound: float32 re-association of the logits'
+    # sums, 1e-5 of the largest logit (about 2^-17: a few hundred terms at 2^-24 each).
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tenantq.capacity.weights import tensor_bytes
+    from tenantq.testing import tiny_config
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", TP_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["diff"] <= 1e-5 * out["top"]
+    plan = QuantPlan((Rule("layers/.*", "int4", group_size=16, activations="int8"),))
+    for t in tensor_bytes(tiny_config(), plan, tp=2):
+        assert out["held"][t.path] == [t.bytes_per_chip] * 2, t.path
+
+
+@pytest.mark.parametrize("activations", ["int8", "fp8_e4m3"])
+def test_w4a8_tied_head_is_the_same_product_as_its_untied_layout(activations: str) -> None:
+    # A tied embedding [vocab, hidden] is the output head as x @ E^T, its int4 groups along
+    # hidden (the contracted axis). Quantized along hidden, E and E^T hold the same codes and
+    # scales, so the transposed product must equal the [in, out] one (tested against numpy
+    # above) to float32 rounding: one group sum order, so bitwise here.
+    rng = np.random.default_rng(3)
+    e = jnp.asarray(rng.standard_normal((OUT, IN)) / np.sqrt(IN), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4, IN)), jnp.float32)
+    tied = quantize(e, "int4", axis=1, group_size=GROUP)
+    untied = quantize(e.T, "int4", axis=0, group_size=GROUP)
+    assert np.array_equal(np.asarray(untied.scale), np.asarray(tied.scale).T)
+    got = matmul(x, tied, dtype=jnp.float32, activations=activations, transpose=True)
+    want = matmul(x, untied, dtype=jnp.float32, activations=activations)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_w4a8_rule_on_every_tensor_builds_the_engine_the_planner_counts(tied: bool) -> None:
+    # `.*` int4 with groups and int8 activations: the plan accepts it on both layouts (an
+    # untied embed is a lookup; a tied one is the head) and the capacity planner counts it,
+    # so the engine must build and run it with the planner's bytes. Its logits stay within
+    # the W4A8 error of the bf16 engine's: bound 0.5 of the largest logit, a loose check that
+    # the head is the embedding's product (a wrong scale layout gives garbage or NaN).
+    from tenantq.capacity.weights import tensor_bytes
+    from tenantq.engine import Engine
+    from tenantq.testing import tiny_config, tiny_params
+
+    config = tiny_config(tie_word_embeddings=tied)
+    params = tiny_params(config)
+    plan = QuantPlan((Rule(".*", "int4", group_size=16, activations="int8"),))
+    engine = Engine(config, params, plan, max_seqs=2, max_seq_tokens=32)
+    reference = Engine(config, params, QuantPlan(), max_seqs=2, max_seq_tokens=32)
+    prompts = [[3, 4, 5, 6, 7], [9, 8, 7]]
+    got, want = np.asarray(engine.logits(prompts)), np.asarray(reference.logits(prompts))
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 0.5 * np.abs(want).max()
+    counted = {t.path: t.bytes_per_chip for t in tensor_bytes(config, plan, 1)}
+    assert engine.memory_report().weight_bytes == counted

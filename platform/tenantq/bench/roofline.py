@@ -1,14 +1,14 @@
 """`python -m tenantq.bench roofline`: the step-time model against the engine's measured steps.
 
-First a CPU profile by micro-benchmark: stream bandwidth (a copy of a large array, read plus
+A CPU profile by micro-benchmark: stream bandwidth (a copy of a large array, read plus
 write bytes), matmul rate per compute format at the widest batch (bf16 x bf16, int8 x int8
--> int32, fp8 x fp8 -> float32, as the engine's matmul runs them), the rate at which the
-engine's matmul converts a weight of each stored format before multiplying (XLA:CPU emulates
-bf16 and dequantizes in a pass of its own; a batch-1 product of a large weight, less its
-bytes' time) and the fixed cost of one decode step (the engine on a tiny model). Then, for three
-plans (bf16; int8 weights; int4 weights + int8 KV) and batches 1-64 on a random model large
-enough to leave the caches, the engine's measured decode step beside
-`capacity.roofline.decode_step` on that profile, and the relative error.
+-> int32, fp8 x fp8 -> float32, as the engine's matmul runs them), the rate of the pass in
+which XLA:CPU converts each stored weight format before its dot (to a bf16 copy for a batch,
+to float32 for one row; timed alone, over weights of the model's own shape) and the fixed
+cost of one decode step (the engine on a tiny model). Then, for three plans (bf16; int8
+weights; int4 weights + int8 KV) and batches 1-64 on a random model of 214 MB, an engine of
+exactly that many rows is timed per decode step beside `capacity.roofline.decode_step` on
+the profile measured just before that plan's steps, and the relative error is given.
 By default it runs on one core and times by the process's CPU clock, so that other users'
 load on a shared machine does not enter the figures (`--clock wall` for all cores and wall
 time). `TENANTQ_BENCH_SMOKE=1` shrinks everything to seconds.
@@ -54,29 +54,40 @@ def measure_bandwidth(nbytes: int, repeats: int) -> float:
     return 2 * src.nbytes / _best_s(lambda: np.copyto(dst, src), repeats)
 
 
-def measure_convert(rows: int, cols: int, bandwidth: float, repeats: int) -> dict[str, float]:
-    """Weight elements/s the engine's matmul converts per stored format: a batch-1 product
-    with a [rows, cols] weight (the engine's bf16 compute dtype), its bytes' time taken off."""
+def measure_convert(
+    rows: int, cols: int, copies: int, bandwidth: float, repeats: int
+) -> tuple[dict, dict]:
+    """Weight elements/s of the conversion pass the engine's matmul runs before its dot on
+    XLA:CPU, per stored format, timed where the engine pays it: inside the engine's own
+    `matmul`, whose converted copy is a temporary that XLA:CPU faults in afresh at every call
+    (a copy returned as an output is not: the runtime may reuse its pages). Batched path: the
+    matmul at 2 rows less a bf16 weight's at 2 rows (no conversion; the dot and its packing);
+    one-row path: the matmul at 1 row less the time to read its float32 copy at `bandwidth`.
+    Over `copies` distinct [rows, cols] weights (the model's MLP shape), each once per call."""
     import jax
     import jax.numpy as jnp
 
     from tenantq.model.layers import matmul
     from tenantq.numerics import quantize
 
-    w = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)
-    x = jnp.ones((1, rows), jnp.bfloat16)
-    weights = {
-        "bf16": w.astype(jnp.bfloat16),
-        "int8": quantize(w, "int8", axis=0),
-        "int4": quantize(w, "int4", axis=0),
+    keys = jax.random.split(jax.random.key(0), copies)
+    ws = [jax.random.normal(k, (rows, cols), jnp.float32) for k in keys]
+    stored = {
+        "bf16": [w.astype(jnp.bfloat16) for w in ws],
+        "int8": [quantize(w, "int8", axis=0) for w in ws],
+        "int4": [quantize(w, "int4", axis=0, group_size=128) for w in ws],
     }
-    f = jax.jit(lambda x, w: matmul(x, w, dtype=jnp.bfloat16))
-    out = {}
-    for fmt, q in weights.items():
-        nbytes = q.nbytes if fmt != "bf16" else q.size * 2
-        t = _best_s(functools.partial(lambda q: f(x, q).block_until_ready(), q), repeats)
-        out[fmt] = rows * cols / max(t - nbytes / bandwidth, 0.1 * t)
-    return out
+    f = jax.jit(lambda x, qs: [matmul(x, q, dtype=jnp.bfloat16) for q in qs])
+    n = rows * cols * copies
+    t = {}
+    for m in (1, 2):
+        x = jnp.ones((m, rows), jnp.bfloat16)
+        for fmt, qs in stored.items():
+            t[fmt, m] = _best_s(lambda x=x, qs=qs: jax.block_until_ready(f(x, qs)), repeats)
+    out = {fmt: n / max(t[fmt, 2] - t["bf16", 2], 0.1 * t[fmt, 2]) for fmt in ("int8", "int4")}
+    read_s = 4 * n / bandwidth
+    out_b1 = {fmt: n / max(t[fmt, 1] - read_s, 0.1 * t[fmt, 1]) for fmt in stored}
+    return out, out_b1
 
 
 def measure_matmul(batch: int, size: int, repeats: int) -> dict[str, float]:
@@ -98,6 +109,46 @@ def measure_matmul(batch: int, size: int, repeats: int) -> dict[str, float]:
         run = functools.partial(lambda f, x, w: f(x, w).block_until_ready(), f, x, w)
         out[fmt] = 2 * batch * size * size / _best_s(run, repeats)
     return out
+
+
+def bf16_dot_rates(t2: float, tb: float, n: int, batch: int, bandwidth: float):
+    """(pack elements/s, FLOP/s) from a batched bf16 dot's times over n weight elements at 2
+    and `batch` rows, inverting the step model's own charge for it (`capacity.roofline`):
+    t(M) = n / pack + max(2 n / bandwidth, 2 M n / peak). Two rows are taken as bound by the
+    weight read (2 n bytes; the dot reads its packed copy once more), `batch` rows by the
+    products; where the rates found say otherwise at 2 rows, both times are taken as
+    products (t(b) - t(2) = 2 (b - 2) n / peak)."""
+    read_s = 2 * n / bandwidth
+    pack_s = t2 - read_s
+    if pack_s > 0 and tb - pack_s > read_s:
+        peak = 2 * batch * n / (tb - pack_s)
+        if 4 * n / peak <= read_s:
+            return n / pack_s, peak
+    # Too small or too noisy to tell apart (t(batch) <= t(2)): all of t(batch) as products.
+    wide = tb > t2
+    peak = 2 * (batch - 2) * n / (tb - t2) if wide else 2 * batch * n / tb
+    pack_s = max(t2 - max(read_s, 4 * n / peak), 0.1 * t2)
+    return n / pack_s, peak
+
+
+def measure_bf16_dot(rows: int, cols: int, copies: int, batch: int, bandwidth: float, repeats: int):
+    """(pack elements/s, FLOP/s) of XLA:CPU's batched bf16 dot over `copies` distinct
+    [rows, cols] weights, timed at 2 rows (the weight passes dominate) and at `batch` rows:
+    two equations for the two rates (`bf16_dot_rates`)."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(1), copies)
+    ws = [jax.random.normal(k, (rows, cols), jnp.bfloat16) for k in keys]
+    n = rows * cols * copies
+    dims = (((1,), (0,)), ((), ()))
+    f = jax.jit(lambda x, ws: [jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+                               for w in ws])  # fmt: skip
+    t = {}
+    for m in (2, batch):
+        x = jnp.ones((m, rows), jnp.bfloat16)
+        t[m] = _best_s(lambda x=x: jax.block_until_ready(f(x, ws)), repeats)
+    return bf16_dot_rates(t[2], t[batch], n, batch, bandwidth)
 
 
 def _plan(name: str):
@@ -143,18 +194,29 @@ def step_overhead_s(steps: int, repeats: int) -> float:
 def cpu_profile(args) -> tuple[object, dict]:
     from tenantq.capacity.hardware import HardwareProfile
 
+    shape = SMOKE_MODEL if args.smoke else MODEL
     bw = measure_bandwidth(args.stream_bytes, args.repeats + 2)
     peaks = measure_matmul(max(args.batches), args.matmul_size, args.repeats)
-    convert = measure_convert(args.matmul_size * 2, args.matmul_size * 2, bw, args.repeats)
+    convert, convert_b1 = measure_convert(
+        shape["hidden_size"], shape["intermediate_size"], args.convert_copies, bw, args.repeats
+    )
+    pack, bf16_peak = measure_bf16_dot(
+        shape["hidden_size"], shape["intermediate_size"], args.convert_copies,
+        max(max(args.batches), 4), bw, args.repeats,
+    )  # fmt: skip
+    peaks["bf16"] = bf16_peak  # the products alone: the weight's packing is `pack`
     overhead = step_overhead_s(args.steps, args.repeats)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     profile = HardwareProfile(
         "cpu-measured", memory, int(bw), "this CPU, measured by python -m tenantq.bench roofline",
         peak_bf16_flops_per_s=int(peaks["bf16"]), peak_int8_ops_per_s=int(peaks["int8"]),
         peak_fp8_flops_per_s=int(peaks["fp8"]), convert_elements_per_s=tuple(convert.items()),
+        convert_b1_elements_per_s=tuple(convert_b1.items()), dot_pack_elements_per_s=pack,
     )  # fmt: skip
     figures = {"bandwidth_bytes_per_s": bw, "peak_per_s": peaks, "step_overhead_s": overhead,
-               "convert_elements_per_s": convert}  # fmt: skip
+               "convert_elements_per_s": convert,
+               "convert_b1_elements_per_s": convert_b1,
+               "dot_pack_elements_per_s": pack}  # fmt: skip
     return profile, figures
 
 
@@ -172,21 +234,28 @@ def run(args) -> dict:
     from tenantq.model.decoder import init_params
 
     load_before = _loadavg()
-    profile, figures = cpu_profile(args)
     shape = SMOKE_MODEL if args.smoke else MODEL
     config = ModelConfig(model_type="llama", **shape)
     params = init_params(config, seed=0)
-    rows = []
+    rows, profiles = [], []
     for name in args.plans:
+        # The profile is measured again before each plan's steps: on a shared machine the
+        # ratio of a step to the micro-benchmarks beside it is what stays meaningful.
+        profile, figures = cpu_profile(args)
+        profiles.append({"plan": name, **figures})
+        print(json.dumps(profiles[-1]), file=sys.stderr, flush=True)  # progress, to poll
         plan = _plan(name)
-        engine = Engine(config, params, plan, max_seqs=max(args.batches),
-                        max_seq_tokens=args.prompt + args.steps)  # fmt: skip
-        stored = sum(engine.memory_report().weight_bytes.values())
         counted = sum(t.bytes_per_chip for t in tensor_bytes(config, plan, 1))
-        deployment = Deployment(profile, 1, engine.cache.page_tokens)
         for b in args.batches:
+            # The engine pads every decode step to its `max_seqs` rows (one executable for
+            # all batches): an engine of exactly `b` rows runs a step of `b` tenants.
+            engine = Engine(config, params, plan, max_seqs=b,
+                            max_seq_tokens=args.prompt + args.steps)  # fmt: skip
+            stored = sum(engine.memory_report().weight_bytes.values())
+            deployment = Deployment(profile, 1, engine.cache.page_tokens)
             measured = measure_step(engine, b, args.prompt, args.steps, args.repeats)
-            context = args.prompt + args.steps // 2 + 1  # tokens held at the middle step
+            # A decode step reads the cache's whole window (steps.DECODE_MIN_KV_TOKENS).
+            context = engine.cache.max_seq_tokens
             st = decode_step(config, plan, deployment, b, context,
                              overhead_s=figures["step_overhead_s"])  # fmt: skip
             rows.append({
@@ -197,11 +266,13 @@ def run(args) -> dict:
                 "bound": st.bound, "error": st.step_s / measured - 1,
                 "weights_stored_bytes": stored, "weights_counted_bytes": counted,
             })  # fmt: skip
-        del engine
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            del engine
     load_after = _loadavg()
     judged = [r for r in rows if r["measured_ms"] >= 1.0]
     return {
-        "profile": figures,
+        "profile": profiles[0],
+        "profiles": profiles,
         "model": shape,
         "rows": rows,
         "max_abs_error_at_1ms": max((abs(r["error"]) for r in judged), default=None),
@@ -213,14 +284,22 @@ def run(args) -> dict:
     }
 
 
-def render(result: dict) -> str:
-    p = result["profile"]
+def _profile_line(p: dict) -> str:
     peaks = ", ".join(f"{k} {v / 1e9:.1f} G/s" for k, v in p["peak_per_s"].items())
-    conv = ", ".join(f"{k} {v / 1e9:.2f} G/s" for k, v in p["convert_elements_per_s"].items())
+    conv = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in p["convert_elements_per_s"].items())
+    conv1 = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in p["convert_b1_elements_per_s"].items())
+    return (
+        f"{p.get('plan', '')}: stream {p['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; matmul "
+        f"{peaks}; conversion G elements/s to bf16 {conv}, to f32 (1 row) {conv1}; bf16 dot "
+        f"packing {p['dot_pack_elements_per_s'] / 1e9:.2f} G elements/s; "
+        f"step overhead {p['step_overhead_s'] * 1e3:.2f} ms"
+    )
+
+
+def render(result: dict) -> str:
     out = [
-        f"CPU profile: stream bandwidth {p['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; matmul "
-        f"{peaks}; weight conversion {conv} elements; step overhead "
-        f"{p['step_overhead_s'] * 1e3:.2f} ms",
+        "CPU profile, measured before each plan's steps:",
+        *(_profile_line(p) for p in result.get("profiles", [result["profile"]])),
         f"model: {result['model']}; clock: {result.get('clock', 'wall')}",
         "",
         f"{'plan':<22}{'batch':>6}{'measured ms':>13}{'predicted ms':>14}{'memory ms':>11}"
@@ -260,6 +339,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=1 if smoke else 2)
     parser.add_argument("--stream-bytes", type=int, default=2**20 if smoke else 2**29)
     parser.add_argument("--matmul-size", type=int, default=128 if smoke else 2048)
+    parser.add_argument(
+        "--convert-copies", type=int, default=2 if smoke else 8,
+        help="distinct weights of the model's MLP shape the conversion benchmark passes over",
+    )  # fmt: skip
     parser.add_argument(
         "--clock",
         choices=("cpu", "wall"),

@@ -38,10 +38,20 @@ class HardwareProfile:
     peak_bf16_flops_per_s: int | None = None
     peak_int8_ops_per_s: int | None = None
     peak_fp8_flops_per_s: int | None = None
-    # Weight elements per second a matmul converts from each stored format before it
-    # multiplies, where that is a pass of its own (XLA:CPU: bf16 emulation, dequantization).
-    # Empty on accelerators: their kernels dequantize in registers, hidden under the bytes.
+    # Where a matmul converts its weight in a pass of its own before multiplying (XLA:CPU),
+    # the weight elements per second of that pass, per stored format; empty on accelerators,
+    # whose kernels dequantize in registers, hidden under the bytes. XLA:CPU has two paths:
+    # a batched product (more than one row) runs a native bf16 dot on a bf16 copy that a
+    # loop fusion dequantizes from int8/int4 first (a bf16 weight: no pass), and a one-row
+    # product converts every weight, bf16 included, to a float32 copy for a float32
+    # matrix-vector dot (`convert_b1_elements_per_s`). The dot then reads the copy (2 or 4
+    # bytes per element), not the stored bytes. A format absent from a table has no pass
+    # (see also `dot_pack_elements_per_s`).
     convert_elements_per_s: tuple[tuple[str, float], ...] = ()
+    convert_b1_elements_per_s: tuple[tuple[str, float], ...] = ()
+    # XLA:CPU's batched bf16 dot (YNNPACK) packs its weight operand into its own layout at
+    # every call, a pass over every weight element before the products: elements/s of it.
+    dot_pack_elements_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.hbm_bytes, int) or self.hbm_bytes <= 0:
@@ -50,6 +60,15 @@ class HardwareProfile:
             value = self.peak_for(fmt)
             if value is not None and (isinstance(value, bool) or value <= 0):
                 raise ValueError(f"hardware {self.name}: peak {fmt} rate must be positive")
+        passes = [*self.convert_elements_per_s, *self.convert_b1_elements_per_s]
+        if self.dot_pack_elements_per_s is not None:
+            passes.append(("dot packing", self.dot_pack_elements_per_s))
+        for what, rate in passes:  # a zero rate divides by zero; leave a free pass out
+            if isinstance(rate, bool) or not 0 < rate < float("inf"):
+                raise ValueError(
+                    f"hardware {self.name}: {what} pass rate {rate!r} must be a positive, "
+                    "finite rate (elements/s); leave out a format that has no pass"
+                )
 
     def peak_for(self, compute_format: str) -> int | float | None:
         """The vendor's dense peak for `compute_format` (bf16, int8, fp8), or None."""

@@ -1,13 +1,15 @@
 """Decode step time by roofline, and how many tenants a deployment serves at a service level.
 
 One decode step of B tenants at context c takes max(bytes / bandwidth, FLOPs / peak) plus a
-fixed overhead (on a CPU the measured weight-conversion pass, `convert_s`, is a third roof in
-that max: it is paid once per step whatever the batch, as the bytes are). Bytes are the
-weights in their stored formats plus every tenant's KV pages, scales included, counted by the
-budget's own byte functions (`tensor_bytes`, the KV storage rows), never a second count;
-FLOPs are split by the format each matmul runs in (bf16 for weight-only formats, int8/fp8
-for W8A8 and W4A8). The SLO is a decode (TPOT) rate, 1 / step; new prompt tokens per request
-(`prompt_tokens`, 0 by default) add a batched prefill amortised over the request's output.
+fixed overhead. Bytes are the weights in their stored formats plus every tenant's KV pages,
+scales included, counted by the budget's own byte functions (`tensor_bytes`, the KV storage
+rows), never a second count; FLOPs are split by the format each matmul runs in (bf16 for
+weight-only formats, int8/fp8 for W8A8 and W4A8). On a CPU profile (XLA:CPU converts weights
+in a pass of its own, `HardwareProfile.convert_elements_per_s`, and a batched dot packs its
+weight) those passes come first and add, and the dot reads the converted copy instead of the
+stored bytes. The SLO is a decode
+(TPOT) rate, 1 / step; new prompt tokens per request (`prompt_tokens`, 0 by default) add a
+batched prefill amortised over the request's output.
 Imports no JAX, Ray or MLflow.
 """
 
@@ -68,7 +70,7 @@ class StepTime:
     memory_s: float
     compute_s: float
     step_s: float
-    bound: str  # "memory" | "compute" | "convert" (CPU profiles only)
+    bound: str  # "memory" | "compute" | "convert" (CPU profiles: the largest of the three)
     convert_s: float = 0.0  # weight conversion as a pass of its own (CPU profiles only)
 
     @property
@@ -163,26 +165,47 @@ def step_flops(
     return {f: -(-n // tp) for f, n in flops.items()}
 
 
-def convert_s(config: ModelConfig, plan: QuantPlan, hw: HardwareProfile, tp: int, batch: int):
-    """Seconds a step spends converting weights before multiplying, where the hardware does
-    that as a pass of its own (`convert_elements_per_s`; none on accelerators): every matmul
-    weight's elements on one chip at its stored format's rate (an untied embedding: the
-    batch's rows)."""
-    rates = dict(hw.convert_elements_per_s)
-    if not rates:
-        return 0.0
-    total = 0.0
+def cpu_weight_pass(
+    config: ModelConfig, plan: QuantPlan, hw: HardwareProfile, tp: int, batch: int
+) -> tuple[float, int]:
+    """(seconds, bytes the dots read) of the weights in one step of `batch` rows, where the
+    hardware converts weights in a pass of its own (see `HardwareProfile`): each weight with a
+    conversion rate for its stored format costs its elements at that rate, and its dot then
+    reads the converted copy (bf16, 2 B per element, for a batch; float32, 4 B, for one row);
+    a weight without one is read as stored. A batch's dot also packs each weight it
+    multiplies (`dot_pack_elements_per_s`). An untied embedding: the batch's rows only.
+    Accelerator profiles (no rates): (0, the stored bytes, `weight_step_bytes`)."""
+    table = hw.convert_b1_elements_per_s if batch == 1 else hw.convert_elements_per_s
+    rates = dict(table)
+    pack = hw.dot_pack_elements_per_s if batch > 1 else None
+    if not rates and pack is None:
+        return 0.0, weight_step_bytes(config, plan, tp, batch)
+    copy_bytes = 4 if batch == 1 else 2
+    resolved = plan.resolve(config)
+    seconds, read = 0.0, 0
     for t in tensor_bytes(config, plan, tp):
-        fmt = t.format
-        if t.line == "norms" or fmt not in rates:
-            continue
         n = 1
         for d in t.shard_shape:
             n *= d
+        stored = t.bytes_per_chip
         if t.path == "embed" and not config.tie_word_embeddings:
-            n = n * min(batch, t.shape[0]) // t.shape[0]
-        total += n / rates[fmt]
-    return total
+            rows = min(batch, t.shape[0])
+            n, stored = n * rows // t.shape[0], -(-stored * rows // t.shape[0])
+        tq = resolved.get(t.path)
+        rate = rates.get(t.format)
+        gather = t.path == "embed" and not config.tie_word_embeddings
+        # Norms are no matmul; W8A8/W4A8 dots multiply the stored codes (not modelled here).
+        if t.line == "norms" or (tq is not None and tq.activations):
+            read += stored
+            continue
+        if pack is not None and not gather:
+            seconds += n / pack
+        if rate is None:
+            read += stored
+            continue
+        seconds += n / rate
+        read += stored if gather else copy_bytes * n
+    return seconds, read
 
 
 def decode_step(
@@ -203,9 +226,9 @@ def decode_step(
     weights = weight_step_bytes(config, plan, deployment.chips, batch)
     kv = kv_step_bytes(config, plan, deployment, batch, context_tokens)
     flops = step_flops(config, plan, deployment.chips, batch, context_tokens)
-    memory_s = (weights + kv) / bandwidth
+    conv, read = cpu_weight_pass(config, plan, deployment.hardware, deployment.chips, batch)
+    memory_s = (read + kv) / bandwidth
     compute_s = sum(n / peaks[f] for f, n in flops.items())
-    conv = convert_s(config, plan, deployment.hardware, deployment.chips, batch)
     return StepTime(
         batch=batch,
         context_tokens=context_tokens,
@@ -217,9 +240,9 @@ def decode_step(
         overhead_s=overhead_s,
         memory_s=memory_s,
         compute_s=compute_s,
-        # The conversion pass is a third roof, not an added term: on XLA:CPU it is flat in
-        # the batch and overlaps the weight reads (docs/results/roofline.md).
-        step_s=max(memory_s, compute_s, conv) + overhead_s,
+        # XLA:CPU's conversion is a loop fusion of its own that writes the copy the dot then
+        # reads: the two run one after the other, so they add (docs/results/roofline.md).
+        step_s=conv + max(memory_s, compute_s) + overhead_s,
         bound=(
             "convert"
             if conv > max(memory_s, compute_s)

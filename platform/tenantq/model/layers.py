@@ -72,7 +72,8 @@ def _check_w8a8(path: str, w, contract_axis: int, activations: str | None) -> No
         return
     if not isinstance(w, QArray):
         raise ValueError(f"{path}: W8A8 needs a quantized weight, got a plain array")
-    grouped_w4 = w.fmt == "int4" and contract_axis == 0 and w.group_size is not None
+    # W4A8: int4 groups along the contracted axis (a Linear's input, a tied head's hidden).
+    grouped_w4 = w.fmt == "int4" and w.group_size is not None
     if w.axis != contract_axis or w.zero_point is not None or (w.group_size and not grouped_w4):
         raise ValueError(
             f"{path}: W8A8 needs one symmetric scale per output channel (axis "
@@ -107,8 +108,11 @@ def matmul(x: jax.Array, w, *, dtype, activations: str | None = None, transpose:
             xdata = xq.data.astype(jnp.bfloat16)
         else:
             xdata = xq.data
-        if w.group_size is not None and not transpose:  # W4A8 with groups along the input
-            return _grouped_product(xdata, wdata, w, acc_type) * xq.scale
+        if w.group_size is not None:  # W4A8 with groups along the input
+            scale = w.scale
+            if transpose:  # a tied head [out, in], groups along in: the product on its W^T
+                wdata, scale = wdata.T, scale.T
+            return _grouped_product(xdata, wdata, scale, w.group_size, acc_type) * xq.scale
         y = jax.lax.dot_general(xdata, wdata, dims, preferred_element_type=acc_type)
         w_scale = w.scale.reshape(-1)  # one per output channel
         return y.astype(jnp.float32) * xq.scale * w_scale
@@ -116,11 +120,12 @@ def matmul(x: jax.Array, w, *, dtype, activations: str | None = None, transpose:
     return jax.lax.dot_general(x.astype(dtype), wf, dims, preferred_element_type=jnp.float32)
 
 
-def _grouped_product(xdata, wdata, w, acc_type):
-    """sum over groups g of (x codes_g . w codes_g) x w_scale_g, float32 [..., out]: each
-    group's partial sum is exact (int32, or float32 of fp8 x int4 codes), then rescaled. A
-    partial last group is zero-padded (zeros add nothing to its sum)."""
-    n_in, group = w.shape[0], w.group_size
+def _grouped_product(xdata, wdata, w_scale, group, acc_type):
+    """sum over groups g of (x codes_g . w codes_g) x w_scale_g, float32 [..., out], for
+    codes [in, out] and scales [groups, out]: each group's partial sum is exact (int32, or
+    float32 of fp8 x int4 codes), then rescaled. A partial last group is zero-padded (zeros
+    add nothing to its sum)."""
+    n_in = wdata.shape[0]
     groups = -(-n_in // group)
     pad = groups * group - n_in
     if pad:
@@ -131,7 +136,7 @@ def _grouped_product(xdata, wdata, w, acc_type):
     batch_axis = xg.ndim - 2
     dims = (((xg.ndim - 1,), (1,)), ((batch_axis,), (0,)))
     part = jax.lax.dot_general(xg, wg, dims, preferred_element_type=acc_type)  # [G, ..., out]
-    scale = w.scale.astype(jnp.float32).reshape(groups, *([1] * (part.ndim - 2)), -1)
+    scale = w_scale.astype(jnp.float32).reshape(groups, *([1] * (part.ndim - 2)), -1)
     return jnp.sum(part.astype(jnp.float32) * scale, axis=0)
 
 
