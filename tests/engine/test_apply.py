@@ -5,9 +5,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_loader import hf_tensors, write_checkpoint
 
+from tenantq.engine import Engine
+from tenantq.engine.pool import PagedPool
 from tenantq.numerics import QArray, dequantize, quantize
 from tenantq.quant import algorithms as algorithms_mod
+from tenantq.quant import apply as apply_mod
 from tenantq.quant.apply import UnusedRuleWarning, apply_plan, quantize_tensor
 from tenantq.quant.plan import QuantPlan, Rule, TensorQuant
 
@@ -47,13 +51,75 @@ def test_unused_rules_warn_and_strict_raises(config, params):
         apply_plan(params, plan, config, strict=True)
 
 
-def test_applying_twice_is_harmless_but_requantizing_is_refused(config, params):
-    plan = QuantPlan.uniform("int8")
-    once = apply_plan(params, plan, config)
-    twice = apply_plan(once, plan, config)
-    assert twice["layers/0/attn/q_proj"] is once["layers/0/attn/q_proj"]
-    with pytest.raises(ValueError, match="already quantized to int8 but the plan wants int4"):
-        apply_plan(once, QuantPlan.uniform("int4"), config)
+def test_applying_a_plan_to_quantized_params_is_refused(config, params):
+    # One plan -> params path: re-applying would quantize quantized values (or, before,
+    # silently keep them), so a second apply_plan on the same params is an error.
+    once = apply_plan(params, QuantPlan.uniform("int8"), config)
+    with pytest.raises(ValueError, match="embed is already a int8 QArray: a plan is applied once"):
+        apply_plan(once, QuantPlan.uniform("int8"), config)
+
+
+@pytest.fixture
+def quantized_paths(monkeypatch):
+    """Every tensor path `quantize_tensor` is called for, in order (the one quantizer every
+    plan -> params path runs: apply_plan, load_quantized, per-shard quantization)."""
+    calls: list[str] = []
+    real = apply_mod.quantize_tensor
+
+    def counting(weight, how, **kwargs):
+        calls.append(how.path)
+        return real(weight, how, **kwargs)
+
+    monkeypatch.setattr(apply_mod, "quantize_tensor", counting)
+    return calls
+
+
+def _planned(config, plan) -> list[str]:
+    return sorted(plan.resolve(config))
+
+
+def test_every_path_to_the_engine_quantizes_each_tensor_once(
+    tmp_path, config, params, quantized_paths
+):
+    # Bound: exactly one quantize_tensor call per planned tensor, whatever the path (the
+    # Engine applying the plan itself, receiving apply_plan's output, or from_checkpoint's
+    # streamed load). Before, from_checkpoint and a calibrator's params were applied twice.
+    plan = QuantPlan(rules=(Rule("layers/.*/mlp/.*", "int4", group_size=16), Rule(".*", "int8")))
+    want = _planned(config, plan)
+    options = {"dtype": "float32", "max_seqs": 2, "max_seq_tokens": 32}
+
+    Engine(config, params, plan, **options)
+    assert sorted(quantized_paths) == want
+    quantized_paths.clear()
+
+    Engine(config, apply_plan(params, plan, config), plan, **options)
+    assert sorted(quantized_paths) == want
+    quantized_paths.clear()
+
+    write_checkpoint(tmp_path, config, hf_tensors(config, params, dtype=np.float32))
+    Engine.from_checkpoint(tmp_path, plan, **options)
+    assert sorted(quantized_paths) == want
+
+
+def test_engine_refuses_params_quantized_under_another_plan(config, params):
+    int8 = apply_plan(params, QuantPlan.uniform("int8"), config)
+    with pytest.raises(ValueError, match="is stored as int8 but the plan wants int4"):
+        Engine(config, int8, QuantPlan.uniform("int4"), max_seqs=2, max_seq_tokens=32)
+    partly = {**params, "lm_head": int8["lm_head"]}  # one tensor quantized, the rest not
+    with pytest.raises(ValueError, match="embed is stored as full precision but the plan wants"):
+        Engine(config, partly, QuantPlan.uniform("int8"), max_seqs=2, max_seq_tokens=32)
+
+
+def test_engine_refuses_a_kv_pool_built_for_another_plan(config, params):
+    # The params follow a plan with an int8 KV cache; a pool built from the bf16 plan would
+    # run and report bf16 KV under the int8 plan's name (PagedPool.check_plan was a no-op).
+    plan = QuantPlan.from_dict({"kv": {"key_format": "int8", "value_format": "int8"}})
+    pool = PagedPool(config, QuantPlan(), dtype="float32", num_pages=8, max_seqs=2,
+                     max_seq_tokens=32)  # fmt: skip
+    with pytest.raises(ValueError, match="KV pool of layer 0 was built for"):
+        Engine(config, params, plan, dtype="float32", cache=pool)
+    same = PagedPool(config, plan, dtype="float32", num_pages=8, max_seqs=2, max_seq_tokens=32)
+    assert Engine(config, params, plan, dtype="float32", cache=same).cache is same
 
 
 def test_algorithm_seam_dispatches_by_rule_name(config, params):

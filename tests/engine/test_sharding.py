@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tenantq.engine.sharding import make_mesh, param_spec, quantize_per_shard
+from tenantq.engine.sharding import make_mesh, param_spec
 from tenantq.model.config import ModelConfig
 from tenantq.numerics import dequantize, quantize
+from tenantq.quant.apply import quantize_per_shard
 from tenantq.quant.plan import TensorQuant
 from tenantq.quant.storage import tp_split_axis as split_axis
 

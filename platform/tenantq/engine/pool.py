@@ -222,7 +222,18 @@ class PagedPool:
 
     # ---------------------------------------------------------------- engine questions
     def check_plan(self, plan: QuantPlan, config: ModelConfig) -> None:
-        """The pool is built from a plan's KV part and holds any plan's formats."""
+        """Raise unless `plan` stores the KV cache as this pool was built to (per layer: key
+        and value formats, axes, sink tokens): an engine whose params follow one plan and
+        whose pool follows another would run and report a plan nobody asked for."""
+        for layer, (want, built) in enumerate(
+            zip(plan.kv_layers(config), self.kv_layers(), strict=True)
+        ):
+            if want != built:
+                raise ValueError(
+                    f"the KV pool of layer {layer} was built for {built} but the engine's plan "
+                    f"stores {want}; build the pool (PagedPool(config, plan, ...)) from the "
+                    "plan the params were quantized under"
+                )
 
     def settings(self, compute_dtype: str) -> dict[str, Any]:
         """The pool's part of `Engine.settings()`; static KV scales change results, so their

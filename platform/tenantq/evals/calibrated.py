@@ -103,8 +103,9 @@ class Calibrator:
         return self._windows
 
     def params_for(self, plan) -> dict[str, Any]:
-        """`plan` applied to the model's params, calibrated where its rules ask for it;
-        the unchanged params when no rule does (the Engine then applies plain RTN)."""
+        """`plan` applied once to the model's params where its rules ask for calibration
+        (the Engine takes these quantized params as they are); the unchanged full-precision
+        params when no rule does (the Engine then applies the plan, plain RTN, once)."""
         return self.prepared(plan)[0]
 
     def prepared(self, plan) -> tuple[dict[str, Any], dict[str, Any], str]:
