@@ -28,7 +28,7 @@ from tenantq.numerics import QArray, dequantize
 from tenantq.quant.apply import quantize_per_shard, quantize_tensor
 from tenantq.quant.kv_calibration import KVScales
 from tenantq.quant.plan import QuantPlan
-from tenantq.quant.storage import tp_split_axis as split_axis
+from tenantq.storage.tp import tp_split_axis as split_axis
 
 CONFIG = ModelConfig(
     model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,

@@ -103,7 +103,7 @@ AGAINST_THE_MODEL = [
     ("case", "kv", "fragments"), AGAINST_THE_MODEL, ids=[c[0] for c in AGAINST_THE_MODEL]
 )
 def test_kv_plan_is_checked_against_the_model_it_meets(case, kv, fragments) -> None:
-    # Both the planner and the engine's pool read a layer's KV storage through kv_layers.
+    # Both the planner and the engine's pool read a layer's KV storage through kv_storage.
     plan = QuantPlan(kv=kv)
     for meet in (
         lambda: plan.kv_layers(tiny_config()),

@@ -30,7 +30,7 @@ from tenantq.model.decoder import Decoder, check_supported
 from tenantq.numerics import QArray
 from tenantq.quant.apply import apply_plan, check_quantized
 from tenantq.quant.plan import QuantPlan
-from tenantq.quant.storage import tp_split_axis
+from tenantq.storage.tp import tp_split_axis
 
 _MIN_BUCKET = 16  # smallest padded sequence / KV window, in tokens
 # Compute dtypes the engine runs: bfloat16 as a server does, float32 for parity with a

@@ -29,10 +29,10 @@ from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.quant.kv_calibration import KVScales
 from tenantq.quant.plan import LayerKV, QuantPlan
-from tenantq.quant.storage import (
+from tenantq.storage.kv import kv_storage, layer_bytes_row
+from tenantq.storage.pool import (
     DEFAULT_RESERVE_FRACTION,
-    kv_storage,
-    layer_bytes_row,
+    kv_sums,
     pages_that_fit,
     pool_bytes_left,
 )
@@ -205,9 +205,8 @@ class PagedPool:
         memory, source = device_memory_bytes()
         reserve = int(DEFAULT_RESERVE_FRACTION * memory)
         pool = pool_bytes_left(memory, weights_bytes, reserve)
-        page = sum(lay.page_bytes for lay in per_device)
-        slots = max_seqs * sum(lay.slot_bytes for lay in per_device)
-        slots += sum(lay.static_bytes for lay in per_device)
+        sums = kv_sums(per_device)
+        page, slots = sums.page_bytes, sums.fixed_bytes(max_seqs)
         one_sequence = max_pages * page + slots
         if pool < one_sequence:
             raise ValueError(

@@ -1,6 +1,6 @@
 """Tensor parallelism: a 1-d device mesh, where every weight and KV-cache array goes on it.
 
-The layout is `tenantq.quant.storage`'s table, the one the capacity planner budgets
+The layout is `tenantq.storage.tp`'s table, the one the capacity planner budgets
 (Megatron: q/k/v and gate/up split their output columns, o and down their input rows,
 embed and an untied lm_head the vocabulary when tp divides it, norms replicated), and the
 KV cache by KV head. Arrays are placed with `NamedSharding` and jit propagates the rest.
@@ -26,7 +26,7 @@ from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.model.layers import StaticActQArray
 from tenantq.numerics import QArray, get_format
-from tenantq.quant.storage import check_tp, tp_split_axis
+from tenantq.storage.tp import check_tp, tp_split_axis
 
 AXIS = "tp"  # the mesh's one axis name
 SCALE_SCOPES = ("global", "shard")

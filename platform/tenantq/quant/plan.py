@@ -326,7 +326,7 @@ class KVTensorSpec:
 @dataclass(frozen=True)
 class LayerKV:
     """The plan's word on one layer's keys and values (formats and axes); the pool's arrays
-    and their bytes are `tenantq.quant.storage.LayerKVStorage`."""
+    and their bytes are `tenantq.storage.kv.LayerKVStorage`."""
 
     key_format: str
     key_axis: str
