@@ -389,7 +389,13 @@ def test_the_calibration_settings_reach_the_workers_calibration_data():
     spec = parse_spec(_with(lambda d: d.update(
         calibration={"data": "c.txt", "sequences": 3, "sequence_tokens": 64})))  # fmt: skip
     got = CalibrationData(**spec.calibration.worker_args())  # what HostWorker builds
-    assert got == CalibrationData(source="c.txt", num_sequences=3, seq_tokens=64)
+    assert got == CalibrationData(data="c.txt", sequences=3, sequence_tokens=64)
+    # One schema: the spec's table is the calibration set's fields plus the algorithm, so a
+    # field added to one cannot be missing (or named differently) in the other.
+    from tenantq.search.spec import CalibrationSpec
+
+    assert isinstance(spec.calibration, CalibrationData)
+    assert set(CalibrationSpec.model_fields) == set(CalibrationData.model_fields) | {"algorithm"}
 
 
 def test_the_deployment_is_built_with_every_setting_of_the_spec():

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tenantq.model.checks import validation_line
 from tenantq.model.files import CACHE_DIR
+from tenantq.quant.calibration_set import CalibrationData
 from tenantq.quant.plan import (
     ALGORITHM_NAMES,
     FORMAT_NAMES,
@@ -191,28 +192,16 @@ class EvalSpec(_Strict):
     cache_dir: str = Field(str(CACHE_DIR), description="where bf16 baselines are cached")
 
 
-class CalibrationSpec(_Strict):
-    """The algorithm quantized tensors use, and the text that calibrates it (gptq, awq,
-    smoothquant, static activation scales): `sequences` windows of `sequence_tokens` tokens
-    of `data` (a .txt/.jsonl/.parquet file; absent: the reference model's train split)."""
+class CalibrationSpec(CalibrationData):
+    """The algorithm quantized tensors use (gptq, awq, smoothquant, static activation scales
+    need calibration), beside the calibration set it runs on: its fields are those of
+    `tenantq.quant.calibration_set.CalibrationData`, the one description of that set."""
 
     algorithm: Literal[ALGORITHM_NAMES] = "rtn"  # type: ignore[valid-type]
-    sequences: int = Field(128, ge=1, description="calibration windows (issue 11: 128)")
-    sequence_tokens: int = Field(512, ge=2, description="tokens per window (512)")
-    data: str | None = Field(None, description="calibration text file; absent: train split")
-    sequential: bool = Field(
-        False,
-        description="statistics per plan through its own quantized layers (GPTQ paper, sec. 4)",
-    )
 
     def worker_args(self) -> dict[str, Any]:
-        """What a HostWorker needs to build its Evaluator's `CalibrationData`."""
-        return {
-            "source": self.data,
-            "num_sequences": self.sequences,
-            "seq_tokens": self.sequence_tokens,
-            "sequential": self.sequential,
-        }
+        """What a HostWorker needs to build its Evaluator's `CalibrationData`: its fields."""
+        return self.model_dump(include=set(CalibrationData.model_fields))
 
 
 class SamplerSpec(_Strict):
