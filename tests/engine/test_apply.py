@@ -179,3 +179,26 @@ def test_apply_plan_without_config_reads_the_inventory_off_the_params(config, pa
             )
             assert value.nbytes == other.nbytes
     assert without["embed"].axis == 1 and without["layers/0/mlp/up_proj"].axis == 0
+
+
+def test_engine_refuses_params_quantized_with_another_layout_of_the_planned_format(config, params):
+    # Same format is not the same plan: int4 groups of 16 run under a plan of groups of 32
+    # would serve (and report) the g32 plan with g16 numerics; an rtn int8 weight under a
+    # static-W8A8 rule lacks the calibrated activation scale the rule asks for.
+    # (Before, only the format was compared: both ran.)
+    g16 = apply_plan(params, QuantPlan(rules=(Rule("layers/.*", "int4", group_size=16),)), config)
+    g32 = QuantPlan(rules=(Rule("layers/.*", "int4", group_size=32),))
+    with pytest.raises(ValueError, match="stored as int4 with groups of 16 along axis 0 but the"):
+        Engine(config, g16, g32, max_seqs=2, max_seq_tokens=32)
+    int8 = apply_plan(params, QuantPlan(rules=(Rule("layers/.*", "int8"),)), config)
+    static = QuantPlan(
+        rules=(Rule("layers/.*", "int8", activations="int8", activation_scale="static"),)
+    )
+    with pytest.raises(
+        ValueError, match="per axis-0 slice but the plan wants int8 .*, a static activation scale"
+    ):
+        Engine(config, int8, static, max_seqs=2, max_seq_tokens=32)
+    # the layout apply_plan gives is accepted as it is
+    same = QuantPlan(rules=(Rule("layers/.*", "int4", group_size=16),))
+    engine = Engine(config, g16, same, max_seqs=2, max_seq_tokens=32)
+    assert engine.params["layers/0/attn/q_proj"] is g16["layers/0/attn/q_proj"]

@@ -212,12 +212,41 @@ def check_quantized(
         how = resolved.get(path)
         stored = value.fmt if isinstance(value, QArray) else "full precision"
         planned = "full precision" if how is None else how.format
+        if stored == planned and how is not None:  # same format: the same layout too
+            stored, planned = _layout_words(value, how)
         if stored != planned:
             raise ValueError(
                 f"{where}: {path} is stored as {stored} but the plan wants {planned}; "
                 "quantize full-precision params under this plan (apply_plan), or pass the "
                 "plan they were quantized under"
             )
+
+
+def _layout_words(value: QArray, how: TensorQuant) -> tuple[str, str]:
+    """(stored, planned) layouts of one quantized tensor in words, equal iff they match:
+    the scale's axis and groups, zero points, and a static activation scale (the layout
+    `quantize` gives under `how`, `numerics.layout.resolve_layout`; no array is made)."""
+    from tenantq.numerics.layout import resolve_layout
+
+    layout = resolve_layout(
+        value.shape, how.format, axis=how.axis, group_size=how.group_size,
+        symmetric=how.symmetric,
+    )  # fmt: skip
+
+    def words(axis, group, zero_point: bool, static: bool) -> str:
+        out = f"{how.format} with " + (
+            "one scale" if axis is None else
+            f"groups of {group} along axis {axis}" if group else f"one scale per axis-{axis} slice"
+        )  # fmt: skip
+        out += ", zero points" if zero_point else ""
+        return out + (", a static activation scale" if static else "")
+
+    static = isinstance(value, StaticActQArray) and value.act_scale is not None
+    return (
+        words(value.axis, value.group_size, value.zero_point is not None, static),
+        words(layout.axis, layout.group_size, not layout.symmetric,
+              how.activation_scale == "static"),
+    )  # fmt: skip
 
 
 def apply_plan(
