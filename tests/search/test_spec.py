@@ -404,3 +404,19 @@ def test_the_deployment_is_built_with_every_setting_of_the_spec():
     built = parse_spec(_with(lambda d: d.update(deployment=deployment))).deployment.build()
     assert (built.hardware.name, built.chips, built.page_tokens) == ("h100-sxm", 2, 32)
     assert built.reserve.fixed_bytes == 4 * 2**30
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [("source", "data"), ("num_sequences", "sequences"), ("seq_tokens", "sequence_tokens")],
+)
+def test_a_calibration_field_under_its_old_name_is_refused_naming_the_new_one(old, new):
+    # CalibrationData's fields took the spec's names (source -> data, ...): a spec table or
+    # a caller still using the old name gets one line naming the new field, not a key list.
+    from tenantq.quant.calibration_set import CalibrationData
+
+    raw = _with(lambda d: d.update(calibration={old: 8}))
+    with pytest.raises(ValueError, match=rf"^spec: calibration: '{old}' is now '{new}'$"):
+        parse_spec(raw)
+    with pytest.raises(ValueError, match=rf"'{old}' is now '{new}'"):
+        CalibrationData(**{old: 8})

@@ -8,10 +8,14 @@ without accelerator libraries.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_NUM_SEQUENCES = 128  # calibration windows (issue 11)
 DEFAULT_SEQ_TOKENS = 512  # tokens per window
+# The names CalibrationData's fields had before it took the spec's (old -> new).
+RENAMED = {"source": "data", "num_sequences": "sequences", "seq_tokens": "sequence_tokens"}
 
 
 class CalibrationData(BaseModel):
@@ -34,3 +38,13 @@ class CalibrationData(BaseModel):
         False,
         description="statistics per plan through its own quantized layers (GPTQ paper, sec. 4)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, raw: Any) -> Any:
+        """An old field name is refused naming its new one (not only listed among the keys)."""
+        if isinstance(raw, dict):
+            for old, new in RENAMED.items():
+                if old in raw:
+                    raise ValueError(f"{old!r} is now {new!r}")
+        return raw
