@@ -224,7 +224,7 @@ def check_quantized(
 
 def _layout_words(value: QArray, how: TensorQuant) -> tuple[str, str]:
     """(stored, planned) layouts of one quantized tensor in words, equal iff they match:
-    the scale's axis and groups, zero points, and a static activation scale (the layout
+    the groups (and their axis), zero points, and a static activation scale (the layout
     `quantize` gives under `how`, `numerics.layout.resolve_layout`; no array is made)."""
     from tenantq.numerics.layout import resolve_layout
 
@@ -242,8 +242,14 @@ def _layout_words(value: QArray, how: TensorQuant) -> tuple[str, str]:
         return out + (", a static activation scale" if static else "")
 
     static = isinstance(value, StaticActQArray) and value.act_scale is not None
+    axis, group = value.axis, value.group_size
+    if layout.group_size is None:
+        # An ungrouped plan (one scale per slice) also runs per-tensor and per-shard forms
+        # of its scale (a tp shard's, tests/engine/_sharding_check.py's per-tensor study):
+        # zero points and the static scale are compared, not where the scale runs.
+        axis, group = layout.axis, layout.group_size
     return (
-        words(value.axis, value.group_size, value.zero_point is not None, static),
+        words(axis, group, value.zero_point is not None, static),
         words(layout.axis, layout.group_size, not layout.symmetric,
               how.activation_scale == "static"),
     )  # fmt: skip
