@@ -202,3 +202,21 @@ def test_engine_refuses_params_quantized_with_another_layout_of_the_planned_form
     same = QuantPlan(rules=(Rule("layers/.*", "int4", group_size=16),))
     engine = Engine(config, g16, same, max_seqs=2, max_seq_tokens=32)
     assert engine.params["layers/0/attn/q_proj"] is g16["layers/0/attn/q_proj"]
+
+
+def test_apply_plan_quantizes_each_tp_shard_alone_where_shard_axes_split(config, params):
+    # scale_scope="shard" lives in apply_plan now: o_proj splits its input rows (axis 0),
+    # the axis int8's per-channel scale reduces over, so each of 2 shards gets its own scale
+    # row (groups of one shard) where the whole tensor has one. Without shard_axes: whole.
+    from tenantq.storage.tp import tp_split_axis
+
+    plan, path = QuantPlan.uniform("int8"), "layers/0/attn/o_proj"
+    axes = {p: tp_split_axis(p, config, 2) for p in params}
+    assert axes[path] == 0
+    sharded = apply_plan(params, plan, config, shard_axes=axes, tp=2)[path]
+    rows = params[path].shape[0]
+    assert (sharded.axis, sharded.group_size, sharded.scale.shape[0]) == (0, rows // 2, 2)
+    for i, half in enumerate(np.split(np.asarray(params[path], np.float32), 2, axis=0)):
+        alone = quantize_tensor(half, plan.resolve(config)[path])
+        assert np.array_equal(np.asarray(sharded.scale[i]), np.asarray(alone.scale[0]))
+    assert apply_plan(params, plan, config)[path].scale.shape[0] == 1
