@@ -330,7 +330,7 @@ CASES = [
     (
         "suite-unknown-fidelity-key",
         lambda t: _load_suite(t, "[fidelity]\nrowz = 2\n"),
-        ["fidelity.rowz: unknown key; valid keys here: source, text_field, rows, row_tokens"],
+        ["fidelity: unknown key 'rowz'; valid keys here: source, text_field, rows, row_tokens"],
     ),
     (
         "suite-per-length-zero",
@@ -349,7 +349,7 @@ CASES = [
     (
         "suite-bad-split",
         lambda t: _load_suite(t, 'split = "train"\n' + FIDELITY),
-        ["split", "'search' or 'confirm'"],
+        ["split: unknown split 'train'; valid splits: search, confirm"],
     ),
     (
         # numpy's seed sequence used to refuse it mid-run with "expected non-negative integer".

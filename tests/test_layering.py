@@ -26,6 +26,7 @@ ORDER = (
     "model",
     "testing",
     "quant",
+    "storage",
     "export",
     "engine",
     "capacity",
@@ -47,6 +48,8 @@ LEVEL = {
 FORBIDDEN_THIRD_PARTY = {
     "numerics": {"ray", "mlflow", "optuna"},
     "capacity": {"ray", "mlflow", "optuna"},
+    # docs/design.md: what one chip stores is pure Python, read by the planner without JAX.
+    "storage": {"jax", "ray", "mlflow", "optuna"},
     "engine": {"optuna"},
     "evals": {"optuna", "ray", "mlflow"},
 }

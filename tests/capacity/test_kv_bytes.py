@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tenantq.capacity import Deployment, budget, get_model_config, kv_pool_bytes
-from tenantq.capacity.kv import kv_layers
 from tenantq.quant.plan import KVPlan, QuantPlan
+from tenantq.storage.kv import kv_storage
 
 V6E_1 = Deployment.of("tpu-v6e", 1)
 
@@ -62,7 +62,7 @@ def test_int2_kivi_bytes_by_hand():
     # (head, channel) = 8*128*8 = 8,192 B; values per token in groups of 32 (KIVI's G):
     # 16*8*4 groups * 8 B = 4,096 B. Keys wait in a bf16 residual page: 16*8*128*2 = 32,768 B.
     plan = QuantPlan(kv=KVPlan("int2", "channel", "int2", "token"))
-    (lay, *_) = kv_layers(get_model_config("llama-3.1-70b"), plan, 16)
+    (lay, *_) = kv_storage(get_model_config("llama-3.1-70b"), plan, 16)
     assert lay.page_bytes == 2 * 4_096 + 8_192 + 4_096
     assert lay.residual_bytes == 32_768 and lay.static_bytes == 0
 

@@ -13,7 +13,7 @@ import pytest
 
 from tenantq.capacity import Deployment, budget, get_model_config
 from tenantq.quant.plan import KVPlan, QuantPlan, Rule
-from tenantq.quant.storage import kv_storage
+from tenantq.storage.kv import kv_storage
 
 LLAMA = "llama-3.1-8b"
 KEY_SCALES_PER_TOKEN = 32 * 8 * 128 // 16  # 2,048

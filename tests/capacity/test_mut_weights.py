@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from tenantq.capacity.kv import kv_layers, kv_pool_bytes, pool_bytes_from_layers, tenant_pages
+from tenantq.capacity.kv import kv_pool_bytes, pool_bytes_from_layers, tenant_pages
 from tenantq.capacity.weights import sharding_label, tensor_bytes
 from tenantq.numerics import storage_nbytes
 from tenantq.quant.plan import STATIC_ACT_SCALE_BYTES, KVPlan, QuantPlan, Rule
+from tenantq.storage.kv import kv_storage
 from tenantq.testing import tiny_config
 
 
@@ -57,7 +58,7 @@ def test_unquantized_kv_is_stored_in_the_engines_dtype():
 
 def test_impossible_counts_are_refused():
     config = tiny_config()
-    layers = kv_layers(config, QuantPlan(kv=KVPlan("int8", sink_tokens=4)), 16, 1)
+    layers = kv_storage(config, QuantPlan(kv=KVPlan("int8", sink_tokens=4)), 16, 1)
     assert pool_bytes_from_layers(layers, 0, 0)["total_bytes"] == 0  # zero is allowed
     for pages, slots in ((-1, 0), (0, -1), ([1, -1], 0)):
         with pytest.raises(ValueError) as err:

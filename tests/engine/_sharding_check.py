@@ -25,9 +25,10 @@ from tenantq.model.config import ModelConfig
 from tenantq.model.decoder import init_params
 from tenantq.model.loader import hf_names
 from tenantq.numerics import QArray, dequantize
+from tenantq.quant.apply import quantize_per_shard, quantize_tensor
 from tenantq.quant.kv_calibration import KVScales
 from tenantq.quant.plan import QuantPlan
-from tenantq.quant.storage import tp_split_axis as split_axis
+from tenantq.storage.tp import tp_split_axis as split_axis
 
 CONFIG = ModelConfig(
     model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -252,8 +253,15 @@ def main() -> None:
     full = engine(params, None, tp=4).logits(tokens)
     logits, bound = {}, {}
     for scope in ("global", "shard"):
-        placed = shard_params(params, CONFIG, mesh, scales=scope, plan=resolved)
-        # Already quantized and placed: the engine's "global" placement keeps them as they are.
+        quantized = {
+            p: v if p not in resolved
+            else quantize_tensor(v, resolved[p]) if scope == "global"
+            else quantize_per_shard(v, resolved[p], split_axis(p, CONFIG, 4), 4)
+            for p, v in params.items()
+        }  # fmt: skip
+        placed = shard_params(quantized, CONFIG, mesh)
+        # Already quantized and placed: the engine checks them against the plan, quantizes
+        # nothing and keeps them as they are.
         logits[scope] = engine(placed, PER_TENSOR, tp=4).logits(tokens)
         bound[scope] = max(
             e4m3_within_bound(

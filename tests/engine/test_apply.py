@@ -5,9 +5,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_loader import hf_tensors, write_checkpoint
 
+from tenantq.engine import Engine
+from tenantq.engine.pool import PagedPool
 from tenantq.numerics import QArray, dequantize, quantize
 from tenantq.quant import algorithms as algorithms_mod
+from tenantq.quant import apply as apply_mod
 from tenantq.quant.apply import UnusedRuleWarning, apply_plan, quantize_tensor
 from tenantq.quant.plan import QuantPlan, Rule, TensorQuant
 
@@ -47,13 +51,75 @@ def test_unused_rules_warn_and_strict_raises(config, params):
         apply_plan(params, plan, config, strict=True)
 
 
-def test_applying_twice_is_harmless_but_requantizing_is_refused(config, params):
-    plan = QuantPlan.uniform("int8")
-    once = apply_plan(params, plan, config)
-    twice = apply_plan(once, plan, config)
-    assert twice["layers/0/attn/q_proj"] is once["layers/0/attn/q_proj"]
-    with pytest.raises(ValueError, match="already quantized to int8 but the plan wants int4"):
-        apply_plan(once, QuantPlan.uniform("int4"), config)
+def test_applying_a_plan_to_quantized_params_is_refused(config, params):
+    # One plan -> params path: re-applying would quantize quantized values (or, before,
+    # silently keep them), so a second apply_plan on the same params is an error.
+    once = apply_plan(params, QuantPlan.uniform("int8"), config)
+    with pytest.raises(ValueError, match="embed is already a int8 QArray: a plan is applied once"):
+        apply_plan(once, QuantPlan.uniform("int8"), config)
+
+
+@pytest.fixture
+def quantized_paths(monkeypatch):
+    """Every tensor path `quantize_tensor` is called for, in order (the one quantizer every
+    plan -> params path runs: apply_plan, load_quantized, per-shard quantization)."""
+    calls: list[str] = []
+    real = apply_mod.quantize_tensor
+
+    def counting(weight, how, **kwargs):
+        calls.append(how.path)
+        return real(weight, how, **kwargs)
+
+    monkeypatch.setattr(apply_mod, "quantize_tensor", counting)
+    return calls
+
+
+def _planned(config, plan) -> list[str]:
+    return sorted(plan.resolve(config))
+
+
+def test_every_path_to_the_engine_quantizes_each_tensor_once(
+    tmp_path, config, params, quantized_paths
+):
+    # Bound: exactly one quantize_tensor call per planned tensor, whatever the path (the
+    # Engine applying the plan itself, receiving apply_plan's output, or from_checkpoint's
+    # streamed load). Before, from_checkpoint and a calibrator's params were applied twice.
+    plan = QuantPlan(rules=(Rule("layers/.*/mlp/.*", "int4", group_size=16), Rule(".*", "int8")))
+    want = _planned(config, plan)
+    options = {"dtype": "float32", "max_seqs": 2, "max_seq_tokens": 32}
+
+    Engine(config, params, plan, **options)
+    assert sorted(quantized_paths) == want
+    quantized_paths.clear()
+
+    Engine(config, apply_plan(params, plan, config), plan, **options)
+    assert sorted(quantized_paths) == want
+    quantized_paths.clear()
+
+    write_checkpoint(tmp_path, config, hf_tensors(config, params, dtype=np.float32))
+    Engine.from_checkpoint(tmp_path, plan, **options)
+    assert sorted(quantized_paths) == want
+
+
+def test_engine_refuses_params_quantized_under_another_plan(config, params):
+    int8 = apply_plan(params, QuantPlan.uniform("int8"), config)
+    with pytest.raises(ValueError, match="is stored as int8 but the plan wants int4"):
+        Engine(config, int8, QuantPlan.uniform("int4"), max_seqs=2, max_seq_tokens=32)
+    partly = {**params, "lm_head": int8["lm_head"]}  # one tensor quantized, the rest not
+    with pytest.raises(ValueError, match="embed is stored as full precision but the plan wants"):
+        Engine(config, partly, QuantPlan.uniform("int8"), max_seqs=2, max_seq_tokens=32)
+
+
+def test_engine_refuses_a_kv_pool_built_for_another_plan(config, params):
+    # The params follow a plan with an int8 KV cache; a pool built from the bf16 plan would
+    # run and report bf16 KV under the int8 plan's name (PagedPool.check_plan was a no-op).
+    plan = QuantPlan.from_dict({"kv": {"key_format": "int8", "value_format": "int8"}})
+    pool = PagedPool(config, QuantPlan(), dtype="float32", num_pages=8, max_seqs=2,
+                     max_seq_tokens=32)  # fmt: skip
+    with pytest.raises(ValueError, match="KV pool of layer 0 was built for"):
+        Engine(config, params, plan, dtype="float32", cache=pool)
+    same = PagedPool(config, plan, dtype="float32", num_pages=8, max_seqs=2, max_seq_tokens=32)
+    assert Engine(config, params, plan, dtype="float32", cache=same).cache is same
 
 
 def test_algorithm_seam_dispatches_by_rule_name(config, params):
@@ -113,3 +179,44 @@ def test_apply_plan_without_config_reads_the_inventory_off_the_params(config, pa
             )
             assert value.nbytes == other.nbytes
     assert without["embed"].axis == 1 and without["layers/0/mlp/up_proj"].axis == 0
+
+
+def test_engine_refuses_params_quantized_with_another_layout_of_the_planned_format(config, params):
+    # Same format is not the same plan: int4 groups of 16 run under a plan of groups of 32
+    # would serve (and report) the g32 plan with g16 numerics; an rtn int8 weight under a
+    # static-W8A8 rule lacks the calibrated activation scale the rule asks for.
+    # (Before, only the format was compared: both ran.)
+    g16 = apply_plan(params, QuantPlan(rules=(Rule("layers/.*", "int4", group_size=16),)), config)
+    g32 = QuantPlan(rules=(Rule("layers/.*", "int4", group_size=32),))
+    with pytest.raises(ValueError, match="stored as int4 with groups of 16 along axis 0 but the"):
+        Engine(config, g16, g32, max_seqs=2, max_seq_tokens=32)
+    int8 = apply_plan(params, QuantPlan(rules=(Rule("layers/.*", "int8"),)), config)
+    static = QuantPlan(
+        rules=(Rule("layers/.*", "int8", activations="int8", activation_scale="static"),)
+    )
+    with pytest.raises(
+        ValueError, match="per axis-0 slice but the plan wants int8 .*, a static activation scale"
+    ):
+        Engine(config, int8, static, max_seqs=2, max_seq_tokens=32)
+    # the layout apply_plan gives is accepted as it is
+    same = QuantPlan(rules=(Rule("layers/.*", "int4", group_size=16),))
+    engine = Engine(config, g16, same, max_seqs=2, max_seq_tokens=32)
+    assert engine.params["layers/0/attn/q_proj"] is g16["layers/0/attn/q_proj"]
+
+
+def test_apply_plan_quantizes_each_tp_shard_alone_where_shard_axes_split(config, params):
+    # scale_scope="shard" lives in apply_plan now: o_proj splits its input rows (axis 0),
+    # the axis int8's per-channel scale reduces over, so each of 2 shards gets its own scale
+    # row (groups of one shard) where the whole tensor has one. Without shard_axes: whole.
+    from tenantq.storage.tp import tp_split_axis
+
+    plan, path = QuantPlan.uniform("int8"), "layers/0/attn/o_proj"
+    axes = {p: tp_split_axis(p, config, 2) for p in params}
+    assert axes[path] == 0
+    sharded = apply_plan(params, plan, config, shard_axes=axes, tp=2)[path]
+    rows = params[path].shape[0]
+    assert (sharded.axis, sharded.group_size, sharded.scale.shape[0]) == (0, rows // 2, 2)
+    for i, half in enumerate(np.split(np.asarray(params[path], np.float32), 2, axis=0)):
+        alone = quantize_tensor(half, plan.resolve(config)[path])
+        assert np.array_equal(np.asarray(sharded.scale[i]), np.asarray(alone.scale[0]))
+    assert apply_plan(params, plan, config)[path].scale.shape[0] == 1

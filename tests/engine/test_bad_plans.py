@@ -52,9 +52,10 @@ PLAN_DICTS = [
      ["rules[0]", "unknown key 'bits'", "pattern, format, group_size"]),
     ("unknown kv key", {"kv": {"sinks": 4}}, ["kv", "unknown key 'sinks'", "sink_tokens"]),
     ("unknown plan key", {"rule": []}, ["plan", "unknown key 'rule'", "rules, kv"]),
-    ("rule without format", {"rules": [{"pattern": ".*"}]}, ["rules[0]", "'format' is required"]),
+    ("rule without format", {"rules": [{"pattern": ".*"}]},
+     ["rules[0]", "required key 'format' is missing"]),
     ("layer format without layer", {"kv": {"layer_formats": [{"key_format": "int8"}]}},
-     ["kv.layer_formats.0", "'layer' is required"]),
+     ["kv.layer_formats.0", "required key 'layer' is missing"]),
     ("unknown algorithm", {"rules": [{**RULE, "algorithm": "hqq"}]},
      ["rules[0].algorithm", "'hqq'", "rtn, gptq, awq, smoothquant"]),
     ("W8A8 with groups", {"rules": [{**RULE, "activations": "int8", "group_size": 64}]},
@@ -78,10 +79,10 @@ def test_bad_plan_is_one_named_line(case, raw, fragments) -> None:
 
 def test_python_construction_is_checked_as_strictly() -> None:
     for make, fragment in [
-        (lambda: KVPlan(bf16_layers="13"), "kv.bf16_layers: '13'"),
-        (lambda: KVPlan(sink_tokens=2.0), "kv.sink_tokens: 2.0"),
-        (lambda: Rule(".*", "int8", symmetric="false"), "symmetric: 'false'"),
-        (lambda: Rule(".*", "int4", group_size=True), "group_size: True"),
+        (lambda: KVPlan(bf16_layers="13"), "kv.bf16_layers: .* \\(got '13'\\)"),
+        (lambda: KVPlan(sink_tokens=2.0), "kv.sink_tokens: .* \\(got 2.0\\)"),
+        (lambda: Rule(".*", "int8", symmetric="false"), "symmetric: .* \\(got 'false'\\)"),
+        (lambda: Rule(".*", "int4", group_size=True), "group_size: .* \\(got True\\)"),
     ]:
         with pytest.raises(ValueError, match=fragment):
             make()
@@ -103,7 +104,7 @@ AGAINST_THE_MODEL = [
     ("case", "kv", "fragments"), AGAINST_THE_MODEL, ids=[c[0] for c in AGAINST_THE_MODEL]
 )
 def test_kv_plan_is_checked_against_the_model_it_meets(case, kv, fragments) -> None:
-    # Both the planner and the engine's pool read a layer's KV storage through kv_layers.
+    # Both the planner and the engine's pool read a layer's KV storage through kv_storage.
     plan = QuantPlan(kv=kv)
     for meet in (
         lambda: plan.kv_layers(tiny_config()),
@@ -127,11 +128,13 @@ def test_plan_files(tmp_path) -> None:
         QuantPlan.load(tmp_path / "plan.yaml")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"kv": {"bf16_layers": "13"}}))
-    with pytest.raises(ValueError, match=r"plan file .*bad.json: kv.bf16_layers: '13'"):
+    with pytest.raises(ValueError, match=r"plan file .*bad.json: kv.bf16_layers: .* \(got '13'\)"):
         QuantPlan.load(bad)
     toml = tmp_path / "bad.toml"
     toml.write_text('[kv]\nsink_tokens = "4"\n')
-    with pytest.raises(ValueError, match=r"bad.toml: kv.sink_tokens: '4' is not allowed"):
+    with pytest.raises(
+        ValueError, match=r"bad.toml: kv.sink_tokens: Input should be a valid integer \(got '4'\)"
+    ):
         QuantPlan.load(toml)
 
 

@@ -30,7 +30,7 @@ from tenantq.numerics import (
     quantize_with_scale_zero_point,
 )
 from tenantq.quant.plan import LayerKV
-from tenantq.quant.storage import LayerKVStorage
+from tenantq.storage.kv import LayerKVStorage
 
 P, H, D = 4, 2, 8
 NUM_PAGES, MAX_SEQS, MAX_PAGES = 6, 2, 4

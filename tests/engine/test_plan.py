@@ -92,5 +92,5 @@ def test_unknown_format_error_lists_the_valid_ones(raw):
 
 
 def test_unknown_keys_are_rejected():
-    with pytest.raises(ValueError, match="unknown key 'bits'; valid keys: pattern, format"):
+    with pytest.raises(ValueError, match="unknown key 'bits'; valid keys here: pattern, format"):
         QuantPlan.from_dict({"rules": [{"pattern": ".*", "format": "int8", "bits": 8}]})

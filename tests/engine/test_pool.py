@@ -12,7 +12,7 @@ from tenantq.engine.paged import PagedLayout
 from tenantq.model.decoder import attend
 from tenantq.numerics import dequantize, quantize
 from tenantq.quant.plan import KVPlan, LayerKV, QuantPlan
-from tenantq.quant.storage import LayerKVStorage
+from tenantq.storage.kv import LayerKVStorage
 
 P, H, D, PAGES, SLOTS = 16, 2, 32, 12, 3
 

@@ -9,7 +9,7 @@ import pytest
 from tenantq.engine import Engine, PagedPool
 from tenantq.engine import pool as pool_module
 from tenantq.quant.plan import KVPlan, QuantPlan
-from tenantq.quant.storage import kv_storage
+from tenantq.storage.kv import kv_storage
 from tenantq.testing import tiny_config
 
 KV = QuantPlan(kv=KVPlan("int8", "channel", "int4", "token", sink_tokens=2))

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tenantq.engine.sharding import make_mesh, param_spec, quantize_per_shard
+from tenantq.engine.sharding import make_mesh, param_spec
 from tenantq.model.config import ModelConfig
 from tenantq.numerics import dequantize, quantize
+from tenantq.quant.apply import quantize_per_shard
 from tenantq.quant.plan import TensorQuant
-from tenantq.quant.storage import tp_split_axis as split_axis
+from tenantq.storage.tp import tp_split_axis as split_axis
 
 CONFIG = ModelConfig(
     model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,

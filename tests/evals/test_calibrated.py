@@ -25,7 +25,7 @@ resamples = 500
 rows = 4
 row_tokens = 128
 """
-SMALL_CALIBRATION = CalibrationData(num_sequences=8, seq_tokens=128)
+SMALL_CALIBRATION = CalibrationData(sequences=8, sequence_tokens=128)
 
 
 def _plan(algorithm: str, fmt: str = "int4", group: int | None = 128) -> QuantPlan:
@@ -79,8 +79,8 @@ def test_needs_calibration_reads_every_resolved_rule() -> None:
 
 
 def test_calibration_data_rejects_empty_sets() -> None:
-    with pytest.raises(ValueError, match="num_sequences >= 1"):
-        CalibrationData(num_sequences=0)
+    with pytest.raises(ValueError, match="sequences\n  Input should be greater than or equal to 1"):
+        CalibrationData(sequences=0)
 
 
 @pytest.mark.slow
@@ -149,7 +149,7 @@ def test_folded_identity_depends_on_the_fold_scale_values(tmp_path) -> None:
     def calibrator(tokens: int) -> Calibrator:
         return Calibrator(
             path, config, tokenizer, params, model_id="m" * 64, cache_dir=tmp_path,
-            data=CalibrationData(num_sequences=1, seq_tokens=tokens),
+            data=CalibrationData(sequences=1, sequence_tokens=tokens),
         )  # fmt: skip
 
     first, second = calibrator(16), calibrator(32)

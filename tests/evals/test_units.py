@@ -26,7 +26,7 @@ def test_suite_errors_are_one_line(tmp_path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[fidelity]\nrowz = 3\n")
     with pytest.raises(
-        ValueError, match=r"fidelity\.rowz: unknown key; valid keys here: source, text_field, rows"
+        ValueError, match=r"fidelity: unknown key 'rowz'; valid keys here: source, text_field, rows"
     ) as err:
         load_suite(bad)
     assert "\n" not in str(err.value)

@@ -16,16 +16,11 @@ import re
 import pytest
 
 from tenantq.quant.plan import KVPlan, LayerKV, QuantPlan
-from tenantq.quant.storage import (
-    KVArray,
-    LayerKVStorage,
+from tenantq.storage.kv import KVArray, LayerKVStorage, kv_quant_args, kv_storage, layer_bytes_row
+from tenantq.storage.pool import pages_that_fit, pool_bytes_left
+from tenantq.storage.tp import (
     check_tp,
     kv_heads_per_chip,
-    kv_quant_args,
-    kv_storage,
-    layer_bytes_row,
-    pages_that_fit,
-    pool_bytes_left,
     shard_shape,
     tp_line,
     tp_split_axis,

@@ -172,7 +172,7 @@ def test_gptq_study_calibrates_in_the_workers(tmp_path, monkeypatch, ray_local) 
     monkeypatch.chdir(tmp_path)
     spec, text = _spec(tmp_path, trials=2, algorithm="gptq", calibration_windows=(4, 64))
     assert spec.calibration.worker_args() == {
-        "source": None, "num_sequences": 4, "seq_tokens": 64, "sequential": False
+        "data": None, "sequences": 4, "sequence_tokens": 64, "seed": 0, "sequential": False
     }  # fmt: skip
     SearchDriver(spec, text, progress=False, out_dir=tmp_path / "out").run()
     trials = _study(tmp_path).trials

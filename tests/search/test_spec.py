@@ -32,23 +32,35 @@ def _with(mutate) -> dict:
 
 # (mutation, text the one-line error must contain: the key and the valid choices)
 MISTAKES = [
-    (lambda d: d.update(modle="x"), ["modle: unknown key", "model, requires, deployment"]),
-    (lambda d: d["deployment"].update(hardwar="cpu"), ["deployment.hardwar", "hardware, memory"]),
+    (
+        lambda d: d.update(modle="x"),
+        ["unknown key 'modle'; valid keys here:", "model, requires, deployment"],
+    ),
+    (
+        lambda d: d["deployment"].update(hardwar="cpu"),
+        ["deployment: unknown key 'hardwar'", "hardware, memory"],
+    ),
     (lambda d: d["deployment"].update(hardware="tpu-v9"), ["tpu-v9", "tpu-v6e"]),
     (lambda d: d["deployment"].pop("memory"), ["deployment", "--memory"]),
-    (lambda d: d.update(space={"weight_formats": ["int3"]}), ["space.weight_formats", "'int4'"]),
-    (lambda d: d.update(sampler={"kind": "cmaes"}), ["sampler.kind", "'nsga2'", "'tpe'", "'gp'"]),
-    (lambda d: d["study"].pop("trials"), ["study.trials: required key is missing"]),
+    (
+        lambda d: d.update(space={"weight_formats": ["int3"]}),
+        ["space.weight_formats.0: unknown format 'int3'", "int8, int4"],
+    ),
+    (
+        lambda d: d.update(sampler={"kind": "cmaes"}),
+        ["sampler.kind: unknown kind 'cmaes'", "nsga2, tpe, gp"],
+    ),
+    (lambda d: d["study"].pop("trials"), ["study: required key 'trials' is missing"]),
     (lambda d: d["study"].update(trials=0), ["study.trials", "greater than or equal to 1", "0"]),
     (lambda d: d.update(space={"kind": "sensitivity"}), ["space.profile"]),
     (
         lambda d: d.update(objectives=[{"metric": "tenants", "direction": "up"}]),
-        ["objectives.0.direction", "'maximize' or 'minimize'"],
+        ["objectives.0.direction: unknown direction 'up'", "maximize, minimize"],
     ),
     (lambda d: d.update(workers={"kind": "tpu"}), ["tpu_topology", "TPU-V6E"]),
     (
         lambda d: d.update(space={"key_axes": ["row"]}),
-        ["space.key_axes", "'channel', 'token', 'tensor' or 'head'"],
+        ["space.key_axes.0: unknown key axis 'row'", "channel, token, tensor, head"],
     ),
     (lambda d: d.update(space={"sink_tokens": []}), ["space.sink_tokens", "at least one"]),
     # Sinks are the first tokens of a tenant's context: 300 of a 256-token context are not.
@@ -130,13 +142,13 @@ BAD_FILES = {
         'model = "reference"\nsampler = {kind = "nsga2", sed = 1}\n'
         '[deployment]\nhardware = "cpu"\nmemory = "10MiB"\ncontext_tokens = 256\n'
         '[study]\nname = "s"\ntrials = 2\n',
-        "sampler.sed: unknown key",
+        "sampler: unknown key 'sed'",
     ),
     "bad-format.toml": (
         'model = "reference"\n[space]\nkey_formats = ["fp6"]\n'
         '[deployment]\nhardware = "cpu"\nmemory = "10MiB"\ncontext_tokens = 256\n'
         '[study]\nname = "s"\ntrials = 2\n',
-        "space.key_formats.0: 'fp6' is not valid",
+        "space.key_formats.0: unknown format 'fp6'",
     ),
     "missing-model.toml": (
         'model = "no/such/checkpoint"\n'
@@ -304,20 +316,20 @@ def test_a_storage_that_cannot_be_opened_is_one_line(tmp_path, monkeypatch, caps
 # "Value error, " prefix, and a second error is counted, never listed.
 EXACT = [
     ({"objectives": [{"metric": "tenants", "direction": "maximize", "bad": 1}]},
-     "s.toml: objectives.0.bad: unknown key; valid keys here: metric, direction"),
+     "s.toml: objectives.0: unknown key 'bad'; valid keys here: metric, direction"),
     ({"constraints": [{"metric": "fidelity.kl_mean", "tolerance": 0.1, "bad": 1}]},
-     "s.toml: constraints.0.bad: unknown key; valid keys here: metric, tolerance, bound"),
+     "s.toml: constraints.0: unknown key 'bad'; valid keys here: metric, tolerance, bound"),
     ({"sampler": {"kind": "cmaes"}},
-     "s.toml: sampler.kind: 'cmaes' is not valid; input should be 'nsga2', 'tpe', 'gp', "
-     "'random', 'grid' or 'capacity_aware'"),
+     "s.toml: sampler.kind: unknown kind 'cmaes'; valid kinds: nsga2, tpe, gp, random, grid, "
+     "capacity_aware"),
     ({"sampler": {"kind": "cmaes", "seed": -1}},
-     "s.toml: sampler.kind: 'cmaes' is not valid; input should be 'nsga2', 'tpe', 'gp', "
-     "'random', 'grid' or 'capacity_aware' (and 1 more)"),
+     "s.toml: sampler.kind: unknown kind 'cmaes'; valid kinds: nsga2, tpe, gp, random, grid, "
+     "capacity_aware (and 1 more)"),
     ({"space": {"sink_tokens": [0, 4, 300]}},
      "s.toml: space.sink_tokens: choices [300] exceed deployment.context_tokens = 256; sink "
      "tokens are the first tokens of a tenant's context"),
-    ({"": 1},  # an empty TOML key (`"" = 1`) at the top level: the spec itself is named
-     "s.toml: spec: unknown key; valid keys here: model, requires, deployment, space, "
+    ({"": 1},  # an empty TOML key (`"" = 1`) at the top level: the key is quoted, empty
+     "s.toml: unknown key ''; valid keys here: model, requires, deployment, space, "
      "objectives, constraints, eval, calibration, sampler, study, workers, tracking"),
 ]  # fmt: skip
 
@@ -365,9 +377,9 @@ def test_a_resumed_study_keeps_its_stored_sampler_with_the_fields_the_spec_sets(
 def test_an_error_names_the_spec_file_it_came_from_or_the_word_spec(tmp_path):
     path = tmp_path / "study.toml"
     path.write_text('modle = "x"\n')  # the first of its errors: `model` is missing
-    with pytest.raises(ValueError, match=rf"^{path}: model: required key is missing \(and 3 "):
+    with pytest.raises(ValueError, match=rf"^{path}: required key 'model' is missing \(and 3 "):
         load_spec(path)
-    with pytest.raises(ValueError, match=r"^spec: modle: unknown key; valid keys here: "):
+    with pytest.raises(ValueError, match=r"^spec: unknown key 'modle'; valid keys here: "):
         parse_spec(_with(lambda d: d.update(modle="x")))  # no source given
 
 
@@ -377,7 +389,13 @@ def test_the_calibration_settings_reach_the_workers_calibration_data():
     spec = parse_spec(_with(lambda d: d.update(
         calibration={"data": "c.txt", "sequences": 3, "sequence_tokens": 64})))  # fmt: skip
     got = CalibrationData(**spec.calibration.worker_args())  # what HostWorker builds
-    assert got == CalibrationData(source="c.txt", num_sequences=3, seq_tokens=64)
+    assert got == CalibrationData(data="c.txt", sequences=3, sequence_tokens=64)
+    # One schema: the spec's table is the calibration set's fields plus the algorithm, so a
+    # field added to one cannot be missing (or named differently) in the other.
+    from tenantq.search.spec import CalibrationSpec
+
+    assert isinstance(spec.calibration, CalibrationData)
+    assert set(CalibrationSpec.model_fields) == set(CalibrationData.model_fields) | {"algorithm"}
 
 
 def test_the_deployment_is_built_with_every_setting_of_the_spec():
@@ -386,3 +404,19 @@ def test_the_deployment_is_built_with_every_setting_of_the_spec():
     built = parse_spec(_with(lambda d: d.update(deployment=deployment))).deployment.build()
     assert (built.hardware.name, built.chips, built.page_tokens) == ("h100-sxm", 2, 32)
     assert built.reserve.fixed_bytes == 4 * 2**30
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [("source", "data"), ("num_sequences", "sequences"), ("seq_tokens", "sequence_tokens")],
+)
+def test_a_calibration_field_under_its_old_name_is_refused_naming_the_new_one(old, new):
+    # CalibrationData's fields took the spec's names (source -> data, ...): a spec table or
+    # a caller still using the old name gets one line naming the new field, not a key list.
+    from tenantq.quant.calibration_set import CalibrationData
+
+    raw = _with(lambda d: d.update(calibration={old: 8}))
+    with pytest.raises(ValueError, match=rf"^spec: calibration: '{old}' is now '{new}'$"):
+        parse_spec(raw)
+    with pytest.raises(ValueError, match=rf"'{old}' is now '{new}'"):
+        CalibrationData(**{old: 8})

@@ -15,7 +15,7 @@ from tenantq.capacity.hardware import (
     get_hardware,
     hardware_names,
 )
-from tenantq.capacity.kv import kv_layers, kv_pool_bytes
+from tenantq.capacity.kv import kv_pool_bytes
 from tenantq.capacity.presets import PRESETS, get_model_config, model_names
 from tenantq.capacity.units import parse_bytes
 
@@ -32,7 +32,6 @@ __all__ = [
     "get_hardware",
     "get_model_config",
     "hardware_names",
-    "kv_layers",
     "kv_pool_bytes",
     "max_context_for",
     "model_names",

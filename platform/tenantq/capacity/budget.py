@@ -16,13 +16,15 @@ from dataclasses import asdict, dataclass, field, fields
 from fractions import Fraction
 
 from tenantq.capacity.hardware import Deployment
-from tenantq.capacity.kv import kv_layers, pool_bytes_from_layers, tenant_pages
+from tenantq.capacity.kv import pool_bytes_from_layers, tenant_pages
 from tenantq.capacity.units import exact_bytes, human_bytes
 from tenantq.capacity.weights import WEIGHT_LINE_ORDER, TensorBytes, sharding_label, tensor_bytes
 from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import QuantPlan
-from tenantq.quant.storage import LayerKVStorage, pool_bytes_left, vocab_replicated
+from tenantq.storage.kv import LayerKVStorage, kv_storage
+from tenantq.storage.pool import kv_sums, pool_bytes_left
+from tenantq.storage.tp import vocab_replicated
 
 
 @dataclass(frozen=True)
@@ -166,16 +168,17 @@ def budget(
     check_positive_int("target tenants", target_tenants)
     config, tp, page = model_config, deployment.chips, deployment.page_tokens
     tensors = tensor_bytes(config, plan, tp)
-    layers = kv_layers(config, plan, page, tp)
+    layers = kv_storage(config, plan, page, tp)
+    sums = kv_sums(layers)
 
     hbm = deployment.hardware.hbm_bytes
     weights = sum(t.bytes_per_chip for t in tensors)
     reserve = deployment.reserve_bytes_per_chip
     pool = pool_bytes_left(hbm, weights, reserve)
-    static = sum(lay.static_bytes for lay in layers)
+    static = sums.static_bytes
     paged_pool = max(0, pool - static)
 
-    page_bytes = sum(lay.page_bytes for lay in layers)
+    page_bytes = sums.page_bytes
     per_token_chip = Fraction(page_bytes, page)
     pages = tenant_pages(config, context_tokens, page)
     tenant = pool_bytes_from_layers(layers, pages, 1)

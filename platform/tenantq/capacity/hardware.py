@@ -16,7 +16,7 @@ from tenantq.capacity.units import GiB, MiB, exact_bytes, human_bytes, parse_byt
 from tenantq.model.checks import check_positive_int
 
 # The default runtime reserve (10% of HBM, as vLLM) is the one the engine sizes its pool with.
-from tenantq.quant.storage import DEFAULT_RESERVE_FRACTION
+from tenantq.storage.pool import DEFAULT_RESERVE_FRACTION
 
 GB_S = 10**9  # bandwidth figures are decimal: GB/s
 TFLOP_S = 10**12  # peak matmul rates are decimal too: TFLOP/s (TOP/s for int8)

@@ -1,7 +1,7 @@
 """The paged KV pool, by arithmetic: pages per tenant and the pool's bytes per layer.
 
 A page of layer l costs `page_bytes_l` and a sequence slot `slot_bytes_l`, both read from
-`tenantq.quant.storage.LayerKVStorage` (the description the engine's pool allocates from).
+`tenantq.storage.kv.LayerKVStorage` (the description the engine's pool allocates from).
 A sequence of C tokens holds ceil(kv_tokens_l(C) / page_tokens) pages in layer l, where a
 sliding-window layer keeps at most its window (`ModelConfig.layer_kv_tokens`): pages are
 counted per layer, so local layers stop growing at the window. Everything here is per chip:
@@ -14,10 +14,7 @@ from collections.abc import Sequence
 
 from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import QuantPlan
-from tenantq.quant.storage import LayerKVStorage, kv_storage
-
-# Per-layer KV storage (page, residual and sink bytes) on one of `tp` chips: the engine's.
-kv_layers = kv_storage
+from tenantq.storage.kv import LayerKVStorage, kv_storage
 
 
 def pages_per_sequence(
@@ -70,5 +67,5 @@ def kv_pool_bytes(
     from `LayerKVStorage.bytes_row`; the engine's `memory_report()` rows must equal them byte
     for byte.
     """
-    layers = kv_layers(config, plan, page_tokens, tp, store_dtype=store_dtype)
+    layers = kv_storage(config, plan, page_tokens, tp, store_dtype=store_dtype)
     return pool_bytes_from_layers(layers, num_pages, num_slots)

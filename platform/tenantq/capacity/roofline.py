@@ -19,11 +19,12 @@ import re
 from dataclasses import dataclass, field
 
 from tenantq.capacity.hardware import COMPUTE_FORMATS, Deployment, HardwareProfile
-from tenantq.capacity.kv import kv_layers, pool_bytes_from_layers, tenant_pages
+from tenantq.capacity.kv import pool_bytes_from_layers, tenant_pages
 from tenantq.capacity.weights import tensor_bytes
 from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import QuantPlan
+from tenantq.storage.kv import kv_storage
 
 # A serving engine's fixed cost per decode step on an accelerator (kernel launches, the
 # scheduler, sampling), independent of bytes and FLOPs: an assumption, stated, overridable.
@@ -132,7 +133,7 @@ def kv_step_bytes(
 ) -> int:
     """KV bytes one decode step reads on one chip: each of `batch` tenants' pages and slot
     buffers at `context_tokens` (the budget's per-tenant rows), plus static scales once."""
-    layers = kv_layers(config, plan, deployment.page_tokens, deployment.chips)
+    layers = kv_storage(config, plan, deployment.page_tokens, deployment.chips)
     pages = tenant_pages(config, context_tokens, deployment.page_tokens)
     one = pool_bytes_from_layers(layers, pages, 1)
     return batch * (one["total_bytes"] - one["static_bytes"]) + one["static_bytes"]

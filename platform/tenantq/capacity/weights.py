@@ -1,6 +1,6 @@
 """Bytes each chip holds for every weight tensor, in the plan's formats, under tensor parallelism.
 
-Sharding follows `tenantq.quant.storage`'s layout table, the one the engine places arrays
+Sharding follows `tenantq.storage.tp`'s layout table, the one the engine places arrays
 with (Megatron: q/k/v and gate/up split their output columns, o and down their input rows;
 embed and an untied lm_head split the vocabulary when the chips divide it and are
 replicated whole otherwise; norms are replicated). A chip's shard is stored as its own
@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import STATIC_ACT_SCALE_BYTES, QuantPlan
-from tenantq.quant.storage import check_tp, shard_shape, tp_line
+from tenantq.storage.tp import check_tp, shard_shape, tp_line
 
 _SHARDING_LABELS = {
     "attention": "sharded over heads",

@@ -28,8 +28,9 @@ from tenantq.engine.pool import PagedPool
 from tenantq.model.config import ModelConfig
 from tenantq.model.decoder import Decoder, check_supported
 from tenantq.numerics import QArray
-from tenantq.quant.apply import apply_plan
+from tenantq.quant.apply import apply_plan, check_quantized
 from tenantq.quant.plan import QuantPlan
+from tenantq.storage.tp import tp_split_axis
 
 _MIN_BUCKET = 16  # smallest padded sequence / KV window, in tokens
 # Compute dtypes the engine runs: bfloat16 as a server does, float32 for parity with a
@@ -69,9 +70,10 @@ class Batch:
 class Engine:
     """Run a Llama-family model under a `QuantPlan`.
 
-    `Engine(config, params, plan)` takes in-memory params (path -> array or QArray) and
-    applies the plan with `apply_plan`; `from_checkpoint` loads and quantizes tensor by
-    tensor. `dtype` is the compute dtype and the dtype of every unquantized tensor
+    `Engine(config, params, plan)` takes in-memory params: full precision (the engine applies
+    the plan once, `apply_plan`) or already quantized under `plan` (`apply_plan`'s output, a
+    calibrator's; checked, never quantized again); `from_checkpoint` loads and quantizes
+    tensor by tensor. `dtype` is the compute dtype and the dtype of every unquantized tensor
     (bfloat16 for serving, float32 for parity). `tp=N` shards params and cache over N
     local devices (`tenantq.engine.sharding`), with whole-tensor (`scale_scope="global"`)
     or per-shard (`"shard"`) scales. Other keyword options go to the default cache, the
@@ -122,17 +124,33 @@ class Engine:
         self.stats = steps.StepStats()
 
     def _build_params(self, params: dict[str, Any], scale_scope: str) -> dict[str, Any]:
-        """The params the decoder holds: the plan applied (sharded first under tp), every
-        unquantized tensor cast to the compute dtype."""
-        if self.mesh is not None:
-            params = sharding.shard_params(
-                params, self.config, self.mesh, scales=scale_scope, plan=self.plan
-            )
-        quantized = apply_plan(params, self.plan, self.config)
-        return {
+        """The params the decoder holds, the plan applied exactly once.
+
+        Full-precision params are quantized here (`apply_plan`, per tp shard when
+        scale_scope="shard"); params holding QArrays were quantized already (`apply_plan`,
+        `load_quantized`, a calibrator) and are only checked against the plan
+        (`check_quantized`): never quantized again. Unquantized tensors are cast to the
+        compute dtype; under tp everything is then placed on the mesh (placement only)."""
+        if any(isinstance(v, QArray) for v in params.values()):
+            check_quantized(params, self.plan, self.config)
+            if self.mesh is not None and scale_scope == "shard":
+                raise ValueError(
+                    "scale_scope='shard' quantizes each shard from full precision, but these "
+                    "params are already quantized; pass full-precision params"
+                )
+        else:
+            tp = 1 if self.mesh is None else self.mesh.shape[sharding.AXIS]
+            axes = None
+            if scale_scope == "shard" and tp > 1:
+                axes = {p: tp_split_axis(p, self.config, tp) for p in params}
+            params = apply_plan(params, self.plan, self.config, shard_axes=axes, tp=tp)
+        params = {
             path: v if isinstance(v, QArray) else jnp.asarray(v, self.dtype)
-            for path, v in quantized.items()
+            for path, v in params.items()
         }
+        if self.mesh is not None:
+            params = sharding.shard_params(params, self.config, self.mesh)
+        return params
 
     def _build_pool(self, pool_options: dict[str, Any]) -> PagedPool:
         """The default cache: a paged pool sized beside the weights one chip holds."""
@@ -173,7 +191,7 @@ class Engine:
             plan = QuantPlan.from_dict(stored)
             if kv_scales is not None:
                 pool_options.setdefault("kv_scales", kv_scales)
-        per_shard = tp is not None and scale_scope == "shard"  # quantized per shard later
+        per_shard = tp is not None and scale_scope == "shard"  # quantized per shard in __init__
         params = load_quantized(
             path, config, None if per_shard else plan,
             dtype=jnp.float32 if per_shard else compute_dtype(dtype),

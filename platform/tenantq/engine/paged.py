@@ -33,7 +33,7 @@ from tenantq.numerics import (
 )
 from tenantq.numerics.elements import e8m0_code_at_least, scale_by_e8m0
 from tenantq.quant.plan import KVTensorSpec
-from tenantq.quant.storage import LayerKVStorage, kv_quant_args
+from tenantq.storage.kv import LayerKVStorage, kv_quant_args
 
 # A token-scaled nvfp4 page fixes its float32 tensor scale when its first tokens are written
 # (later tokens cannot change it without requantizing the page): amax of those tokens times

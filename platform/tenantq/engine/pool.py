@@ -29,10 +29,10 @@ from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.quant.kv_calibration import KVScales
 from tenantq.quant.plan import LayerKV, QuantPlan
-from tenantq.quant.storage import (
+from tenantq.storage.kv import kv_storage, layer_bytes_row
+from tenantq.storage.pool import (
     DEFAULT_RESERVE_FRACTION,
-    kv_storage,
-    layer_bytes_row,
+    kv_sums,
     pages_that_fit,
     pool_bytes_left,
 )
@@ -205,9 +205,8 @@ class PagedPool:
         memory, source = device_memory_bytes()
         reserve = int(DEFAULT_RESERVE_FRACTION * memory)
         pool = pool_bytes_left(memory, weights_bytes, reserve)
-        page = sum(lay.page_bytes for lay in per_device)
-        slots = max_seqs * sum(lay.slot_bytes for lay in per_device)
-        slots += sum(lay.static_bytes for lay in per_device)
+        sums = kv_sums(per_device)
+        page, slots = sums.page_bytes, sums.fixed_bytes(max_seqs)
         one_sequence = max_pages * page + slots
         if pool < one_sequence:
             raise ValueError(
@@ -222,7 +221,18 @@ class PagedPool:
 
     # ---------------------------------------------------------------- engine questions
     def check_plan(self, plan: QuantPlan, config: ModelConfig) -> None:
-        """The pool is built from a plan's KV part and holds any plan's formats."""
+        """Raise unless `plan` stores the KV cache as this pool was built to (per layer: key
+        and value formats, axes, sink tokens): an engine whose params follow one plan and
+        whose pool follows another would run and report a plan nobody asked for."""
+        for layer, (want, built) in enumerate(
+            zip(plan.kv_layers(config), self.kv_layers(), strict=True)
+        ):
+            if want != built:
+                raise ValueError(
+                    f"the KV pool of layer {layer} was built for {built} but the engine's plan "
+                    f"stores {want}; build the pool (PagedPool(config, plan, ...)) from the "
+                    "plan the params were quantized under"
+                )
 
     def settings(self, compute_dtype: str) -> dict[str, Any]:
         """The pool's part of `Engine.settings()`; static KV scales change results, so their

@@ -1,13 +1,14 @@
 """Tensor parallelism: a 1-d device mesh, where every weight and KV-cache array goes on it.
 
-The layout is `tenantq.quant.storage`'s table, the one the capacity planner budgets
+The layout is `tenantq.storage.tp`'s table, the one the capacity planner budgets
 (Megatron: q/k/v and gate/up split their output columns, o and down their input rows,
 embed and an untied lm_head the vocabulary when tp divides it, norms replicated), and the
 KV cache by KV head. Arrays are placed with `NamedSharding` and jit propagates the rest.
-A quantized tensor's scales either come from the whole tensor ("global") or from each
-device's slice alone ("shard"). Under multi-controller JAX (one process per host of a slice,
-`jax.distributed`) the mesh spans every process's devices: each process places only its own
-shards (`place`) and the engine's outputs are replicated to every host (`to_every_host`).
+Only placement happens here: a quantized tensor arrives with scales from the whole tensor
+("global") or from each device's slice alone ("shard", `quant.apply.quantize_per_shard`).
+Under multi-controller JAX (one process per host of a slice, `jax.distributed`) the mesh spans
+every process's devices: each process places only its own shards (`place`) and the engine's
+outputs are replicated to every host (`to_every_host`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -26,9 +26,7 @@ from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.model.layers import StaticActQArray
 from tenantq.numerics import QArray, get_format
-from tenantq.quant.apply import quantize_tensor
-from tenantq.quant.plan import QuantPlan, TensorQuant
-from tenantq.quant.storage import check_tp, tp_split_axis
+from tenantq.storage.tp import check_tp, tp_split_axis
 
 AXIS = "tp"  # the mesh's one axis name
 SCALE_SCOPES = ("global", "shard")
@@ -128,100 +126,16 @@ def _aux(q: QArray):
     return (q.shape, q.fmt, q.axis, q.group_size)
 
 
-def quantize_per_shard(weight, how: TensorQuant, axis: int, tp: int) -> QArray:
-    """Quantize each of `tp` slices of `weight` along `axis` on its own; one QArray back.
+def shard_params(params: Mapping[str, Any], config: ModelConfig, mesh: Mesh) -> dict[str, Any]:
+    """Params placed on `mesh` with their `param_spec`; nothing is quantized or cast here.
 
-    Fields are concatenated along `axis`, so device i holds exactly what quantizing its
-    slice gives. Where the per-shard scales change the layout, the QArray says so:
-    a per-tensor scale (axis=None) becomes `axis=axis, group_size=shard` with a scale of
-    `tp` entries along `axis` and 1 elsewhere (dequantize broadcasts it), and one group
-    over a split axis becomes groups of one shard. nvfp4's per-tensor scale has no
-    per-shard form in `dequantize`, so it is refused.
+    The params arrive as the engine will hold them (`quant.apply.apply_plan` quantized them,
+    per shard where scale_scope="shard" asked); sharding only places arrays.
     """
-    spec = get_format(how.format)
-    if spec.has_tensor_scale:
-        raise ValueError(
-            f"{how.path}: scales='shard' cannot store {how.format}'s per-tensor scale per "
-            "shard (dequantize takes one tensor scale); use scales='global' for it"
-        )
-    shard = weight.shape[axis] // tp
-    if spec.packed and axis == len(weight.shape) - 1 and shard % 2:
-        raise ValueError(f"{how.path}: {how.format} shards of {shard} would split a packed byte")
-    parts = [quantize_tensor(s, how) for s in jnp.split(jnp.asarray(weight), tp, axis=axis)]
-    first = parts[0]
-    q_axis, group = first.axis, first.group_size
-    if q_axis is None:
-        q_axis, group = axis, shard
-    elif q_axis == axis:
-        n_groups = first.scale.shape[axis] if first.scale is not None else 1
-        if group is None or n_groups == 1:
-            group = shard
-        elif shard % group:
-            raise ValueError(
-                f"{how.path}: groups of {group} leave a partial group inside each shard of "
-                f"{shard} along axis {axis}; use a group size dividing {shard}"
-            )
-
-    def cat(field: int):
-        arrays = [_fields(q)[field] for q in parts]
-        return None if arrays[0] is None else jnp.concatenate(arrays, axis=axis)
-
-    return QArray(cat(0), cat(1), cat(2), None, tuple(weight.shape), first.fmt, q_axis, group)
-
-
-def _resolve(plan, config: ModelConfig) -> Mapping[str, TensorQuant]:
-    if plan is None:
-        return {}
-    if isinstance(plan, QuantPlan):
-        return plan.resolve(config)
-    return plan  # already resolved: path -> TensorQuant (e.g. per-tensor axis=None)
-
-
-def shard_params(
-    params: Mapping[str, Any],
-    config: ModelConfig,
-    mesh: Mesh,
-    *,
-    scales: str = "global",
-    plan: QuantPlan | Mapping[str, TensorQuant] | None = None,
-) -> dict[str, Any]:
-    """Params quantized as `plan` says and placed on `mesh` with their `param_spec`.
-
-    scales="global": each tensor is quantized whole (the scales of an unsharded run),
-    then split. scales="shard": each device's slice is quantized on its own
-    (`quantize_per_shard`), which needs full-precision params. Leaves already quantized
-    are placed as they are under "global". `plan` may be a QuantPlan or its resolved form
-    (path -> TensorQuant), which can ask for per-tensor scales (axis=None).
-    """
-    if scales not in SCALE_SCOPES:
-        raise ValueError(f"scales={scales!r}; valid: {', '.join(SCALE_SCOPES)}")
     tp = mesh.shape[AXIS]
     check_tp(config, tp)
-    resolved = _resolve(plan, config)
     out: dict[str, Any] = {}
     for path, value in params.items():
-        how, axis = resolved.get(path), tp_split_axis(path, config, tp)
-        if isinstance(value, QArray):
-            if scales == "shard" and axis is not None:
-                raise ValueError(
-                    f"{path}: scales='shard' quantizes each shard from full precision, but "
-                    f"this tensor is already a {value.fmt} QArray"
-                )
-        elif how is not None:
-            if scales == "shard" and axis is not None:
-                if path == "embed" and how.axis is None:
-                    raise ValueError(
-                        "embed: the row gather reads one scale per row or per tensor; "
-                        "per-shard per-tensor scales would need per-shard gathers"
-                    )
-                if how.activations is not None and axis == how.axis:
-                    raise ValueError(
-                        f"{path}: W8A8 needs one scale per output channel; per-shard scales "
-                        f"over split rows break that (use scales='global')"
-                    )
-                value = quantize_per_shard(value, how, axis, tp)
-            else:
-                value = quantize_tensor(value, how)
         specs = param_spec(path, value, config, tp)
         out[path] = jax.tree.map(place, value, _named(specs, mesh))
     return out

@@ -10,36 +10,13 @@ quantized params with `quant.calibrate.prepare` + `quant.apply.apply_plan`.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tenantq.model.files import CACHE_DIR
-from tenantq.quant.calibration import DEFAULT_NUM_SEQUENCES, DEFAULT_SEQ_TOKENS
-
-
-@dataclass(frozen=True)
-class CalibrationData:
-    """Which text calibrates and how much: `source` None is the reference train split,
-    else a .txt/.jsonl/.parquet file; `num_sequences` windows of `seq_tokens` tokens.
-    `sequential`: each plan's statistics are taken layer by layer through its own
-    already-quantized layers (`quant.calibrate.prepare_sequential`; per plan, not cached)
-    instead of once from the full-precision model."""
-
-    source: str | None = None
-    num_sequences: int = DEFAULT_NUM_SEQUENCES
-    seq_tokens: int = DEFAULT_SEQ_TOKENS
-    seed: int = 0
-    sequential: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_sequences < 1 or self.seq_tokens < 2:
-            raise ValueError(
-                f"calibration needs num_sequences >= 1 and seq_tokens >= 2, got "
-                f"{self.num_sequences} x {self.seq_tokens}"
-            )
+from tenantq.quant.calibration_set import CalibrationData
 
 
 def needs_calibration(plan, config) -> bool:
@@ -96,15 +73,16 @@ class Calibrator:
             from tenantq.evals.sensitivity import calibration_windows
 
             self._windows, _ = calibration_windows(
-                self.tokenizer, self.config, source=self.data.source,
-                num_sequences=self.data.num_sequences, seq_tokens=self.data.seq_tokens,
+                self.tokenizer, self.config, source=self.data.data,
+                num_sequences=self.data.sequences, seq_tokens=self.data.sequence_tokens,
                 seed=self.data.seed,
             )  # fmt: skip
         return self._windows
 
     def params_for(self, plan) -> dict[str, Any]:
-        """`plan` applied to the model's params, calibrated where its rules ask for it;
-        the unchanged params when no rule does (the Engine then applies plain RTN)."""
+        """`plan` applied once to the model's params where its rules ask for calibration
+        (the Engine takes these quantized params as they are); the unchanged full-precision
+        params when no rule does (the Engine then applies the plan, plain RTN, once)."""
         return self.prepared(plan)[0]
 
     def prepared(self, plan) -> tuple[dict[str, Any], dict[str, Any], str]:

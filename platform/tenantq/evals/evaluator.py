@@ -252,7 +252,7 @@ class Evaluator:
 
         if folded_id not in self._kv_scales:
             windows, _ = calibration_windows(  # the weights' calibration text, if given
-                self.tokenizer, self.config, source=self.calibrator.data.source,
+                self.tokenizer, self.config, source=self.calibrator.data.data,
                 num_sequences=kvc.DEFAULT_KV_SEQUENCES,
                 seq_tokens=min(kvc.DEFAULT_KV_SEQ_TOKENS, self.config.max_position_embeddings),
             )  # fmt: skip

@@ -17,6 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tenantq.model.checks import validation_line
+
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
 SPLITS = ("search", "confirm")
 # Shortest needle prompt: BOS, the needle sentence, some haystack and the query (the shortest
@@ -385,27 +387,4 @@ def parse_suite(raw: dict, source: str = "suite") -> Suite:
     try:
         return Suite.model_validate(raw)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        msg = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "extra_forbidden":
-            msg = f"unknown key; valid keys here: {', '.join(_fields_at(first['loc'][:-1]))}"
-        elif not isinstance(first.get("input"), dict | list | tuple):
-            msg = f"{msg} (got {first.get('input')!r})"
-        # a whole-suite check names its key in its message itself
-        raise ValueError(f"{source}: {where + ': ' if where else ''}{msg}") from None
-
-
-def _fields_at(loc: tuple) -> list[str]:
-    """The keys valid at `loc` (a pydantic error location) of a suite file."""
-    model: type[BaseModel] = Suite
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        ann = model.model_fields[part].annotation
-        inner = [a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type)]
-        inner = [a for a in inner if issubclass(a, BaseModel)]
-        if not inner:
-            return []
-        model = inner[0]
-    return list(model.model_fields)
+        raise ValueError(validation_line(err, Suite, source=source)) from None

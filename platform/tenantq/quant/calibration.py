@@ -27,8 +27,6 @@ import pyarrow.parquet as pq
 from tenantq.model.config import ModelConfig
 from tenantq.model.files import CACHE_DIR, atomic_path, atomic_write_text, cache_key
 
-DEFAULT_NUM_SEQUENCES = 128
-DEFAULT_SEQ_TOKENS = 512
 DEFAULT_PERCENTILE = 99.9
 BATCH_SEQUENCES = 8  # windows per forward call while collecting
 _STATS_VERSION = 1  # bump when the statistics' definition changes (invalidates caches)

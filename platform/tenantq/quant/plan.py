@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, get_type_hints
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, create_model
 from pydantic import ValidationError as _PydanticError
 
+from tenantq.model.checks import validation_line
 from tenantq.model.config import ModelConfig, TensorInfo
 from tenantq.model.files import atomic_write_text
 from tenantq.numerics import FORMATS, get_format
@@ -122,28 +123,14 @@ def _validated(model: type[BaseModel], raw: Any, where: str) -> BaseModel:
         return model.model_validate(raw)
     except _PydanticError as err:
         e = err.errors()[0]
-        loc = ".".join(str(x) for x in e["loc"])
-        parent, _, key = loc.rpartition(".")
-        inside = f"{where}.{parent}" if parent else where
-        if e["type"] == "extra_forbidden":
-            valid = ", ".join(model.model_fields) if not parent else "see the plan format"
-            message = f"{inside}: unknown key {key!r}; valid keys: {valid}"
-        elif e["type"] == "missing":
-            message = f"{inside}: {key!r} is required"
-        elif e["type"] == "literal_error":
-            valid = e["ctx"]["expected"].replace("'", "").replace(" or ", ", ")
-            noun = "format" if key.endswith("format") else key.replace("_", " ")
-            nouns = noun[:-2] + "es" if noun.endswith("is") else noun + "s"  # axis -> axes
-            message = f"{where}.{loc}: unknown {noun} {e['input']!r}; valid {nouns}: {valid}"
-            if e["input"] in KV_ONLY_FORMATS:
-                message = (
-                    f"{where}.{loc}: {e['input']} is a KV-cache format only (weights in "
-                    f"{e['input']} are not supported); valid weight formats: {valid}"
-                )
-        else:
-            allowed = e["msg"][0].lower() + e["msg"][1:]
-            message = f"{where}.{loc}: {e['input']!r} is not allowed; {allowed}"
-        raise ValueError(message) from None
+        if e["type"] == "literal_error" and e["input"] in KV_ONLY_FORMATS:
+            loc = ".".join(str(x) for x in e["loc"])
+            raise ValueError(
+                f"{where}.{loc}: {e['input']} is a KV-cache format only (weights in "
+                f"{e['input']} are not supported); valid weight formats: "
+                f"{', '.join(FORMAT_NAMES)}"
+            ) from None
+        raise ValueError(validation_line(err, model, prefix=where)) from None
 
 
 def check_w8a8(how: Rule | TensorQuant) -> None:
@@ -326,7 +313,7 @@ class KVTensorSpec:
 @dataclass(frozen=True)
 class LayerKV:
     """The plan's word on one layer's keys and values (formats and axes); the pool's arrays
-    and their bytes are `tenantq.quant.storage.LayerKVStorage`."""
+    and their bytes are `tenantq.storage.kv.LayerKVStorage`."""
 
     key_format: str
     key_axis: str

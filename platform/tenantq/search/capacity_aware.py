@@ -786,12 +786,13 @@ def _kv_options(context, choices, kv_names, weight_params) -> list[knapsack.KVOp
 
 def _kv_bytes(context, plan) -> tuple[int, int]:
     """(static-scale bytes, bytes per tenant) per chip of `plan`'s KV, by the functions
-    `capacity.budget` counts them with (`kv_layers`, `tenant_pages`, `pool_bytes_from_layers`),
+    `capacity.budget` counts them with (`kv_storage`, `tenant_pages`, `pool_bytes_from_layers`),
     without its longest-context search."""
-    from tenantq.capacity.kv import kv_layers, pool_bytes_from_layers, tenant_pages
+    from tenantq.capacity.kv import pool_bytes_from_layers, tenant_pages
+    from tenantq.storage.kv import kv_storage
 
     dep = context.deployment
-    layers = kv_layers(context.capacity_config, plan, dep.page_tokens, dep.chips)
+    layers = kv_storage(context.capacity_config, plan, dep.page_tokens, dep.chips)
     pages = tenant_pages(
         context.capacity_config, context.spec.deployment.context_tokens, dep.page_tokens
     )

@@ -15,7 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tenantq.model.checks import validation_line
 from tenantq.model.files import CACHE_DIR
+from tenantq.quant.calibration_set import CalibrationData
 from tenantq.quant.plan import (
     ALGORITHM_NAMES,
     FORMAT_NAMES,
@@ -190,28 +192,16 @@ class EvalSpec(_Strict):
     cache_dir: str = Field(str(CACHE_DIR), description="where bf16 baselines are cached")
 
 
-class CalibrationSpec(_Strict):
-    """The algorithm quantized tensors use, and the text that calibrates it (gptq, awq,
-    smoothquant, static activation scales): `sequences` windows of `sequence_tokens` tokens
-    of `data` (a .txt/.jsonl/.parquet file; absent: the reference model's train split)."""
+class CalibrationSpec(CalibrationData):
+    """The algorithm quantized tensors use (gptq, awq, smoothquant, static activation scales
+    need calibration), beside the calibration set it runs on: its fields are those of
+    `tenantq.quant.calibration_set.CalibrationData`, the one description of that set."""
 
     algorithm: Literal[ALGORITHM_NAMES] = "rtn"  # type: ignore[valid-type]
-    sequences: int = Field(128, ge=1, description="calibration windows (issue 11: 128)")
-    sequence_tokens: int = Field(512, ge=2, description="tokens per window (512)")
-    data: str | None = Field(None, description="calibration text file; absent: train split")
-    sequential: bool = Field(
-        False,
-        description="statistics per plan through its own quantized layers (GPTQ paper, sec. 4)",
-    )
 
     def worker_args(self) -> dict[str, Any]:
-        """What a HostWorker needs to build its Evaluator's `CalibrationData`."""
-        return {
-            "source": self.data,
-            "num_sequences": self.sequences,
-            "seq_tokens": self.sequence_tokens,
-            "sequential": self.sequential,
-        }
+        """What a HostWorker needs to build its Evaluator's `CalibrationData`: its fields."""
+        return self.model_dump(include=set(CalibrationData.model_fields))
 
 
 class SamplerSpec(_Strict):
@@ -514,49 +504,12 @@ class Spec(_Strict):
         return SLO_METRIC if self.deployment.slo is not None else CAPACITY_METRIC
 
 
-def _one_line(err: ValidationError, source: str) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "spec"
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        parent = _model_at(first["loc"][:-1])
-        valid = ", ".join(parent.model_fields) if parent else ""
-        msg = f"unknown key; valid keys here: {valid}"
-    elif first["type"] == "missing":
-        msg = "required key is missing"
-    elif first["type"] == "literal_error":
-        msg = f"{first['input']!r} is not valid; {msg[0].lower()}{msg[1:]}"
-    elif not isinstance(first.get("input"), dict | list):
-        msg = f"{msg} (got {first.get('input')!r})"
-    extra = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    if not first["loc"]:  # a check across keys: its message names them
-        return f"{source}: {msg}{extra}"
-    return f"{source}: {loc}: {msg}{extra}"
-
-
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    model: Any = Spec
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part)
-        if field is None:
-            return None
-        ann = field.annotation
-        for cand in (ann, *getattr(ann, "__args__", ())):
-            for inner in (cand, *getattr(cand, "__args__", ())):
-                if isinstance(inner, type) and issubclass(inner, BaseModel):
-                    model = inner
-                    break
-    return model
-
-
 def parse_spec(raw: dict[str, Any], source: str = "spec") -> Spec:
     """Validate a spec dict; a mistake is a ValueError of one line naming the key."""
     try:
         spec = Spec.model_validate(raw)
     except ValidationError as err:
-        raise ValueError(_one_line(err, source)) from None
+        raise ValueError(validation_line(err, Spec, source=source)) from None
     try:
         spec.deployment.build()
     except ValueError as err:

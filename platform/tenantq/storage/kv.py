@@ -1,87 +1,23 @@
-"""What one chip stores: the tensor-parallel layout, each layer's KV arrays, the pool arithmetic.
+"""Each layer's KV arrays on one chip: formats, axes, page geometry and storage dtype.
 
-The engine allocates its pool from `LayerKVStorage.arrays` and shards weights with
-`tp_split_axis`; the capacity planner counts bytes from the same two, so planner and engine
-agree to the byte by construction. The storage dtype of unquantized KV (bf16 in serving,
-float32 in the parity engine) is part of the description. Pure Python: no JAX, so the
-planner (and a driver without accelerator libraries) can import it.
+The engine's paged pool allocates from `LayerKVStorage.arrays`, and the capacity planner
+counts bytes from the same description, so planner and engine agree to the byte by
+construction. The storage dtype of unquantized KV (bf16 in serving, float32 in the parity
+engine) is part of it. Pure Python: no JAX at import.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 from tenantq.model.checks import check_positive_int
 from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import KVTensorSpec, LayerKV, QuantPlan
-
-# ----------------------------------------------------------------------- tensor parallelism
-# Megatron layout. Tensor name -> (budget line, axis split across chips); weights are stored
-# [in, out], so q/k/v and gate/up split their output columns (by head, by MLP unit), o and
-# down their input rows (the all-reduce follows), the q/k/v biases their one axis.
-# Everything not named here (norms, o_bias) is replicated on every chip.
-TP_LAYOUT: dict[str, tuple[str, int]] = {
-    "q_proj": ("attention", 1),
-    "k_proj": ("attention", 1),
-    "v_proj": ("attention", 1),
-    "o_proj": ("attention", 0),
-    "q_bias": ("attention", 0),
-    "k_bias": ("attention", 0),
-    "v_bias": ("attention", 0),
-    "gate_proj": ("mlp", 1),
-    "up_proj": ("mlp", 1),
-    "down_proj": ("mlp", 0),
-}
-# The vocabulary axis of the embedding [vocab, hidden] and an untied lm_head [hidden, vocab].
-# Split only when the chips divide the vocabulary (even shards, as `NamedSharding` needs);
-# otherwise both tensors are replicated whole on every chip (no padding is added).
-VOCAB_AXIS = {"embed": 0, "lm_head": 1}
+from tenantq.storage.tp import kv_heads_per_chip
 
 
-def check_tp(config: ModelConfig, tp: Any, *, valid_name: str = "tp values") -> int:
-    """`tp` as an int once it is a positive integer that splits heads, KV heads and MLP units
-    evenly (KV heads are sharded, never replicated); the one check the engine and planner use."""
-    check_positive_int("tp (chips)", tp)
-    config.check_tensor_parallel(tp, valid_name=valid_name)
-    return tp
-
-
-def vocab_replicated(config: ModelConfig, tp: int) -> bool:
-    """True when `tp` chips do not divide the vocabulary, so embed/lm_head stay whole."""
-    return config.vocab_size % tp != 0
-
-
-def tp_line(path: str) -> str:
-    """The budget line of tensor `path`: embed, lm_head, attention, mlp or norms (replicated)."""
-    if path in VOCAB_AXIS:
-        return path
-    entry = TP_LAYOUT.get(path.rsplit("/", 1)[-1])
-    return "norms" if entry is None else entry[0]
-
-
-def tp_split_axis(path: str, config: ModelConfig, tp: int) -> int | None:
-    """The axis of tensor `path` split across `tp` chips, or None when it is replicated."""
-    if path in VOCAB_AXIS:
-        return None if vocab_replicated(config, tp) else VOCAB_AXIS[path]
-    entry = TP_LAYOUT.get(path.rsplit("/", 1)[-1])
-    return None if entry is None else entry[1]
-
-
-def shard_shape(path: str, shape: tuple[int, ...], config: ModelConfig, tp: int) -> tuple[int, ...]:
-    """The shape one of `tp` chips stores of tensor `path` (whole shape when replicated)."""
-    axis = tp_split_axis(path, config, tp)
-    return tuple(d // tp if i == axis else d for i, d in enumerate(shape))
-
-
-def kv_heads_per_chip(config: ModelConfig, tp: int) -> int:
-    """KV heads one of `tp` chips holds (checked: chips divide them)."""
-    return config.num_kv_heads // check_tp(config, tp)
-
-
-# ----------------------------------------------------------------------- KV storage
 def kv_quant_args(spec: KVTensorSpec, head_dim: int) -> dict[str, Any]:
     """The codec's (axis, group_size) for one page [page_tokens, kv_heads, head_dim] of a KV
     tensor: channel reduces over the page's tokens, token over head_dim in the format's
@@ -325,31 +261,3 @@ def kv_storage(
         )
         for i, kv in enumerate(plan.kv_layers(config))
     )
-
-
-# ----------------------------------------------------------------------- pool arithmetic
-# The default runtime reserve: 10% of each chip's memory, the headroom vLLM leaves by default
-# (gpu_memory_utilization=0.9) for activations, the compiler's workspace and the runtime.
-DEFAULT_RESERVE_FRACTION = Fraction(1, 10)
-
-
-def pool_bytes_left(memory_bytes: int, weights_bytes: int, reserve_bytes: int) -> int:
-    """The KV pool of one chip: its memory less the weights it holds and the runtime reserve."""
-    return max(0, memory_bytes - weights_bytes - reserve_bytes)
-
-
-def pages_that_fit(layers: tuple[LayerKVStorage, ...], pool_bytes: int, max_seqs: int) -> int:
-    """Pages (one in every layer) that `pool_bytes` buys once the static scales and
-    `max_seqs` slots' residual and sink buffers are paid for; ValueError naming the figures
-    when not even one page fits."""
-    page = sum(lay.page_bytes for lay in layers)
-    slots = max_seqs * sum(lay.slot_bytes for lay in layers) + sum(
-        lay.static_bytes for lay in layers
-    )
-    if pool_bytes < slots + page:
-        raise ValueError(
-            f"a KV pool of {pool_bytes:,} bytes cannot hold the {max_seqs} sequence slots' "
-            f"residual/sink buffers and static scales ({slots:,} bytes) and one page in every "
-            f"layer ({page:,} bytes); give it more memory or fewer max_seqs"
-        )
-    return (pool_bytes - slots) // page
