@@ -356,14 +356,42 @@ def test_space_too_large_to_enumerate_is_searched():
 
 # ---------------------------------------------------------------- the quality model
 def test_a_wrong_prior_is_corrected_by_measurement():
-    # The prior says tensor a's int4 is free and b's costs 1; measurements say the opposite.
+    # The prior says tensor a's int4 is free and b's costs 1; measurements say the opposite
+    # (a: 1, b: 0, c: 0.2). At full trust the prior is worth PRIOR_PLANS = 1 measured plan per
+    # value, so with each plan measured k times a value's fit is within ~1/(k+1) of the
+    # truth's distance to the prior: measurements overcome it as they accumulate.
     prior = {("a", "int4"): 0.0, ("b", "int4"): 1.0, ("c", "int4"): 0.5}
     rows = [(("a", "int4"),), (("b", "int4"),), (("a", "int4"), ("c", "int4"))]
-    fit = quality_model.fit(rows, [1.0, 0.0, 1.2], 0.0, prior)
-    assert fit.weight(("a", "int4")) > 0.8 and fit.weight(("b", "int4")) < 0.2
+    truth = {("a", "int4"): 1.0, ("b", "int4"): 0.0, ("c", "int4"): 0.2}
+    errors = []
+    for k in (1, 4, 20):
+        fit = quality_model.fit(rows * k, [1.0, 0.0, 1.2] * k, 0.0, prior, trust=1.0)
+        errors.append(max(abs(fit.weight(f) - v) for f, v in truth.items()))
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 0.05, errors
     # an unmeasured value keeps its (scaled) prior, explored at its lower confidence bound
     fresh = quality_model.fit(rows[:1], [1.0], 0.0, {**prior, ("d", "int4"): 2.0})
     assert fresh.lcb(("d", "int4")) <= fresh.weight(("d", "int4"))
+
+
+def test_intermediate_trust_gives_intermediate_fits():
+    # Trust scales the prior's pull (trust * PRIOR_PLANS measured plans), not the prior itself
+    # (the scale s is fitted on the unweighted prior), so it no longer cancels: every value's
+    # fit at trust 0.25 and 0.5 lies strictly between its fits at 0 and 1, in order, and a
+    # value never measured sits at trust / (trust + RIDGE) of s * p (arithmetic).
+    prior = {("a", "int4"): 0.0, ("b", "int4"): 1.0, ("c", "int4"): 0.5, ("d", "int4"): 2.0}
+    rows = [(("a", "int4"),), (("b", "int4"),), (("a", "int4"), ("c", "int4"))]
+    fits = {t: quality_model.fit(rows, [1.0, 0.0, 1.2], 0.0, prior, trust=t)
+            for t in (0.0, 0.25, 0.5, 1.0)}  # fmt: skip
+    for f in rows[2]:
+        w = [fits[t].weight(f) for t in (0.0, 0.25, 0.5, 1.0)]
+        assert w[0] != w[3]
+        assert (w[0] < w[1] < w[2] < w[3]) or (w[0] > w[1] > w[2] > w[3]), (f, w)
+    s = fits[0.5].prior_scale
+    assert s == fits[1.0].prior_scale == pytest.approx(0.48)  # (1*0 + 0*1 + 1.2*.5)/(1+.25)
+    for t in (0.25, 0.5, 1.0):
+        expected = t / (t + quality_model.RIDGE) * s * 2.0
+        assert fits[t].weight(("d", "int4")) == pytest.approx(expected)
+    assert fits[0.0].weight(("d", "int4")) == 0.0  # no trust: as without a prior (optimistic)
 
 
 def test_a_prior_is_trusted_only_as_far_as_it_predicted_the_measured_plans():
@@ -379,7 +407,7 @@ def test_a_prior_is_trusted_only_as_far_as_it_predicted_the_measured_plans():
     wrong = dict(zip(feats, reversed(costs), strict=True))
     rows = [tuple(rng.sample(feats, 2)) for _ in range(10)]
     ys = [sum(right[f] for f in r) for r in rows]
-    assert quality_model.prior_trust(rows, ys, 0.0, right) == 1.0
+    assert quality_model.prior_trust(rows, ys, 0.0, right) > 0.99
     assert quality_model.prior_trust(rows, ys, 0.0, wrong) == 0.0
     distrusted = quality_model.fit(rows, ys, 0.0, wrong)
     none = quality_model.fit(rows, ys, 0.0, {})
