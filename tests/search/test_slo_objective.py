@@ -236,3 +236,50 @@ def test_the_report_reads_the_capacity_the_study_used():
     memory = StudyRecord("u", "e", "s", "p", mem, {}, [trial(0, 90, 30), trial(1, 50, 40)])
     assert [t.tenants for t in memory.trials] == [90, 50]
     assert memory.choose_trial().number == 0
+
+
+def test_capacity_aware_ranks_its_picks_by_the_exact_tenants_at_the_slo():
+    # issue 30's left item: capacity_aware under `tenants_at_slo`. The knapsack's levels are
+    # tenants by memory, an upper bound of tenants at the SLO (min of the two); a pick is
+    # re-ranked at its exact capacity before it is taken. Here the SLO binds (about 500-1400
+    # tenants at 1500 tok/s against 59k-157k by memory), so every knapsack pick is credited
+    # with what `capacity.roofline.tenants_at_slo` gives the plan, computed here on its own.
+    from tenantq.search.capacity_aware import KnapsackSampler
+    from tenantq.search.context import prepare
+    from tenantq.search.samplers import make_sampler
+    from tenantq.search.space import suggest
+
+    def structured(d):
+        d["sampler"].pop("kind")
+        d["space"] = {
+            "kind": "structured", "group_size": 64, "weight_formats": ["bf16", "int8", "int4"],
+            "uniform_weights": True, "bf16_first_layers": [0], "bf16_last_layers": [0],
+            "key_axes": ["channel"], "sink_tokens": [0], "kv_bf16_layers": ["none"],
+            "key_formats": ["bf16", "int8", "int4"], "value_formats": ["bf16", "int8", "int4"],
+        }  # fmt: skip
+
+    spec = _spec(structured)
+    ctx = prepare(spec, "")
+    sampler = make_sampler(spec, ctx)
+    assert isinstance(sampler, KnapsackSampler)
+    deployment = ctx.deployment
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    plans = set()
+    for n in range(6):
+        trial = study.ask()
+        params = suggest(trial, spec.space, ctx.config)
+        plan, b = ctx.plan_and_budget(params)
+        at_slo = tenants_at_slo(
+            ctx.capacity_config, plan, deployment, 256, "1500tok/s", tenants_by_memory=b.tenants
+        ).tenants
+        assert at_slo < b.tenants  # the SLO binds
+        pick = sampler.last_pick
+        if n > 0:
+            assert pick["reason"] == "knapsack"
+            assert pick["tenants"] == at_slo and pick["level"] <= at_slo, pick
+        plans.add(plan.fingerprint())
+        kl = 0.01 * sum(v == "int4" for v in params.values()) + 0.002 * sum(
+            v == "int8" for v in params.values()
+        )
+        study.tell(trial, [at_slo, kl])
+    assert len(plans) == 6
