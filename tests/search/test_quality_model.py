@@ -1,5 +1,6 @@
-"""The capacity-aware sampler's quality model (tenantq.search.quality_model): pairwise weight x
-KV terms where the measurements show an interaction, and the knapsack that plans with them.
+"""The capacity-aware sampler's quality model (tenantq.search.quality_model): the prior's
+trust as a shrinkage that measurements overcome, the prediction metrics, pairwise weight x KV
+terms where the measurements show an interaction, and the knapsack that plans with them.
 Losses are synthetic (known additive costs plus a known interaction), so every bound is
 arithmetic or the ridge's stated pull (RIDGE = 1% of one measured plan).
 """
@@ -62,6 +63,85 @@ def test_a_pair_held_by_one_plan_is_not_a_candidate():
     assert quality_model.candidate_pairs(rows, _is_kv) == []
     rows = [(A, K), (A, K), (K,)]  # a never without k: its own term and the pair are one column
     assert quality_model.candidate_pairs(rows, _is_kv) == []
+
+
+def test_a_wrong_prior_is_corrected_by_measurement():
+    # The prior says tensor a's int4 is free and b's costs 1; measurements say the opposite
+    # (a: 1, b: 0, c: 0.2). At full trust the prior is worth PRIOR_PLANS = 1 measured plan per
+    # value, so with each plan measured k times a value's fit is within ~1/(k+1) of the
+    # truth's distance to the prior: measurements overcome it as they accumulate.
+    prior = {("a", "int4"): 0.0, ("b", "int4"): 1.0, ("c", "int4"): 0.5}
+    rows = [(("a", "int4"),), (("b", "int4"),), (("a", "int4"), ("c", "int4"))]
+    truth = {("a", "int4"): 1.0, ("b", "int4"): 0.0, ("c", "int4"): 0.2}
+    errors = []
+    for k in (1, 4, 20):
+        fit = quality_model.fit(rows * k, [1.0, 0.0, 1.2] * k, 0.0, prior, trust=1.0)
+        errors.append(max(abs(fit.weight(f) - v) for f, v in truth.items()))
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 0.05, errors
+    # an unmeasured value keeps its (scaled) prior, explored at its lower confidence bound
+    fresh = quality_model.fit(rows[:1], [1.0], 0.0, {**prior, ("d", "int4"): 2.0})
+    assert fresh.lcb(("d", "int4")) <= fresh.weight(("d", "int4"))
+
+
+def test_intermediate_trust_gives_intermediate_fits():
+    # Trust scales the prior's pull (trust * PRIOR_PLANS measured plans), not the prior itself
+    # (the scale s is fitted on the unweighted prior), so it no longer cancels: every value's
+    # fit at trust 0.25 and 0.5 lies strictly between its fits at 0 and 1, in order, and a
+    # value never measured sits at trust / (trust + RIDGE) of s * p (arithmetic).
+    prior = {("a", "int4"): 0.0, ("b", "int4"): 1.0, ("c", "int4"): 0.5, ("d", "int4"): 2.0}
+    rows = [(("a", "int4"),), (("b", "int4"),), (("a", "int4"), ("c", "int4"))]
+    fits = {t: quality_model.fit(rows, [1.0, 0.0, 1.2], 0.0, prior, trust=t)
+            for t in (0.0, 0.25, 0.5, 1.0)}  # fmt: skip
+    for f in rows[2]:
+        w = [fits[t].weight(f) for t in (0.0, 0.25, 0.5, 1.0)]
+        assert w[0] != w[3]
+        assert (w[0] < w[1] < w[2] < w[3]) or (w[0] > w[1] > w[2] > w[3]), (f, w)
+    s = fits[0.5].prior_scale
+    assert s == fits[1.0].prior_scale == pytest.approx(0.48)  # (1*0 + 0*1 + 1.2*.5)/(1+.25)
+    for t in (0.25, 0.5, 1.0):
+        expected = t / (t + quality_model.RIDGE) * s * 2.0
+        assert fits[t].weight(("d", "int4")) == pytest.approx(expected)
+    assert fits[0.0].weight(("d", "int4")) == 0.0  # no trust: as without a prior (optimistic)
+
+
+def test_a_prior_is_trusted_only_as_far_as_it_predicted_the_measured_plans():
+    # Six tensors with true int4 costs 0.1 ... 3.2 (doubling), ten measured plans of two
+    # tensors each, loss = the sum (exact). The right prior predicts every plan from those
+    # before it at least as well as no prior: trust 1. The same costs in reversed order (the
+    # reviewer's wrong prior) predict worse than no prior: trust 0, and the fit is then the
+    # fit without a prior, value for value, so a wrong prior costs no more than none.
+    rng = random.Random(0)
+    costs = [0.1, 0.2, 0.4, 0.8, 1.6, 3.2]
+    feats = [(f"w.t{i}", "int4") for i in range(6)]
+    right = dict(zip(feats, costs, strict=True))
+    wrong = dict(zip(feats, reversed(costs), strict=True))
+    rows = [tuple(rng.sample(feats, 2)) for _ in range(10)]
+    ys = [sum(right[f] for f in r) for r in rows]
+    assert quality_model.prior_trust(rows, ys, 0.0, right) > 0.99
+    assert quality_model.prior_trust(rows, ys, 0.0, wrong) == 0.0
+    distrusted = quality_model.fit(rows, ys, 0.0, wrong)
+    none = quality_model.fit(rows, ys, 0.0, {})
+    assert distrusted.trust == 0.0
+    for f in feats:
+        assert distrusted.lcb(f) == pytest.approx(none.lcb(f), abs=1e-12)
+    # too few plans to judge (fewer than TRUST_MIN predicted): the prior is trusted in full
+    assert quality_model.prior_trust(rows[:3], ys[:3], 0.0, wrong) == 1.0
+
+
+def test_prediction_metrics_by_hand():
+    # predicted 0.1, 0.2, 0.4 for measured 0.1, 0.25, 0.5 (same order: rank correlation 1);
+    # relative errors 0, 0.2, 0.2 -> median 0.2. A measured 0 is left out of the error.
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    for pred, meas in [(0.1, 0.1), (0.2, 0.25), (0.4, 0.5), (0.05, 0.0)]:
+        trial = study.ask()
+        study._storage.set_trial_system_attr(
+            trial._trial_id, quality_model.PREDICTED_ATTR, {"1": pred}
+        )
+        study.tell(trial, [1.0, meas])
+    m = quality_model.prediction_metrics(study)
+    assert m["capacity_aware.obj1.rank_corr"] == pytest.approx(1.0)
+    assert m["capacity_aware.obj1.median_rel_error"] == pytest.approx(0.2)
+    assert m["capacity_aware.obj1.predicted_plans"] == 4
 
 
 SPEC = {
