@@ -18,10 +18,11 @@ model is then the model without a prior.
 Exploration rule (when predictions are trusted): the sampler plans with each value's lower
 confidence bound, fitted loss - BETA * its posterior standard deviation (the residual RMS over
 the measured plans times sqrt of the value's diagonal of (X'X + D)^-1; for a value never
-measured, residual / sqrt(d_f)). A value no plan measured and no trusted prior covers is thus
-free (optimistic) and gets tried; a value whose prior is wrong is planned with an optimistic
-bound until measurements pin it, so a wrong prior is corrected by measurement. Measured plans
-are never proposed again, so the search cannot get stuck.
+measured, residual / sqrt(d_f)). BETA is 0 (one deviation drove most values to 0 and
+multiplied `bench prior`'s regret), so the rule is the trust: a value no plan measured and no
+trusted prior covers is free (optimistic) and gets tried, and a distrusted prior is dropped,
+so a wrong prior is corrected by measurement. Measured plans are never proposed again, so the
+search cannot get stuck.
 
 Pairwise rule: a (weight value, KV value) term is a candidate once PAIR_MIN measured plans hold
 both and each value was measured without the other; the candidates are kept when they lower
