@@ -2,7 +2,7 @@
 trust as a shrinkage that measurements overcome, the prediction metrics, pairwise weight x KV
 terms where the measurements show an interaction, and the knapsack that plans with them.
 Losses are synthetic (known additive costs plus a known interaction), so every bound is
-arithmetic or the ridge's stated pull (RIDGE = 1% of one measured plan).
+arithmetic or the ridge's stated pull (RIDGE, a fraction of one measured plan).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-RIDGE = 1e-2  # pull of every term toward 0, in measured plans (1% of one plan's weight)
+RIDGE = 1e-4  # pull of every term toward 0, in measured plans (0.01% of one plan's weight)
 PRIOR_PLANS = 1.0  # the prior's pull at trust 1, in measured plans (one plan meets it halfway)
 BETA = 0.0  # confidence-bound width, in posterior sds (1 did far worse: the guide's bench prior)
 PAIR_MIN = 2  # measured plans holding both values before their pairwise term is a candidate
