@@ -238,6 +238,7 @@ def test_the_report_reads_the_capacity_the_study_used():
     assert memory.choose_trial().number == 0
 
 
+@pytest.mark.slow
 def test_capacity_aware_ranks_its_picks_by_the_exact_tenants_at_the_slo():
     # issue 30's left item: capacity_aware under `tenants_at_slo`. The knapsack's levels are
     # tenants by memory, an upper bound of tenants at the SLO (min of the two); a pick is
