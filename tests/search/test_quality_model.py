@@ -104,6 +104,34 @@ def test_intermediate_trust_gives_intermediate_fits():
     assert fits[0.0].weight(("d", "int4")) == 0.0  # no trust: as without a prior (optimistic)
 
 
+def test_the_lower_confidence_bound_is_the_fit_less_beta_posterior_deviations(monkeypatch):
+    # The posterior sd of a measured value is sigma * sqrt([(X'X + D)^-1]_ff), computed here in
+    # the primal form (the model solves the n x n dual); an unmeasured value's is
+    # sigma / sqrt(its pull: RIDGE + trust * PRIOR_PLANS with a prior, RIDGE without).
+    # lcb = max(0, fit - BETA * sd) (BETA 1 here; the sampler's BETA is 0).
+    import numpy as np
+
+    monkeypatch.setattr(quality_model, "BETA", 1.0)
+    prior = {("a", "int4"): 0.0, ("b", "int4"): 1.0, ("c", "int4"): 0.5, ("d", "int4"): 2.0}
+    rows = [(("a", "int4"),), (("b", "int4"),), (("a", "int4"), ("c", "int4")), (("b", "int4"),)]
+    ys = [1.0, 0.1, 1.2, 0.0]
+    fit = quality_model.fit(rows, ys, 0.0, prior, trust=0.5)
+    feats = [("a", "int4"), ("b", "int4"), ("c", "int4")]
+    x = np.array([[float(f in r) for f in feats] for r in rows])
+    d = np.full(3, quality_model.RIDGE + 0.5 * quality_model.PRIOR_PLANS)
+    w = np.array([fit.weight(f) for f in feats])
+    sigma = np.sqrt(np.mean((np.array(ys) - x @ w) ** 2))
+    assert fit.sigma == pytest.approx(sigma)
+    var = np.diag(np.linalg.inv(x.T @ x + np.diag(d)))
+    for f, v in zip(feats, var, strict=True):
+        assert fit.sd(f) == pytest.approx(sigma * np.sqrt(v), rel=1e-9)
+        assert fit.lcb(f) == pytest.approx(max(0.0, fit.weight(f) - sigma * np.sqrt(v)))
+    pull = quality_model.RIDGE + 0.5 * quality_model.PRIOR_PLANS
+    assert fit.sd(("d", "int4")) == pytest.approx(sigma / np.sqrt(pull))
+    assert fit.sd(("e", "int4")) == pytest.approx(sigma / np.sqrt(quality_model.RIDGE))
+    assert fit.lcb(("e", "int4")) == 0.0 and fit.weight(("e", "int4")) == 0.0
+
+
 def test_a_prior_is_trusted_only_as_far_as_it_predicted_the_measured_plans():
     # Six tensors with true int4 costs 0.1 ... 3.2 (doubling), ten measured plans of two
     # tensors each, loss = the sum (exact). The right prior predicts every plan from those
