@@ -156,6 +156,33 @@ def test_a_prior_is_trusted_only_as_far_as_it_predicted_the_measured_plans():
     assert quality_model.prior_trust(rows[:3], ys[:3], 0.0, wrong) == 1.0
 
 
+@pytest.mark.parametrize("n", [3, 4, 9, 14])
+def test_the_prior_trust_by_hand_on_plans_of_one_value_each(n):
+    # Plan i quantizes tensor i alone, so a plan's prediction from the plans before it is its
+    # value's unmeasured fit: 0 without a prior, PRIOR_PLANS / (PRIOR_PLANS + RIDGE) * s * p_i
+    # with one, s = sum(p y) / sum(p p) over the plans before it (least squares). Trust is
+    # 1 - (squared error with) / (without) over the last TRUST_WINDOW = 10 plans from plan
+    # TRUST_START = 1 on, clipped to [0, 1]; 1 until TRUST_MIN = 3 plans were predicted.
+    rng = random.Random(n)
+    ys = [rng.uniform(0.1, 1.0) for _ in range(n)]
+    ps = [y * (1 + rng.uniform(-0.3, 0.3)) for y in ys]
+    rows = [((f"w.t{i}", "int4"),) for i in range(n)]
+    prior = {r[0]: p for r, p in zip(rows, ps, strict=True)}
+    first = max(1, n - 10)
+    if n - first < 3:
+        expected = 1.0
+    else:
+        shrink = quality_model.PRIOR_PLANS / (quality_model.PRIOR_PLANS + quality_model.RIDGE)
+        err_with = err_none = 0.0
+        for k in range(first, n):
+            s = sum(p * y for p, y in zip(ps[:k], ys[:k], strict=True)) / sum(p * p for p in ps[:k])
+            err_with += (shrink * s * ps[k] - ys[k]) ** 2
+            err_none += ys[k] ** 2
+        expected = min(1.0, max(0.0, 1.0 - err_with / err_none))
+    assert 0.0 < expected < 1.0 or n == 3  # an intermediate trust, not a clipped one
+    assert quality_model.prior_trust(rows, ys, 0.0, prior) == pytest.approx(expected, rel=1e-9)
+
+
 def test_prediction_metrics_by_hand():
     # predicted 0.1, 0.2, 0.4 for measured 0.1, 0.25, 0.5 (same order: rank correlation 1);
     # relative errors 0, 0.2, 0.2 -> median 0.2. A measured 0 is left out of the error.
