@@ -354,6 +354,30 @@ def test_space_too_large_to_enumerate_is_searched():
     assert tenants[0] == min(tenants) and len(plans) == 3
 
 
+def test_a_prior_is_trusted_only_as_far_as_it_predicted_the_measured_plans():
+    # Six tensors with true int4 costs 0.1 ... 3.2 (doubling), ten measured plans of two
+    # tensors each, loss = the sum (exact). The right prior predicts every plan from those
+    # before it at least as well as no prior: trust 1. The same costs in reversed order (the
+    # reviewer's wrong prior) predict worse than no prior: trust 0, and the fit is then the
+    # fit without a prior, value for value, so a wrong prior costs no more than none.
+    rng = random.Random(0)
+    costs = [0.1, 0.2, 0.4, 0.8, 1.6, 3.2]
+    feats = [(f"w.t{i}", "int4") for i in range(6)]
+    right = dict(zip(feats, costs, strict=True))
+    wrong = dict(zip(feats, reversed(costs), strict=True))
+    rows = [tuple(rng.sample(feats, 2)) for _ in range(10)]
+    ys = [sum(right[f] for f in r) for r in rows]
+    assert quality_model.prior_trust(rows, ys, 0.0, right) > 0.99
+    assert quality_model.prior_trust(rows, ys, 0.0, wrong) == 0.0
+    distrusted = quality_model.fit(rows, ys, 0.0, wrong)
+    none = quality_model.fit(rows, ys, 0.0, {})
+    assert distrusted.trust == 0.0
+    for f in feats:
+        assert distrusted.lcb(f) == pytest.approx(none.lcb(f), abs=1e-12)
+    # too few plans to judge (fewer than TRUST_MIN predicted): the prior is trusted in full
+    assert quality_model.prior_trust(rows[:3], ys[:3], 0.0, wrong) == 1.0
+
+
 def test_the_metric_offset_does_not_change_the_picks(structured):
     # maximize -L and maximize 1 - L are the same objective: the gain (incumbent - predicted)
     # / range of the known losses is free of the offset, so the 8 picks are the same plans
