@@ -284,3 +284,45 @@ def test_capacity_aware_ranks_its_picks_by_the_exact_tenants_at_the_slo():
         )
         study.tell(trial, [at_slo, kl])
     assert len(plans) == 6
+
+
+@pytest.mark.slow
+def test_capacity_aware_under_a_binding_slo_keeps_planning_on_a_per_tensor_space():
+    # A per-tensor space (~1e20 plans) where the SLO binds (~500-1600 tenants at 1500 tok/s
+    # against 59k-189k by memory): every knapsack level is a memory level far above any
+    # incumbent, so every DP plan ties at an infinite gain and is re-ranked at its exact
+    # capacity. The walk used to spend its MAX_TRIES on those re-ranks and hand the ask to
+    # the random fallback (3 of 8 asks) at up to 256 step-model evaluations per ask; now at
+    # most MAX_RERANKS plans are re-ranked per ask and the best of them is taken.
+    from tenantq.search import capacity_aware
+    from tenantq.search.context import prepare
+    from tenantq.search.samplers import make_sampler
+    from tenantq.search.space import suggest
+
+    def per_tensor(d):
+        d["sampler"].pop("kind")
+        d["space"] = {"kind": "per_tensor", "group_size": 64}
+
+    spec = _spec(per_tensor)
+    ctx = prepare(spec, "")
+    sampler = make_sampler(spec, ctx)
+    located = []
+    locate = sampler._locate_fn
+    sampler._locate_fn = lambda params: located.append(1) or locate(params)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    for n in range(6):
+        located.clear()
+        trial = study.ask()
+        params = suggest(trial, spec.space, ctx.config, ctx.profile)
+        plan, b = ctx.plan_and_budget(params)
+        at_slo = ctx.capacity.tenants(plan, b)
+        pick = sampler.last_pick
+        if n > 0:
+            assert pick["reason"] == "knapsack", (n, pick)
+            assert pick["tenants"] == at_slo < b.tenants
+            # the pick's own location plus at most MAX_RERANKS re-ranked plans (uncached)
+            assert len(located) <= capacity_aware.MAX_RERANKS + 1, (n, len(located))
+        kl = 0.01 * sum(v == "int4" for v in params.values()) + 0.002 * sum(
+            v == "int8" for v in params.values()
+        )
+        study.tell(trial, [at_slo, kl])

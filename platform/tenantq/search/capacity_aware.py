@@ -234,6 +234,7 @@ def failed_for_good(failed: Sequence[tuple[Any, str | None]], budget: int) -> se
 
 # ---------------------------------------------------------------- any space: the knapsack sampler
 MAX_TRIES = 256  # DP picks checked against the study per ask before falling back to random
+MAX_RERANKS = 32  # plans re-ranked at their exact capacity (an SLO) per ask: the best is taken
 # At most this many parameter sets: every plan is scored (the DP gives one best plan per KV
 # plan and tenant level, so once that plan is measured a level's second best is never seen;
 # on the 168-plan space that left one front level unmeasured at 40 evaluations).
