@@ -531,6 +531,11 @@ class KnapsackSampler(BaseSampler):
         serial = len(heap)
         tried: set[tuple] = set()
         corrected: set[tuple] = set()  # re-ranked at their exact capacity (below the level)
+        # the best re-ranked plan (heap entry, params, tenants): where the SLO binds every
+        # memory level can sit above every incumbent, so all DP plans tie at an infinite gain
+        # and the walk would re-rank them all; after MAX_RERANKS it takes the best of those
+        best_reranked: tuple | None = None
+        reranks = 0
         while heap:
             ng, nt, p, _, si, ki, w, cap = heapq.heappop(heap)
             g, t, negp = -ng, -nt, -p
@@ -560,8 +565,14 @@ class KnapsackSampler(BaseSampler):
                 pred = const - negp * span
                 g2 = float(gains(np.array([tenants]), np.array([pred]))[0])
                 corrected.add(key)
-                heapq.heappush(heap, (-g2, -tenants, p, serial, si, ki, solved_opts, cap))
+                entry = (-g2, -tenants, p, serial, si, ki, solved_opts, cap)
+                if best_reranked is None or entry < best_reranked[0]:
+                    best_reranked = (entry, params, tenants, pred)
+                heapq.heappush(heap, entry)
                 serial += 1
+                reranks += 1
+                if reranks >= MAX_RERANKS:
+                    break
                 continue
             if not free:
                 sig_key = (si, sigs[ki])
@@ -585,6 +596,11 @@ class KnapsackSampler(BaseSampler):
                 continue
             self.last_pick = {"reason": "knapsack", "gain": g, "level": t, "tenants": tenants,
                               "predicted": const - negp * span, "params": params}  # fmt: skip
+            return params, fits
+        if best_reranked is not None:  # the walk was cut: the best plan located on the way
+            (ng, nt, *_), params, tenants, pred = best_reranked
+            self.last_pick = {"reason": "knapsack", "gain": -ng, "level": -nt, "tenants": tenants,
+                              "predicted": pred, "params": params}  # fmt: skip
             return params, fits
         return None
 
