@@ -234,7 +234,7 @@ def failed_for_good(failed: Sequence[tuple[Any, str | None]], budget: int) -> se
 
 # ---------------------------------------------------------------- any space: the knapsack sampler
 MAX_TRIES = 256  # DP picks checked against the study per ask before falling back to random
-MAX_RERANKS = 32  # plans re-ranked at their exact capacity (an SLO) per ask: the best is taken
+MAX_RERANKS = 32  # plans located anew to re-rank at an SLO per ask; then the best is taken
 # At most this many parameter sets: every plan is scored (the DP gives one best plan per KV
 # plan and tenant level, so once that plan is measured a level's second best is never seen;
 # on the 168-plan space that left one front level unmeasured at 40 evaluations).
@@ -533,7 +533,9 @@ class KnapsackSampler(BaseSampler):
         corrected: set[tuple] = set()  # re-ranked at their exact capacity (below the level)
         # the best re-ranked plan (heap entry, params, tenants): where the SLO binds every
         # memory level can sit above every incumbent, so all DP plans tie at an infinite gain
-        # and the walk would re-rank them all; after MAX_RERANKS it takes the best of those
+        # and the walk would re-rank them all; after MAX_RERANKS plans located anew (a plan
+        # located on an earlier ask is free, so a small space is still walked in full) it
+        # takes the best of those re-ranked
         best_reranked: tuple | None = None
         reranks = 0
         while heap:
@@ -555,6 +557,7 @@ class KnapsackSampler(BaseSampler):
                 params.update(grp[o].params)
             params.update(self.problem.kv[ki].params)
             fp = None
+            cached = _params_key(params) in self._located  # a re-rank of it costs nothing
             if _params_key(params) not in held_params:
                 fp, tenants = self.locate(params)
             free = fp is not None and fp not in measured and fp not in held
@@ -570,7 +573,7 @@ class KnapsackSampler(BaseSampler):
                     best_reranked = (entry, params, tenants, pred)
                 heapq.heappush(heap, entry)
                 serial += 1
-                reranks += 1
+                reranks += not cached
                 if reranks >= MAX_RERANKS:
                     break
                 continue
