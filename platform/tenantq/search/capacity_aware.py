@@ -234,6 +234,7 @@ def failed_for_good(failed: Sequence[tuple[Any, str | None]], budget: int) -> se
 
 # ---------------------------------------------------------------- any space: the knapsack sampler
 MAX_TRIES = 256  # DP picks checked against the study per ask before falling back to random
+MAX_RERANKS = 32  # plans located anew to re-rank at an SLO per ask; then the best is taken
 # At most this many parameter sets: every plan is scored (the DP gives one best plan per KV
 # plan and tenant level, so once that plan is measured a level's second best is never seen;
 # on the 168-plan space that left one front level unmeasured at 40 evaluations).
@@ -288,6 +289,7 @@ class KnapsackSampler(BaseSampler):
         self.seed = weight_seed if weight_seed is not None else (0 if seed is None else seed)
         self._fallback = RandomSampler(seed=seed)
         self.reference = _reference(problem)
+        self._kv_names = {n for k in problem.kv for n in k.params}
         self.last_pick: dict[str, Any] | None = None  # what the last ask chose and why
 
     def reseed_rng(self) -> None:
@@ -304,6 +306,9 @@ class KnapsackSampler(BaseSampler):
         if key not in self._located:
             self._located[key] = self._locate_fn(params)
         return self._located[key]
+
+    def _is_kv(self, feature) -> bool:
+        return feature[0] in self._kv_names
 
     def features(self, params: dict[str, Any]) -> tuple:
         ref = self.reference
@@ -396,7 +401,7 @@ class KnapsackSampler(BaseSampler):
             )
             base[j] = b
             ys = [m[1][j] for fp, m in measured.items() if fp != ref_fp]
-            fits.append(qm.fit(rows, ys, b, self.prior))
+            fits.append(qm.fit(rows, ys, b, self.prior, is_kv=self._is_kv))
         lam = self._weights(len(measured))
         multi = len(self.quality) > 1
         if multi:
@@ -413,6 +418,34 @@ class KnapsackSampler(BaseSampler):
                 for j in range(len(fits))
                 for f in feats
             )
+
+        # pairwise (weight value x KV value) terms: constant once the KV plan is fixed, so the
+        # knapsack stays exact with the KV choice as its outer loop. KV plans alike in the KV
+        # values that have a pair term (their signature) share one DP per section.
+        pair_kv = {g for fit in fits for (_, g) in fit.pairs}
+        kv_feats = [self.features(k.params) for k in self.problem.kv]
+        sigs = [tuple(g for g in fs if g in pair_kv) for fs in kv_feats]
+
+        def pair_cost(feats, sig) -> float:
+            if not sig:
+                return 0.0
+            return sum(
+                round(lam[j] * fits[j].pair(f, g) / span, TIE_DIGITS) * span
+                for j in range(len(fits))
+                for f in feats
+                for g in sig
+            )
+
+        def option_costs(sec, sig) -> list[np.ndarray]:
+            return [
+                np.array([cost(self.features(o.params)) + pair_cost(self.features(o.params), sig)
+                          for o in g])
+                for g in sec.groups
+            ]  # fmt: skip
+
+        def sec_cost(sec, ki) -> float:
+            fs = self.features(sec.params)
+            return cost(fs) + pair_cost(fs, sigs[ki])
 
         const = sum(lam[j] * base[j] for j in range(len(fits)))
         # incumbents: the best measured (scalarised) loss at >= t tenants; a plan in flight
@@ -454,31 +487,35 @@ class KnapsackSampler(BaseSampler):
 
         if self.problem.size() <= ENUMERATE_LIMIT:  # small: every plan scored (exact k-best)
             for si, sec in enumerate(self.problem.sections):
-                c_sec = cost(self.features(sec.params))
-                costs = [[cost(self.features(o.params)) for o in g] for g in sec.groups]
+                c_sec = np.array([sec_cost(sec, ki) for ki in range(len(self.problem.kv))])
+                by_sig = {s: [c.tolist() for c in option_costs(sec, s)] for s in set(sigs)}
                 for combo in itertools.product(*(range(len(g)) for g in sec.groups)):
                     w_bytes = sec.const_bytes + sum(
                         g[o].bytes for g, o in zip(sec.groups, combo, strict=True)
                     )
-                    c_w = sum(costs[g][o] for g, o in enumerate(combo))
+                    c_by_sig = {
+                        s: sum(costs[g][o] for g, o in enumerate(combo))
+                        for s, costs in by_sig.items()
+                    }
+                    c_w = np.array([c_by_sig[s] for s in sigs])
                     ts = np.array([self.problem.tenants(w_bytes, k) for k in self.problem.kv])
                     pred = const + c_sec + c_w + np.array(kv_cost)
                     for ki, (g, t, p) in enumerate(
                         zip(gains(ts, pred).tolist(), ts.tolist(), pred.tolist(), strict=True)
                     ):
                         cands.append((g, t, float(rank(p)), si, ki, combo))
-        group_costs: dict[int, list[np.ndarray]] = {}
+        group_costs: dict[tuple, list[np.ndarray]] = {}  # (section, signature) -> costs
         for si, sec in enumerate(self.problem.sections if not cands else ()):
-            costs = [np.array([cost(self.features(o.params)) for o in g]) for g in sec.groups]
-            group_costs[si] = costs
-            solved = knapsack.solve(self.problem, si, costs)
-            self._solved[si] = solved
-            c_sec = cost(self.features(sec.params))
+            for sig in dict.fromkeys(sigs):
+                costs = option_costs(sec, sig)
+                group_costs[(si, sig)] = costs
+                self._solved[(si, sig)] = knapsack.solve(self.problem, si, costs)
             for ki, kv in enumerate(self.problem.kv):
+                solved = self._solved[(si, sigs[ki])]
                 ts, ws = knapsack.levels(self.problem, solved, kv)
                 if len(ts) == 0:
                     continue
-                pred = const + c_sec + kv_cost[ki] + solved.best[ws]
+                pred = const + sec_cost(sec, ki) + kv_cost[ki] + solved.best[ws]
                 gain = gains(ts, pred)
                 for g, t, p, w in zip(
                     gain.tolist(), ts.tolist(), pred.tolist(), ws.tolist(), strict=True
@@ -493,14 +530,26 @@ class KnapsackSampler(BaseSampler):
         heapq.heapify(heap)
         serial = len(heap)
         tried: set[tuple] = set()
+        corrected: set[tuple] = set()  # re-ranked at their exact capacity (below the level)
+        # the best re-ranked plan (heap entry, params, tenants): where the SLO binds every
+        # memory level can sit above every incumbent, so all DP plans tie at an infinite gain
+        # and the walk would re-rank them all; after MAX_RERANKS plans located anew (a plan
+        # located on an earlier ask is free, so a small space is still walked in full) it
+        # takes the best of those re-ranked
+        best_reranked: tuple | None = None
+        reranks = 0
         while heap:
             ng, nt, p, _, si, ki, w, cap = heapq.heappop(heap)
             g, t, negp = -ng, -nt, -p
             sec = self.problem.sections[si]
-            solved_opts = w if isinstance(w, tuple) else tuple(self._solved[si].options_at(w))
-            if (si, ki, solved_opts) in tried:
+            solved = self._solved.get((si, sigs[ki]))
+            solved_opts = w if isinstance(w, tuple) else tuple(solved.options_at(w))
+            key = (si, ki, solved_opts)
+            if key in tried and key not in corrected:
                 continue
-            tried.add((si, ki, solved_opts))
+            again = key in corrected
+            corrected.discard(key)
+            tried.add(key)
             if len(tried) > MAX_TRIES:
                 break
             params = dict(sec.params)
@@ -508,17 +557,36 @@ class KnapsackSampler(BaseSampler):
                 params.update(grp[o].params)
             params.update(self.problem.kv[ki].params)
             fp = None
+            cached = _params_key(params) in self._located  # a re-rank of it costs nothing
             if _params_key(params) not in held_params:
                 fp, tenants = self.locate(params)
-            if fp is None or fp in measured or fp in held:
-                if si in group_costs and not isinstance(cap, tuple):  # a DP plan: its swaps
+            free = fp is not None and fp not in measured and fp not in held
+            if free and not again and tenants < t:
+                # the level is memory tenants; the study's capacity (tenants at an SLO) is at
+                # most that, so the gain at the plan's exact capacity is at most the one it was
+                # ranked by: re-ranked at its exact capacity (a best-first walk stays exact)
+                pred = const - negp * span
+                g2 = float(gains(np.array([tenants]), np.array([pred]))[0])
+                corrected.add(key)
+                entry = (-g2, -tenants, p, serial, si, ki, solved_opts, cap)
+                if best_reranked is None or entry < best_reranked[0]:
+                    best_reranked = (entry, params, tenants, pred)
+                heapq.heappush(heap, entry)
+                serial += 1
+                reranks += not cached
+                if reranks >= MAX_RERANKS:
+                    break
+                continue
+            if not free:
+                sig_key = (si, sigs[ki])
+                if sig_key in group_costs and not isinstance(cap, tuple):  # a DP plan: swaps
                     swaps = [
                         (alt, c)
-                        for alt, c in self._swaps(si, solved_opts, cap, group_costs[si])
+                        for alt, c in self._swaps(si, solved_opts, cap, group_costs[sig_key])
                         if (si, ki, alt) not in tried
                     ]
                     if swaps:
-                        fixed = const + cost(self.features(sec.params)) + kv_cost[ki]
+                        fixed = const + sec_cost(sec, ki) + kv_cost[ki]
                         preds = fixed + np.array([c for _, c in swaps])
                         gs = gains(np.full(len(swaps), t), preds)
                         for (alt, _), ga, pa in zip(
@@ -531,6 +599,11 @@ class KnapsackSampler(BaseSampler):
                 continue
             self.last_pick = {"reason": "knapsack", "gain": g, "level": t, "tenants": tenants,
                               "predicted": const - negp * span, "params": params}  # fmt: skip
+            return params, fits
+        if best_reranked is not None:  # the walk was cut: the best plan located on the way
+            (ng, nt, *_), params, tenants, pred = best_reranked
+            self.last_pick = {"reason": "knapsack", "gain": -ng, "level": -nt, "tenants": tenants,
+                              "predicted": pred, "params": params}  # fmt: skip
             return params, fits
         return None
 
@@ -579,12 +652,13 @@ def sampler_for_spec(spec, seed: int | None = None) -> KnapsackSampler:
 
 
 def _check_quality(spec) -> list[int]:
-    from tenantq.search.spec import CAPACITY_METRIC
+    from tenantq.search.spec import CAPACITY_METRICS
 
-    quality = [i for i, o in enumerate(spec.objectives) if o.metric != CAPACITY_METRIC]
+    quality = [i for i, o in enumerate(spec.objectives) if o.metric not in CAPACITY_METRICS]
     if not quality:
         raise ValueError(
-            "sampler.kind = 'capacity_aware' needs a quality objective besides 'tenants'"
+            "sampler.kind = 'capacity_aware' needs a quality objective besides the capacity "
+            f"({' or '.join(CAPACITY_METRICS)})"
         )
     return quality
 
@@ -599,9 +673,11 @@ def sampler_for_context(context, seed: int | None = None) -> KnapsackSampler:
     choices = parameter_choices(spec.space, context.config, context.profile)
     problem = build_problem(context)
 
-    def locate(params):
+    capacity = context.capacity  # built once: it caches each plan's service level
+
+    def locate(params):  # the study's capacity value: tenants by memory, or at its SLO
         plan, b = context.plan_and_budget(params)
-        return plan.fingerprint(), b.tenants
+        return plan.fingerprint(), capacity.tenants(plan, b)
 
     return KnapsackSampler(
         problem,

@@ -325,8 +325,6 @@ class StudySpec(_Strict):
 def default_sampler_kind(spec: Spec) -> str:
     """The sampler of a spec that names none: capacity_aware wherever a quality objective
     exists (issue 25), NSGA-II for a capacity-only study."""
-    if spec.capacity_metric == SLO_METRIC:  # capacity_aware ranks plans by memory tenants
-        return "nsga2"
     return "capacity_aware" if spec.quality_objectives() else "nsga2"
 
 
@@ -448,11 +446,6 @@ class Spec(_Strict):
             raise ValueError(
                 "deployment.slo: hardware cpu has no bandwidth and peak figures for the step "
                 "model; give an accelerator (tpu-v6e, h100-sxm, ...) or drop slo"
-            )
-        if self.sampler.kind == "capacity_aware" and self.capacity_metric == SLO_METRIC:
-            raise ValueError(
-                f"sampler.kind: 'capacity_aware' ranks plans by tenants by memory, not "
-                f"{SLO_METRIC!r}; with an SLO objective use 'nsga2', 'tpe', 'random' or 'grid'"
             )
         return self
 
