@@ -172,3 +172,30 @@ def test_non_finite_or_non_numeric_values_fail_the_trial_with_reason_nan() -> No
     ledger.complete(entry, [1])  # an int is a number
     assert entry.outcome == "complete" and entry.values == [1.0]
     assert isinstance(entry.values[0], float)
+
+
+def test_a_ledger_with_asks_left_or_a_trial_in_flight_is_not_finished() -> None:
+    ledger = Ledger(_study(), trials=1, failure_budget=1)
+    assert ledger.wants_more() and not ledger.unfinished()
+    assert not ledger.finished()  # nothing in flight, but the budget is not filled
+    entry = _run(ledger, "a")
+    assert not ledger.wants_more() and ledger.unfinished() == [entry]
+    assert not ledger.finished()  # no more asks, but a trial is still out
+    ledger.complete(entry, [0.1])
+    assert ledger.finished()
+
+
+def test_closing_the_waiting_trials_uses_no_ask_of_the_cap_and_says_why() -> None:
+    study = _study()
+    ledger = Ledger(study, trials=1, failure_budget=2)
+    dying = _run(ledger, "a")
+    other = _run(ledger, "b")
+    ledger.fail(dying, "worker_died", "ActorDiedError")  # a retry is queued (WAITING)
+    ledger.complete(other, [0.5])
+    assert ledger.asks == 2
+    assert ledger.close_waiting() == 1
+    assert ledger.asks == 2  # the close asked Optuna once, but drew nothing for the study
+    closed = study.get_trials()[-1]
+    assert closed.state == optuna.trial.TrialState.FAIL
+    assert closed.user_attrs["failure_reason"] == "not_run"
+    assert closed.user_attrs["error"] == "left waiting when the study's budget filled"
