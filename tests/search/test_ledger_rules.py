@@ -10,7 +10,7 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from tenantq.search.ledger import ASKS_PER_TRIAL, Ledger, LedgerError, State
+from tenantq.search.ledger import ASKS_PER_TRIAL, Ledger, LedgerError, State, failure_of
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -199,3 +199,55 @@ def test_closing_the_waiting_trials_uses_no_ask_of_the_cap_and_says_why() -> Non
     assert closed.state == optuna.trial.TrialState.FAIL
     assert closed.user_attrs["failure_reason"] == "not_run"
     assert closed.user_attrs["error"] == "left waiting when the study's budget filled"
+
+
+def test_each_duplicate_answered_is_counted_once() -> None:
+    ledger = Ledger(_study(), trials=1, failure_budget=1)
+    ledger.complete(_run(ledger, "a"), [0.5])
+    for _ in range(2):
+        dup = ledger.ask()
+        dup.trial.suggest_categorical("plan", ["a", "b", "c"])
+        assert ledger.route(dup, "a") == "duplicate"
+    assert ledger.counts["duplicates"] == 2 and ledger.counts["complete"] == 3
+
+
+def test_each_retry_queued_is_counted_and_the_last_failure_queues_none() -> None:
+    study = _study()
+    ledger = Ledger(study, trials=1, failure_budget=3)
+    params = []
+    for attempt in range(3):
+        entry = _run(ledger, "a")  # the second and third asks take the WAITING retry
+        params.append(entry.trial.params)
+        ledger.fail(entry, "worker_died", f"lost {attempt}")
+    assert params[1] == params[2] == params[0]
+    assert ledger.counts["retries"] == 2 and ledger.failures == {"a": 3}
+    assert "a" in ledger.settled
+    assert not study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+
+
+def test_an_old_retry_record_owns_only_the_attributes_that_differ_from_its_parents() -> None:
+    # Records from before `failure_reason` and `dispatched_trial`: a copy inherits its
+    # parent's error and worker; only a value that differs from the trial it copies (its
+    # last `retry_history` entry, else `failed_trial`) is its own.
+    study = _study()
+    ran_on_w1 = {"plan_fingerprint": "a", "worker": "w1", "error": "ValueError: w1 broke"}
+    for user_attrs, system_attrs in (
+        ({"plan_fingerprint": "a", "worker": "w0", "error": "(worker lost w0)"}, {}),
+        (ran_on_w1, {"failed_trial": 0, "retry_history": [0]}),  # Optuna's retry of 0
+        (ran_on_w1, {"failed_trial": 0, "retry_history": [0, 1]}),  # Optuna's retry of 1
+        (ran_on_w1 | {"retry_of": 1}, {"failed_trial": 1}),  # the ledger's retry of 1
+    ):
+        study.add_trial(
+            optuna.trial.create_trial(
+                state=optuna.trial.TrialState.FAIL,
+                user_attrs=user_attrs,
+                system_attrs=system_attrs,
+            )
+        )
+    trials = study.get_trials()
+    by_number = {t.number: t for t in trials}
+    assert failure_of(trials[0], by_number) == ("worker_died", True)
+    assert failure_of(trials[1], by_number) == ("error", True)  # differs from trial 0
+    # killed before they ran: every attribute is their parent's (trial 1), none their own
+    assert failure_of(trials[2], by_number) == ("driver_died", False)
+    assert failure_of(trials[3], by_number) == ("driver_died", False)
