@@ -10,7 +10,14 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from tenantq.search.ledger import ASKS_PER_TRIAL, Ledger, LedgerError, State, failure_of
+from tenantq.search.ledger import (
+    ASKS_PER_TRIAL,
+    COPIED_ATTR,
+    Ledger,
+    LedgerError,
+    State,
+    failure_of,
+)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -251,3 +258,44 @@ def test_an_old_retry_record_owns_only_the_attributes_that_differ_from_its_paren
     # killed before they ran: every attribute is their parent's (trial 1), none their own
     assert failure_of(trials[2], by_number) == ("driver_died", False)
     assert failure_of(trials[3], by_number) == ("driver_died", False)
+
+
+def _add(study: optuna.Study, state: str, values=None, system_attrs=None, **user_attrs) -> None:
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState[state],
+            values=values,
+            user_attrs=user_attrs,
+            system_attrs=system_attrs or {},
+        )
+    )
+
+
+def test_an_old_record_lost_to_its_worker_or_deadline_ran_without_a_worker_of_its_own() -> None:
+    # Before `dispatched_trial`: only a trial that ran can lose its worker or its deadline.
+    study = _study()
+    _add(study, "FAIL", failure_reason="worker_died", plan_fingerprint="a")
+    _add(study, "FAIL", failure_reason="timeout", plan_fingerprint="a")
+    _add(study, "FAIL", failure_reason="error", plan_fingerprint="a")  # no worker: not run
+    trials = study.get_trials()
+    by_number = {t.number: t for t in trials}
+    assert [failure_of(t, by_number) for t in trials] == [
+        ("worker_died", True),
+        ("timeout", True),
+        ("error", False),
+    ]
+
+
+def test_restore_reads_every_trial_and_skips_copies_and_trials_closed_unrun() -> None:
+    study = _study()
+    _add(study, "COMPLETE", [0.1], plan_fingerprint="x", **{COPIED_ATTR: "old-study"})
+    _add(study, "FAIL", failure_reason="not_run", plan_fingerprint="y")
+    _add(study, "FAIL", failure_reason="not_run", plan_fingerprint="y")
+    _add(study, "COMPLETE", [0.2], plan_fingerprint="a")
+    _add(study, "COMPLETE", [0.3], plan_fingerprint="b")
+    ledger = Ledger(study, trials=5, failure_budget=1)
+    ledger.restore(study.get_trials(deepcopy=False))
+    assert ledger.asks == 2  # the two measured plans; a copy and a closed trial asked nothing
+    assert ledger.counts["not_run"] == 2 and ledger.counts["complete"] == 2
+    assert ledger.measured == {"a": 3, "b": 4} and ledger.settled == {"a", "b"}
+    assert ledger.results[3] == ([0.2], {}, {}) and ledger.failures == {}
