@@ -293,9 +293,12 @@ def test_restore_reads_every_trial_and_skips_copies_and_trials_closed_unrun() ->
     _add(study, "FAIL", failure_reason="not_run", plan_fingerprint="y")
     _add(study, "COMPLETE", [0.2], plan_fingerprint="a")
     _add(study, "COMPLETE", [0.3], plan_fingerprint="b")
+    for _ in range(3):  # three duplicates of "a", answered from trial 3
+        _add(study, "COMPLETE", [0.2], plan_fingerprint="a", duplicate_of=3)
     ledger = Ledger(study, trials=5, failure_budget=1)
     ledger.restore(study.get_trials(deepcopy=False))
-    assert ledger.asks == 2  # the two measured plans; a copy and a closed trial asked nothing
-    assert ledger.counts["not_run"] == 2 and ledger.counts["complete"] == 2
+    assert ledger.asks == 5  # two plans measured, three duplicates; no copy or closed trial
+    assert ledger.counts["not_run"] == 2 and ledger.counts["complete"] == 5
+    assert ledger.counts["duplicates"] == 3
     assert ledger.measured == {"a": 3, "b": 4} and ledger.settled == {"a", "b"}
     assert ledger.results[3] == ([0.2], {}, {}) and ledger.failures == {}
