@@ -302,3 +302,20 @@ def test_restore_reads_every_trial_and_skips_copies_and_trials_closed_unrun() ->
     assert ledger.counts["duplicates"] == 3
     assert ledger.measured == {"a": 3, "b": 4} and ledger.settled == {"a", "b"}
     assert ledger.results[3] == ([0.2], {}, {}) and ledger.failures == {}
+
+
+def test_restore_counts_each_failure_and_each_retry_and_blames_no_plan_for_a_duplicate() -> None:
+    study = _study()
+    lost = {"failure_reason": "worker_died", "plan_fingerprint": "a"}
+    _add(study, "FAIL", dispatched_trial=0, **lost)
+    _add(study, "FAIL", system_attrs={"failed_trial": 0}, dispatched_trial=1, **lost)  # Optuna's
+    # an older retry, marked by the ledger's `retry_of` alone, that failed on its own error
+    _add(
+        study, "FAIL", failure_reason="error", plan_fingerprint="c", retry_of=9, dispatched_trial=2
+    )
+    _add(study, "FAIL", failure_reason="duplicate", plan_fingerprint="d")
+    ledger = Ledger(study, trials=5, failure_budget=3)
+    ledger.restore(study.get_trials(deepcopy=False))
+    assert ledger.counts["failed"] == 4 and ledger.counts["retries"] == 2
+    assert ledger.failures == {"a": 2} and ledger.settled == {"c"}  # "a" has a retry left
+    assert ledger.asks == 4
