@@ -319,3 +319,12 @@ def test_restore_counts_each_failure_and_each_retry_and_blames_no_plan_for_a_dup
     assert ledger.counts["failed"] == 4 and ledger.counts["retries"] == 2
     assert ledger.failures == {"a": 2} and ledger.settled == {"c"}  # "a" has a retry left
     assert ledger.asks == 4
+
+
+def test_a_duplicate_failure_blames_no_plan_even_for_a_dispatched_trial() -> None:
+    # As `restore` reads it: a trial failed as a duplicate never settles or charges its plan.
+    ledger = Ledger(_study(), trials=2, failure_budget=1)
+    entry = _run(ledger, "a")
+    ledger.fail(entry, "duplicate", "the trial measuring the same plan failed")
+    assert ledger.failures == {} and ledger.settled == set() and ledger.done == 0
+    assert ledger.counts["failed"] == 1 and ledger.counts["retries"] == 0
