@@ -328,3 +328,13 @@ def test_a_duplicate_failure_blames_no_plan_even_for_a_dispatched_trial() -> Non
     ledger.fail(entry, "duplicate", "the trial measuring the same plan failed")
     assert ledger.failures == {} and ledger.settled == set() and ledger.done == 0
     assert ledger.counts["failed"] == 1 and ledger.counts["retries"] == 0
+
+
+def test_values_optuna_refuses_on_tell_fail_the_trial_as_the_plans_own_error() -> None:
+    ledger = Ledger(_study(), trials=1, failure_budget=3)
+    entry = _run(ledger, "a")
+    with pytest.warns(UserWarning, match="did not match"):  # Optuna's, on a FAIL it tells
+        ledger.complete(entry, [1.0, 2.0])  # two values for one direction
+    assert entry.outcome == "failed" and entry.reason == "error"
+    assert entry.error == "Optuna failed the trial on tell (values it could not take)"
+    assert ledger.settled == {"a"} and ledger.counts["retries"] == 0
