@@ -60,7 +60,7 @@ def test_a_told_trial_records_its_worker_its_reason_and_at_most_2000_characters_
     entry = _run(ledger, "a", worker="w3")
     ledger.fail(entry, "error", "x" * 2500)
     (frozen,) = study.get_trials()
-    assert frozen.user_attrs["worker"] == "w3"
+    assert frozen.user_attrs["worker"] == entry.worker == "w3"
     assert frozen.user_attrs["failure_reason"] == "error"
     assert frozen.user_attrs["error"] == "x" * 2000
     assert entry.error == "x" * 2500  # the driver's own record keeps it whole
