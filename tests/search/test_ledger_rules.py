@@ -338,3 +338,18 @@ def test_values_optuna_refuses_on_tell_fail_the_trial_as_the_plans_own_error() -
     assert entry.outcome == "failed" and entry.reason == "error"
     assert entry.error == "Optuna failed the trial on tell (values it could not take)"
     assert ledger.settled == {"a"} and ledger.counts["retries"] == 0
+
+
+def test_a_trial_parked_on_a_plan_that_fails_for_good_is_failed_as_its_duplicate() -> None:
+    study = _study()
+    ledger = Ledger(study, trials=2, failure_budget=1)
+    first = _run(ledger, "a")
+    parked = ledger.ask()
+    parked.trial.suggest_categorical("plan", ["a", "b", "c"])
+    assert ledger.route(parked, "a") == "parked"
+    ledger.fail(first, "error", "ValueError: the plan broke")
+    assert parked.state == State.TOLD and parked.outcome == "failed"
+    assert parked.reason == "duplicate"
+    assert parked.error == "the trial measuring the same plan failed"
+    assert study.get_trials()[parked.number].user_attrs["failure_reason"] == "duplicate"
+    assert ledger.counts["failed"] == 2 and ledger.settled == {"a"} and not ledger.parked
