@@ -353,3 +353,13 @@ def test_a_trial_parked_on_a_plan_that_fails_for_good_is_failed_as_its_duplicate
     assert parked.error == "the trial measuring the same plan failed"
     assert study.get_trials()[parked.number].user_attrs["failure_reason"] == "duplicate"
     assert ledger.counts["failed"] == 2 and ledger.settled == {"a"} and not ledger.parked
+
+
+def test_a_plan_failed_for_good_refuses_a_later_trial_and_says_why() -> None:
+    ledger = Ledger(_study(), trials=2, failure_budget=1)
+    ledger.fail(_run(ledger, "a"), "error", "ValueError: the plan broke")
+    later = ledger.ask()
+    later.trial.suggest_categorical("plan", ["a", "b", "c"])
+    assert ledger.route(later, "a") == "refused"
+    assert later.outcome == "failed" and later.reason == "failed_before"
+    assert later.error == "this plan failed for good in an earlier trial"
