@@ -7,6 +7,8 @@ ten asks per trial of the budget, errors kept to 2,000 characters)."""
 
 from __future__ import annotations
 
+import warnings
+
 import optuna
 import pytest
 
@@ -363,3 +365,15 @@ def test_a_plan_failed_for_good_refuses_a_later_trial_and_says_why() -> None:
     assert ledger.route(later, "a") == "refused"
     assert later.outcome == "failed" and later.reason == "failed_before"
     assert later.error == "this plan failed for good in an earlier trial"
+
+
+def test_a_failure_is_told_as_fail_without_a_warning_from_optuna() -> None:
+    # Told FAIL outright: told with no state, Optuna would fail it too, warning once per trial
+    # ("The value None could not be cast to float.") in every study's log.
+    study = _study()
+    ledger = Ledger(study, trials=1, failure_budget=1)
+    entry = _run(ledger, "a")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ledger.fail(entry, "error", "ValueError: the plan broke")
+    assert study.get_trials()[0].state == optuna.trial.TrialState.FAIL
