@@ -43,7 +43,13 @@ def _sources(target: dict) -> list[str]:
     return [source] if isinstance(source, str) else list(source)
 
 
-def stage(name: str, target: dict, jobs: int, keep: bool = False) -> Path:
+def stage(
+    name: str,
+    target: dict,
+    jobs: int,
+    keep: bool = False,
+    timeout: tuple[float, float] = (15.0, 10.0),
+) -> Path:
     """A fresh staging copy for one target; with `keep`, the existing one (its results and
     test-to-function stats stand) with today's tests copied over it."""
     where = ROOT / ".tenantq-cache" / "mutation" / name
@@ -52,7 +58,7 @@ def stage(name: str, target: dict, jobs: int, keep: bool = False) -> Path:
         for dest in (where / "tests", where / "mutants" / "tests"):
             shutil.copytree(ROOT / "tests", dest, ignore=skip, dirs_exist_ok=True)
         # The target's test files may have grown since: mutmut runs the new tests' stats.
-        (where / "setup.cfg").write_text(_setup_cfg(target))
+        (where / "setup.cfg").write_text(_setup_cfg(target, timeout))
         return where
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
@@ -61,12 +67,13 @@ def stage(name: str, target: dict, jobs: int, keep: bool = False) -> Path:
     # Some tests read the shipped plans and specs (tests/test_experiment_plans.py).
     shutil.copytree(ROOT / "experiments", where / "experiments", ignore=skip)
     shutil.copy2(ROOT / "pyproject.toml", where / "pyproject.toml")
-    (where / "setup.cfg").write_text(_setup_cfg(target))
+    (where / "setup.cfg").write_text(_setup_cfg(target, timeout))
     return where
 
 
-def _setup_cfg(target: dict) -> str:
-    """mutmut's configuration for one target: what to mutate, which tests judge it."""
+def _setup_cfg(target: dict, timeout: tuple[float, float] = (15.0, 10.0)) -> str:
+    """mutmut's configuration for one target: what to mutate, which tests judge it, and
+    `timeout` = (timeout_multiplier, timeout_constant)."""
     lines = [
         "[mutmut]",
         "source_paths = src",
@@ -86,14 +93,24 @@ def _setup_cfg(target: dict) -> str:
         "    experiments",
         "process_isolation = forkserver",
         "forkserver_warmup = collect",
+        # mutmut stops a mutant's tests after (recorded time + constant) * multiplier seconds
+        # of wall time (twice that of CPU) and counts it a "timeout", i.e. killed. Its
+        # constant of 1 s lets a correct but slow run on a loaded machine pass for a kill.
+        f"timeout_multiplier = {timeout[0]}",
+        f"timeout_constant = {timeout[1]}",
     ]
     return "\n".join(lines) + "\n"
 
 
 def run_target(
-    name: str, target: dict, jobs: int, mutmut: str, patterns: list[str] | None = None
+    name: str,
+    target: dict,
+    jobs: int,
+    mutmut: str,
+    patterns: list[str] | None = None,
+    timeout: tuple[float, float] = (15.0, 10.0),
 ) -> tuple[int, int, list[str], Path, int]:
-    where = stage(name, target, jobs, keep=bool(patterns))
+    where = stage(name, target, jobs, keep=bool(patterns), timeout=timeout)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     # Mutants re-run the same jitted functions: share compiled code across processes.
     env.update(
@@ -136,7 +153,23 @@ def main(argv: list[str] | None = None) -> int:
         help="run only these mutants (fnmatch on mutmut's names; one target), keeping the "
         "staging copy's earlier results",
     )
+    parser.add_argument(
+        "--timeout-multiplier",
+        type=float,
+        default=15.0,
+        help="mutmut's timeout_multiplier: a mutant's tests may take this many times their "
+        "recorded time (plus the constant) before it counts as a timeout (default 15)",
+    )
+    parser.add_argument(
+        "--timeout-constant",
+        type=float,
+        default=10.0,
+        help="mutmut's timeout_constant, seconds added to the recorded time (default 10; "
+        "mutmut's own 1 s counts slow, correct runs on a loaded machine as kills)",
+    )
     args = parser.parse_args(argv)
+    if args.timeout_multiplier <= 0 or args.timeout_constant < 0:
+        parser.error("--timeout-multiplier must be > 0 and --timeout-constant >= 0")
     unknown = [t for t in args.targets if t not in targets]
     if unknown:
         parser.error(f"unknown target(s) {unknown}; known: {', '.join(targets)}")
@@ -152,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     rows, failed = [], False
     for name in args.targets or list(targets):
         killed, total, survivors, where, not_checked = run_target(
-            name, targets[name], args.jobs, mutmut, args.mutants
+            name,
+            targets[name],
+            args.jobs,
+            mutmut,
+            args.mutants,
+            (args.timeout_multiplier, args.timeout_constant),
         )
         score = 100.0 * killed / total if total else 100.0
         failed |= score < args.min_score
