@@ -101,7 +101,10 @@ def recorded(monkeypatch):
 
     def forced(engine, prompts, answers, *, chunk_tokens=None, kv_tokens=None):
         calls.append(("forced", [len(p) for p in prompts], answers, chunk_tokens, kv_tokens))
-        return [Generated(list(a), [float(len(p))] * len(a)) for p, a in zip(prompts, answers)]
+        return [
+            Generated(list(a), [float(len(p))] * len(a))
+            for p, a in zip(prompts, answers, strict=True)
+        ]
 
     def greedy(engine, prompts, max_new_tokens, stop_tokens=frozenset()):
         calls.append(("greedy", [len(p) for p in prompts], max_new_tokens, stop_tokens))
