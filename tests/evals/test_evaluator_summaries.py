@@ -1,0 +1,343 @@
+"""The Evaluator's bookkeeping without a model: the paired pass/fail figures, the fidelity
+summary, the gates and their words, the per-example rows and the cached generations.
+
+Each test builds what it checks (a stand-in `self` for the methods, hand-made items and
+records), so it runs in milliseconds. References are independent where one exists: McNemar
+against scipy's exact binomial test, the perplexity ratio and the KL mean by direct numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from scipy import stats as sps
+
+from tenantq.evals import evaluator as ev
+from tenantq.evals import stats
+from tenantq.evals.generation import Generated
+from tenantq.evals.retrieval import NeedleItem
+from tenantq.evals.structured import StructuredItem
+from tenantq.evals.suite import FidelitySpec, GateSpec, NeedleSpec, Suite
+
+
+def _needle(length: int, k: int, depth: float = 0.25) -> NeedleItem:
+    return NeedleItem("needle", f"needle/len{length}/{k}", length, depth, [1] * 7, np.zeros(5))
+
+
+def _struct(task: str, k: int) -> StructuredItem:
+    return StructuredItem(task, f"structured/{task}/{k}", [1] * (3 + k), "x", "")
+
+
+def _me() -> SimpleNamespace:
+    return SimpleNamespace(_baseline_passes={})
+
+
+# 12 needles at length 64 with 5 correct->wrong and 1 wrong->correct flip, 4 at length 128
+BASE_64 = [1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1]
+CAND_64 = [0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+BASE_128 = [1, 0, 1, 1]
+CAND_128 = [1, 0, 1, 1]
+
+
+def _needle_pass_fail():
+    items = [_needle(64, k) for k in range(12)] + [_needle(128, k) for k in range(4)]
+    base_gens = [Generated([1, 2], [0.5 + k, 0.25 + k]) for k in range(16)]
+    cand_gens = [Generated([3], [2.0 + k]) for k in range(16)]
+    cand_gens[13] = Generated([], [])  # no recorded step: margin nan
+    me, rows = _me(), []
+    out = ev.Evaluator._pass_fail(
+        me, items, BASE_64 + BASE_128, CAND_64 + CAND_128, base_gens, cand_gens, rows, "len"
+    )
+    return me, out, rows, items
+
+
+def test_pass_fail_figures_per_length_are_the_paired_ones() -> None:
+    me, out, _, _ = _needle_pass_fail()
+    b, c = np.array(BASE_64, bool), np.array(CAND_64, bool)
+    assert out["needle.acc_base.len64"] == pytest.approx(9 / 12)
+    assert out["needle.acc_cand.len64"] == pytest.approx(5 / 12)
+    assert out["needle.acc_delta.len64"] == pytest.approx(5 / 12 - 9 / 12)
+    assert out["needle.flips.len64.correct_to_wrong"] == 5
+    assert out["needle.flips.len64.wrong_to_correct"] == 1
+    assert out["needle.n.len64"] == 12 and out["needle.n.len128"] == 4
+    # the interval is Tango's for (baseline, candidate) in that order: swapped, it mirrors
+    ci = stats.paired_proportion_ci(b, c)
+    assert (out["needle.acc_delta.len64.ci_low"], out["needle.acc_delta.len64.ci_high"]) == (
+        ci.ci_low, ci.ci_high
+    )  # fmt: skip
+    # 5 losses against 1 gain: the interval leans below 0 (its mirror would lean above)
+    assert out["needle.acc_delta.len64.ci_low"] < -out["needle.acc_delta.len64.ci_high"] < 0
+    # McNemar: the 6 discordant pairs as Binomial(6, 1/2), two-sided (scipy's exact test)
+    want = sps.binomtest(1, 6, 0.5, alternative="two-sided").pvalue
+    assert out["needle.mcnemar_p.len64"] == pytest.approx(want, rel=1e-12)
+    assert out["needle.mcnemar_p.len128"] == 1.0  # nothing flipped
+    assert out["needle.acc_delta.len128"] == 0.0 and out["needle.acc_base.len128"] == 0.75
+    # each length is one group of the suite's baseline pass-rate bar: (bf16 passes, examples)
+    assert me._baseline_passes == {"needle.len64": (9, 12), "needle.len128": (3, 4)}
+    # nothing else: 9 figures per length
+    assert len(out) == 18
+
+
+def test_every_needle_gets_one_row_with_its_flip_and_smallest_margin() -> None:
+    _, _, rows, items = _needle_pass_fail()
+    assert [r["example_id"] for r in rows] == [i.example_id for i in items]
+    flips = [r["flip"] for r in rows[:12]]
+    assert flips == ["correct_to_wrong"] * 5 + [""] * 5 + ["wrong_to_correct", ""]
+    r = rows[2]
+    assert (r["task"], r["length"], r["depth"]) == ("needle", 64, 0.25)
+    assert (r["baseline_score"], r["candidate_score"]) == (1.0, 0.0)
+    assert r["margin"] == 2.25 and r["candidate_margin"] == 4.0  # min over the steps
+    assert r["baseline_tokens"] == [1, 2] and r["candidate_tokens"] == [3]
+    assert r["baseline_margins"] == [2.5, 2.25]
+    assert math.isnan(r["kl"]) and math.isnan(r["top1_agree"])
+    assert math.isnan(rows[13]["candidate_margin"])  # no step recorded
+    table = ev._examples_table(rows)
+    assert table.num_rows == 16 and table.schema.field("length").type == pa.int32()
+
+
+def test_structured_tasks_are_scored_whole_and_per_task() -> None:
+    items = [_struct("close_line", k) for k in range(3)] + [_struct("indent_block", 0)]
+    gens = [Generated([5], [1.0]) for _ in items]
+    me, rows = _me(), []
+    out = ev.Evaluator._pass_fail(me, items, [1, 1, 0, 1], [1, 0, 0, 1], gens, gens, rows, "task")
+    assert out["structured.acc_delta"] == pytest.approx(-0.25)
+    assert out["structured.n"] == 4 and out["structured.n.close_line"] == 3
+    assert out["structured.acc_delta.close_line"] == pytest.approx(-1 / 3)
+    assert out["structured.acc_delta.indent_block"] == 0.0
+    assert out["structured.flips.correct_to_wrong"] == 1
+    # the pass-rate bar applies per task, not to the whole
+    assert me._baseline_passes == {
+        "structured.close_line": (2, 3),
+        "structured.indent_block": (1, 1),
+    }
+    assert len(out) == 3 * 9
+    # a structured example has no length of its own: its prompt's; no depth
+    assert [r["length"] for r in rows] == [3, 4, 5, 3] and math.isnan(rows[0]["depth"])
+
+
+def test_flip_words() -> None:
+    assert ev._flip(True, True) == "" and ev._flip(False, False) == ""
+    assert ev._flip(True, False) == "correct_to_wrong"
+    assert ev._flip(False, True) == "wrong_to_correct"
+
+
+class _FidelityMe:
+    """The two attributes `_fidelity_summary` reads, and the evaluator's own `_ci`."""
+
+    _ci = ev.Evaluator._ci
+
+    def __init__(self, resamples: int = 400, seed: int = 3):
+        self.suite = SimpleNamespace(resamples=resamples, seed=seed)
+        self.fidelity_rows = np.zeros((4, 9), np.int32)
+
+
+def test_fidelity_summary_is_per_window_means_and_their_ratios() -> None:
+    me = _FidelityMe()
+    rng = np.random.default_rng(0)
+    kl = rng.exponential(0.02, size=(4, 8))
+    agree = rng.random((4, 8)) < 0.9
+    base_logp = -rng.exponential(2.0, size=(4, 8))
+    cand_logp = base_logp - rng.exponential(0.05, size=(4, 8))
+    margin = rng.random((4, 8))
+    base = SimpleNamespace(target_logp=base_logp, margin=margin, exact=True)
+    rows: list[dict] = []
+    cand = {"kl": kl, "top1_agree": agree, "target_logp": cand_logp}
+    out = ev.Evaluator._fidelity_summary(me, base, cand, rows)
+    assert out["fidelity.kl_mean"] == pytest.approx(kl.mean())
+    assert (
+        out["fidelity.kl_mean.ci_low"] <= kl.mean(axis=1).mean() <= out["fidelity.kl_mean.ci_high"]
+    )
+    assert out["fidelity.kl_mean.ci_low"] >= kl.mean(axis=1).min()
+    assert out["fidelity.kl_p99"] == pytest.approx(np.quantile(kl, 0.99))
+    assert out["fidelity.kl_max"] == kl.max()
+    assert out["fidelity.top1_agree"] == pytest.approx(agree.mean())
+    assert out["fidelity.top1_agree_delta"] == pytest.approx(agree.mean() - 1.0)
+    assert out["fidelity.top1_agree_delta.ci_high"] <= 0.0  # agreement can only fall from 1
+    nll_b, nll_c = -base_logp.mean(axis=1), -cand_logp.mean(axis=1)
+    assert out["fidelity.ppl_base"] == pytest.approx(np.exp(nll_b.mean()))
+    assert out["fidelity.ppl_cand"] == pytest.approx(np.exp(nll_c.mean()))
+    ratio = np.exp(nll_c.mean() - nll_b.mean())
+    assert out["fidelity.ppl_ratio"] == pytest.approx(ratio) and ratio > 1.0
+    assert out["fidelity.ppl_ratio.ci_low"] <= ratio <= out["fidelity.ppl_ratio.ci_high"]
+    assert out["fidelity.ppl_ratio.ci_low"] > 1.0  # every window's NLL rose
+    assert out["fidelity.tokens"] == 32 and out["fidelity.exact"] == 1
+    # the CIs are the suite's bootstrap (its resamples and seed), seen by re-computing one
+    want = stats.paired_bootstrap(
+        nll_b, nll_c, resamples=400, seed=3, contrast=lambda c, b: np.exp(c - b)
+    )
+    assert out["fidelity.ppl_ratio.ci_low"] == want.ci_low
+    assert out["fidelity.ppl_ratio.ci_high"] == want.ci_high
+    for key in ("kl_mean", "top1_agree_delta"):
+        assert out[f"fidelity.{key}.ci_low"] < out[f"fidelity.{key}.ci_high"], key
+    assert len(rows) == 4
+    r = rows[1]
+    assert (r["task"], r["example_id"], r["length"], r["flip"]) == ("fidelity", "fidelity/1", 9, "")
+    assert r["baseline_score"] == pytest.approx(nll_b[1]) and r["candidate_score"] == pytest.approx(
+        nll_c[1]
+    )
+    assert r["kl"] == pytest.approx(kl[1].mean()) and r["top1_agree"] == pytest.approx(
+        agree[1].mean()
+    )
+    assert r["margin"] == pytest.approx(margin[1].mean())
+    assert math.isnan(r["depth"]) and math.isnan(r["candidate_margin"])
+    assert (
+        r["baseline_tokens"] == [] and r["candidate_tokens"] == [] and r["baseline_margins"] == []
+    )
+    another = ev.Evaluator._fidelity_summary(
+        _FidelityMe(seed=4), SimpleNamespace(target_logp=base_logp, margin=margin, exact=False),
+        cand, [],
+    )  # fmt: skip
+    assert another["fidelity.exact"] == 0
+
+
+def _suite(*gates: tuple[str, float, bool]) -> Suite:
+    return Suite(
+        name="t",
+        fidelity=FidelitySpec(rows=2, row_tokens=64),
+        needles=(NeedleSpec(lengths=(64,), per_length=8),),
+        gates=tuple(GateSpec(metric=m, tolerance=t, higher_is_better=h) for m, t, h in gates),
+    )
+
+
+def test_gates_judge_each_delta_from_its_no_change_value() -> None:
+    suite = _suite(
+        ("fidelity.kl_mean", 0.01, False),
+        ("fidelity.ppl_ratio", 0.02, False),
+        ("needle.acc_delta.len64", 0.1, True),
+    )
+    summary = {
+        "fidelity.kl_mean": 0.004, "fidelity.kl_mean.ci_low": 0.003,
+        "fidelity.kl_mean.ci_high": 0.006,
+        # a perplexity ratio's no change is 1: [1.01, 1.03] is 0.01..0.03 above it
+        "fidelity.ppl_ratio": 1.02, "fidelity.ppl_ratio.ci_low": 1.01,
+        "fidelity.ppl_ratio.ci_high": 1.03,
+        "needle.acc_delta.len64": -0.05, "needle.acc_delta.len64.ci_low": -0.08,
+        "needle.acc_delta.len64.ci_high": 0.02, "needle.mcnemar_p.len64": 0.04,
+    }  # fmt: skip
+    gates = ev.gates_for(suite, summary)
+    kl = gates["fidelity.kl_mean"]
+    assert (kl.value, kl.ci_low, kl.ci_high, kl.tolerance) == (0.004, 0.003, 0.006, 0.01)
+    assert not kl.higher_is_better and kl.verdict == stats.NON_INFERIOR
+    assert kl.constraint == pytest.approx(0.006 - 0.01) and kl.changed  # CI excludes 0
+    ppl = gates["fidelity.ppl_ratio"]
+    assert (
+        ppl.constraint == pytest.approx(0.03 - 0.02) and ppl.verdict == stats.NOT_SHOWN_NON_INFERIOR
+    )
+    assert ppl.changed and (ppl.ci_low, ppl.ci_high) == (1.01, 1.03)  # reported as measured
+    acc = gates["needle.acc_delta.len64"]
+    assert acc.higher_is_better and acc.constraint == pytest.approx(-0.1 + 0.08)
+    assert acc.verdict == stats.NON_INFERIOR
+    assert acc.changed  # McNemar's p 0.04 <= 0.05, though the CI holds 0
+    summary["needle.mcnemar_p.len64"] = 0.06
+    assert not ev.gates_for(suite, summary)["needle.acc_delta.len64"].changed
+    summary["fidelity.ppl_ratio.ci_low"] = 0.99  # now holds 1: no change shown
+    assert not ev.gates_for(suite, summary)["fidelity.ppl_ratio"].changed
+    words = ev.decision_words(gates)
+    assert words == {
+        "verdict.fidelity.kl_mean": "non-inferior",
+        "verdict.fidelity.ppl_ratio": "not shown non-inferior",
+        "verdict.needle.acc_delta.len64": "non-inferior",
+        "changed.fidelity.kl_mean": "yes",
+        "changed.fidelity.ppl_ratio": "yes",
+        "changed.needle.acc_delta.len64": "yes",
+    }
+
+
+def test_a_gate_without_a_ci_is_judged_on_its_value() -> None:
+    suite = _suite(("fidelity.kl_mean", 0.01, False))
+    gate = ev.gates_for(suite, {"fidelity.kl_mean": 0.02})["fidelity.kl_mean"]
+    assert (gate.ci_low, gate.ci_high) == (0.02, 0.02)
+    assert gate.constraint == pytest.approx(0.01) and gate.changed
+
+
+def test_a_result_passes_only_when_every_gate_is_within_tolerance(tmp_path) -> None:
+    def gate(constraint: float) -> ev.Gate:
+        return ev.Gate("m", 0.0, 0.0, 0.0, 0.1, True, "v", constraint)
+
+    def result(*constraints: float) -> ev.EvalResult:
+        gates = {f"g{i}": gate(c) for i, c in enumerate(constraints)}
+        return ev.EvalResult({"a": 1.5}, gates, ev._examples_table([]), {"total": 2.0}, {})
+
+    assert result(0.0, -0.5).passed and result().passed
+    assert not result(-0.5, 0.01).passed
+    path = result(0.0, 0.2).to_parquet(tmp_path / "r.parquet")
+    assert path == tmp_path / "r.parquet"
+    meta = pq.read_table(path).schema.metadata
+    assert json.loads(meta[b"tenantq.summary"]) == {"a": 1.5}
+    assert json.loads(meta[b"tenantq.timings_s"]) == {"total": 2.0}
+    assert json.loads(meta[b"tenantq.gates"])["g1"]["constraint"] == 0.2
+    assert json.loads(meta[b"tenantq.gates"])["g1"]["changed"] is False
+
+
+def test_cached_generations_read_back_for_the_same_examples_only(tmp_path) -> None:
+    items = [_needle(64, 0), _struct("close_line", 1)]
+    gens = [Generated([3, 4], [0.5, 1.5]), Generated([], [])]
+    path = tmp_path / "g.parquet"
+    ev._save_generations(gens, items, path)
+    back = ev._load_generations(path, items)
+    assert back == [Generated([3, 4], [0.5, 1.5]), Generated([], [])]
+    with pytest.raises(ValueError, match="holds other examples"):
+        ev._load_generations(path, items[::-1])
+
+
+def test_metric_names_and_their_example_counts() -> None:
+    me = SimpleNamespace(
+        fidelity_rows=np.zeros((2, 8)),
+        needle_items=[_needle(64, 0), _needle(64, 1), _needle(128, 0)],
+        structured_items=[_struct("close_line", 0), _struct("indent_block", 0)],
+    )
+    assert ev.Evaluator.expected_metrics(me) == [
+        "fidelity.kl_mean", "fidelity.ppl_ratio", "fidelity.top1_agree_delta",
+        "needle.acc_delta.len128", "needle.acc_delta.len64", "structured.acc_delta",
+        "structured.acc_delta.close_line", "structured.acc_delta.indent_block",
+    ]  # fmt: skip
+    assert ev.Evaluator._gate_examples(me) == {
+        "needle.acc_delta.len64": 2, "needle.acc_delta.len128": 1, "structured.acc_delta": 2,
+        "structured.acc_delta.close_line": 1, "structured.acc_delta.indent_block": 1,
+    }  # fmt: skip
+    me.fidelity_rows = None
+    assert "fidelity.kl_mean" not in ev.Evaluator.expected_metrics(me)
+    with pytest.raises(ValueError, match="suite 't' gates 'fidelity.kl_mean', which it does not"):
+        ev._check_gates(_suite(("fidelity.kl_mean", 0.01, False)), ["needle.acc_delta.len64"])
+    ev._check_gates(_suite(("fidelity.kl_mean", 0.01, False)), ["fidelity.kl_mean"])
+
+
+def test_engine_settings_name_the_dtype_and_the_options_sorted() -> None:
+    me = SimpleNamespace(dtype="float32", engine_options={"z": 1, "a": 2})
+    settings = ev.Evaluator.engine_settings(me)
+    assert settings == {"dtype": "float32", "a": 2, "z": 1}
+    assert list(settings) == ["dtype", "a", "z"]
+
+
+def test_a_phase_counts_wall_time_less_the_compiles_inside_it(monkeypatch) -> None:
+    clock = iter([10.0, 13.5])
+    monkeypatch.setattr(ev.time, "perf_counter", lambda: next(clock))
+    engine = SimpleNamespace(stats=SimpleNamespace(compile_s=1.0))
+    timings = {"needles": 0.25}
+    with ev._phase(timings, "needles", engine):
+        engine.stats.compile_s = 2.5  # 1.5 s of the 3.5 s compiled
+    assert timings["needles"] == pytest.approx(0.25 + 3.5 - 1.5)
+    clock = iter([0.0, 2.0])
+    with ev._phase(timings, "needles"):
+        pass
+    assert timings["needles"] == pytest.approx(4.25)
+
+
+def test_a_pool_too_small_for_the_suite_is_a_one_line_value_error() -> None:
+    from tenantq.engine import CacheFull
+
+    def full(plan):
+        raise CacheFull("needs 9 pages, has 4")
+
+    with pytest.raises(ValueError, match=r"does not fit .*needs 9 pages, has 4.*pool_bytes"):
+        ev.Evaluator.evaluate(SimpleNamespace(_evaluate=full), object())
+    sentinel = object()
+    assert ev.Evaluator.evaluate(SimpleNamespace(_evaluate=lambda p: (sentinel, p)), 7) == (
+        sentinel, 7
+    )  # fmt: skip
