@@ -100,6 +100,7 @@ def recorded(monkeypatch):
     calls: list[tuple] = []
 
     def forced(engine, prompts, answers, *, chunk_tokens=None, kv_tokens=None):
+        assert isinstance(engine, _Engine)  # the engine the needles run on
         calls.append(("forced", [len(p) for p in prompts], answers, chunk_tokens, kv_tokens))
         return [
             Generated(list(a), [float(len(p))] * len(a))
@@ -107,6 +108,7 @@ def recorded(monkeypatch):
         ]
 
     def greedy(engine, prompts, max_new_tokens, stop_tokens=frozenset()):
+        assert isinstance(engine, _Engine)
         calls.append(("greedy", [len(p) for p in prompts], max_new_tokens, stop_tokens))
         return [Generated([-1] * max_new_tokens, [-float(len(p))]) for p in prompts]
 
@@ -172,3 +174,14 @@ def test_a_needle_passes_only_when_its_first_answer_tokens_all_match() -> None:
     assert not retrieval.score(item, Generated([4, 8, 2, 1, 7], []))  # last digit wrong
     assert not retrieval.score(item, Generated([0, 8, 2, 1, 3], []))  # first digit wrong
     assert not retrieval.score(item, Generated([], []))
+
+
+def test_a_path_returning_fewer_records_than_needles_is_an_error(monkeypatch) -> None:
+    # a lost record would leave a needle without an answer (None), scored as nothing
+    def short(engine, prompts, max_new_tokens, stop_tokens=frozenset()):
+        return [Generated([0] * max_new_tokens, [])] * (len(prompts) - 1)
+
+    monkeypatch.setattr(retrieval, "generate_with_margins", short)
+    items = [_item(64, [3, 4], "a"), _item(64, [5, 6], "b")]
+    with pytest.raises(ValueError, match="zip"):
+        retrieval.run_needles(_Engine(exact_below=0), items)
