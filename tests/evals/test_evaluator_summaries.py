@@ -341,3 +341,179 @@ def test_a_pool_too_small_for_the_suite_is_a_one_line_value_error() -> None:
     assert ev.Evaluator.evaluate(SimpleNamespace(_evaluate=lambda p: (sentinel, p)), 7) == (
         sentinel, 7
     )  # fmt: skip
+
+
+class _KeyMe:
+    """What `baseline_key` reads."""
+
+    def __init__(self, suite: Suite, **kw):
+        self.identity, self.dataset_hash = kw.get("identity", "m1"), kw.get("dataset", "d1")
+        self.suite, self._engine = suite, kw.get("engine", {"dtype": "bfloat16"})
+        self.step_tokens, self.kv_window_tokens, self.fidelity_kv_tokens = kw.get(
+            "steps", (256, 1024, 1024)
+        )
+
+    def engine_settings(self):
+        return self._engine
+
+
+def test_a_cached_baseline_is_keyed_by_everything_its_numbers_depend_on() -> None:
+    suite = _suite(("fidelity.kl_mean", 0.01, False))
+    key = ev.Evaluator.baseline_key(_KeyMe(suite))
+    changed = [
+        _KeyMe(suite, identity="m2"),
+        _KeyMe(suite, dataset="d2"),
+        _KeyMe(suite, engine={"dtype": "float32"}),
+        _KeyMe(suite, steps=(None, 1024, 1024)),
+        _KeyMe(suite, steps=(256, 2048, 1024)),
+        _KeyMe(suite, steps=(256, 1024, 256)),
+        _KeyMe(suite.model_copy(update={"seed": 1})),
+        _KeyMe(suite.model_copy(update={"fidelity": FidelitySpec(rows=2, row_tokens=64, top_k=8)})),
+    ]
+    keys = [ev.Evaluator.baseline_key(me) for me in changed]
+    assert key not in keys and len(set(keys)) == len(keys)
+    # what only judges the numbers (name, resamples, gates, the pass-rate bar) shares them
+    same = suite.model_copy(
+        update={"name": "other", "resamples": 500, "gates": (), "min_baseline_pass_rate": 0.1}
+    )
+    assert ev.Evaluator.baseline_key(_KeyMe(same)) == key
+    assert ev.CACHE_VERSION == 2
+
+
+def test_generations_run_needles_then_structured_items_in_one_list(monkeypatch) -> None:
+    needles = [_needle(64, 0), _needle(64, 1)]
+    others = [_struct("close_line", 0)]
+    calls = []
+
+    def run_items(engine, items, max_new_tokens):
+        calls.append(("structured", engine, len(items), max_new_tokens))
+        return [Generated([9], [])] * len(items)
+
+    def run_needles(engine, items, *, chunk_tokens=None, kv_tokens=None):
+        calls.append(("needles", engine, len(items), chunk_tokens, kv_tokens))
+        return [Generated([k], []) for k in range(len(items))]
+
+    monkeypatch.setattr(ev.structured, "run_items", run_items)
+    monkeypatch.setattr(ev.retrieval, "run_needles", run_needles)
+
+    class Me:
+        _needles = ev.Evaluator._needles
+        step_tokens, kv_window_tokens = 128, 512
+        suite = SimpleNamespace(structured=SimpleNamespace(max_new_tokens=7))
+
+    out = ev.Evaluator._generate(Me(), "E", [others[0], needles[0], needles[1]])
+    assert calls == [("needles", "E", 2, 128, 512), ("structured", "E", 1, 7)]
+    assert [g.tokens for g in out] == [[0], [1], [9]]
+    calls.clear()
+    assert ev.Evaluator._generate(Me(), "E", needles) == [Generated([0], []), Generated([1], [])]
+    assert [c[0] for c in calls] == ["needles"]
+    calls.clear()
+    assert ev.Evaluator._generate(Me(), "E", others) == [Generated([9], [])]
+    assert [c[0] for c in calls] == ["structured"]
+
+
+class _BaselineMe:
+    """What `Evaluator.baseline` reads; the engine and the generations are recorded."""
+
+    baseline = ev.Evaluator.baseline
+
+    def __init__(self, cache_dir, *, vocab=64, fidelity=True, items=True, key="k1"):
+        self._baseline, self.cache_dir, self.key = None, cache_dir, key
+        self.suite = Suite(
+            name="t", seed=4,
+            fidelity=FidelitySpec(rows=2, row_tokens=8, exact_vocab_limit=64, top_k=3,
+                                  tail_samples=5),
+            needles=(NeedleSpec(lengths=(64,), per_length=2),),
+        )  # fmt: skip
+        self.config = SimpleNamespace(vocab_size=vocab)
+        self.fidelity_rows = np.array([[1, 5, 6, 7], [1, 8, 9, 10]], np.int32) if fidelity else None
+        self.fidelity_kv_tokens = 16
+        self.needle_items = [_needle(64, 0), _needle(64, 1)] if items else []
+        self.structured_items = []
+        self.engines, self.generated = [], []
+
+    def baseline_key(self):
+        return self.key
+
+    def build_engine(self, plan):
+        self.engines.append(plan)
+        return "engine"
+
+    def _generate(self, engine, items):
+        self.generated.append((engine, len(items)))
+        return [Generated([7, k], [0.5, 1.0 + k]) for k in range(len(items))]
+
+
+def _fake_baseline(calls):
+    def compute(engine, rows, *, exact, top_k, tail_samples, seed, kv_tokens):
+        calls.append((engine, rows.shape, exact, top_k, tail_samples, seed, kv_tokens))
+        n, p = rows.shape[0], rows.shape[1] - 1
+        base = ev.fidelity.FidelityBaseline(
+            rows[:, 1:].astype(np.int32), np.full((n, p), -1.5, np.float32),
+            np.zeros((n, p), np.int32), np.ones((n, p), np.float32),
+        )  # fmt: skip
+        base.logp = np.log(np.full((n, p, 4), 0.25, np.float32))
+        return base
+
+    return compute
+
+
+def test_the_baseline_is_computed_once_then_read_from_memory_and_disk(tmp_path, monkeypatch):
+    from tenantq.quant.plan import QuantPlan
+
+    calls = []
+    monkeypatch.setattr(ev.fidelity, "compute_baseline", _fake_baseline(calls))
+    me = _BaselineMe(tmp_path / "cache")
+    first = me.baseline()
+    assert calls == [("engine", (2, 4), True, 3, 5, 4, 16)]  # vocab 64 <= 64: exact
+    assert me.engines == [QuantPlan()] and me.generated == [("engine", 2)]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [
+        "baseline-k1-fidelity.parquet", "baseline-k1-generations.parquet"
+    ]  # fmt: skip
+    assert me.baseline() is first and len(calls) == 1  # memory
+    again = _BaselineMe(tmp_path / "cache")
+    second = again.baseline()  # disk: nothing computed, no engine built
+    assert again.engines == [] and again.generated == [] and len(calls) == 1
+    np.testing.assert_array_equal(np.asarray(second["fidelity"].logp), first["fidelity"].logp)
+    assert second["generations"] == first["generations"] == [
+        Generated([7, 0], [0.5, 1.0]), Generated([7, 1], [0.5, 2.0])
+    ]  # fmt: skip
+    # another key is another baseline
+    other = _BaselineMe(tmp_path / "cache", key="k2")
+    other.baseline()
+    assert len(calls) == 2 and other.generated == [("engine", 2)]
+
+
+def test_a_damaged_or_stale_baseline_cache_is_recomputed(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(ev.fidelity, "compute_baseline", _fake_baseline(calls))
+    _BaselineMe(tmp_path).baseline()
+    (tmp_path / "baseline-k1-fidelity.parquet").write_bytes(b"not parquet")
+    me = _BaselineMe(tmp_path)
+    me.baseline()
+    assert len(calls) == 2 and me.generated == [("engine", 2)]  # both recomputed
+    # generations of other examples under the same key: not trusted
+    me = _BaselineMe(tmp_path)
+    me.needle_items = [_needle(64, 5), _needle(64, 6)]
+    me.baseline()
+    assert len(calls) == 3 and me.generated == [("engine", 2)]
+
+
+def test_a_baseline_without_items_or_without_fidelity_computes_only_what_it_has(
+    tmp_path, monkeypatch
+):
+    calls = []
+    monkeypatch.setattr(ev.fidelity, "compute_baseline", _fake_baseline(calls))
+    me = _BaselineMe(tmp_path / "a", items=False, vocab=65)
+    out = me.baseline()
+    assert out["generations"] == [] and me.generated == []
+    assert calls[0][2] is False  # vocab 65 > the limit: top-k
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["baseline-k1-fidelity.parquet"]
+    assert _BaselineMe(tmp_path / "a", items=False).baseline()["fidelity"] is not None
+    me = _BaselineMe(tmp_path / "b", fidelity=False)
+    out = me.baseline()
+    assert out["fidelity"] is None and len(calls) == 1 and me.generated == [("engine", 2)]
+    assert [p.name for p in (tmp_path / "b").iterdir()] == ["baseline-k1-generations.parquet"]
+    cached = _BaselineMe(tmp_path / "b", fidelity=False)
+    cached.baseline()
+    assert cached.engines == []
