@@ -23,7 +23,7 @@ from tenantq.evals import stats
 from tenantq.evals.generation import Generated
 from tenantq.evals.retrieval import NeedleItem
 from tenantq.evals.structured import StructuredItem
-from tenantq.evals.suite import FidelitySpec, GateSpec, NeedleSpec, Suite
+from tenantq.evals.suite import FidelitySpec, GateSpec, NeedleSpec, StructuredSpec, Suite
 
 
 def _needle(length: int, k: int, depth: float = 0.25) -> NeedleItem:
@@ -517,3 +517,132 @@ def test_a_baseline_without_items_or_without_fidelity_computes_only_what_it_has(
     cached = _BaselineMe(tmp_path / "b", fidelity=False)
     cached.baseline()
     assert cached.engines == []
+
+
+class _Tok:
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+class _EvalMe:
+    """An evaluator whose baseline, engine and generation paths are stand-ins."""
+
+    _evaluate = ev.Evaluator._evaluate
+    _fidelity_summary = ev.Evaluator._fidelity_summary
+    _pass_fail = ev.Evaluator._pass_fail
+    _ci = ev.Evaluator._ci
+    _needles = ev.Evaluator._needles
+    _gate_examples = ev.Evaluator._gate_examples
+
+    def __init__(self):
+        self.suite = Suite(
+            name="tiny", resamples=200,
+            fidelity=FidelitySpec(rows=3, row_tokens=8),
+            needles=(NeedleSpec(lengths=(64,), per_length=4),),
+            structured=StructuredSpec(tasks=("close_line",), per_task=2, max_new_tokens=5),
+            gates=(GateSpec(metric="fidelity.kl_mean", tolerance=0.05, higher_is_better=False),
+                   GateSpec(metric="needle.acc_delta.len64", tolerance=0.9,
+                            higher_is_better=True)),
+        )  # fmt: skip
+        self.progress, self.load_s, self._evaluations = False, 7.0, 0
+        self.identity, self.dataset_hash = "m" * 20 + "x", "d" * 20 + "y"
+        self.tokenizer = _Tok()
+        self.fidelity_rows = np.zeros((3, 8), np.int32)
+        self.fidelity_kv_tokens, self.step_tokens, self.kv_window_tokens = 32, 8, 64
+        self.needle_items = [
+            NeedleItem("needle", f"needle/len64/{k}", 64, k / 3, [1] * 60, np.array([5, 6]))
+            for k in range(4)
+        ]
+        self.structured_items = [
+            StructuredItem("close_line", f"structured/close_line/{k}", [1, 2], "f(a", "")
+            for k in range(2)
+        ]
+        base_fid = SimpleNamespace(
+            target_logp=np.full((3, 7), -2.0), margin=np.ones((3, 7)), exact=True
+        )
+        base_gens = [Generated([5, 6], [1.0, 1.0])] * 4 + [Generated([ord(")")], [1.0])] * 2
+        self._base = {"fidelity": base_fid, "generations": base_gens}
+        self.engine = SimpleNamespace(
+            stats=SimpleNamespace(compile_s=1.25), mesh=None,
+            memory_report=lambda: SimpleNamespace(as_dict=lambda: {"pool_bytes": 10}),
+        )  # fmt: skip
+
+    def baseline(self):
+        return self._base
+
+    def build_engine(self, plan):
+        self.plan = plan
+        return self.engine
+
+
+def test_an_evaluation_summarizes_every_task_and_its_gates(monkeypatch) -> None:
+    from tenantq.quant.plan import QuantPlan, Rule
+
+    def compare(engine, rows, base, *, kv_tokens=None):
+        assert kv_tokens == 32 and base is me._base["fidelity"]
+        return {"kl": np.full((3, 7), 0.01), "top1_agree": np.ones((3, 7), bool),
+                "target_logp": np.full((3, 7), -2.0)}  # fmt: skip
+
+    def run_needles(engine, items, *, chunk_tokens=None, kv_tokens=None):
+        assert (chunk_tokens, kv_tokens) == (8, 64) and engine is me.engine
+        # needle 0 loses its answer; the others keep it
+        return [Generated([5, 7], [0.1, 0.2])] + [Generated([5, 6], [2.0, 2.0])] * 3
+
+    def run_items(engine, items, max_new_tokens):
+        assert max_new_tokens == 5 and engine is me.engine
+        return [Generated([ord(")")], [1.0]), Generated([ord(",")], [1.0])]
+
+    monkeypatch.setattr(ev.fidelity, "compare", compare)
+    monkeypatch.setattr(ev.retrieval, "run_needles", run_needles)
+    monkeypatch.setattr(ev.structured, "run_items", run_items)
+    me = _EvalMe()
+    plan = QuantPlan(rules=(Rule(".*", "int8"),))
+    result = me._evaluate(plan)
+    s = result.summary
+    assert me.plan is plan
+    assert s["fidelity.kl_mean"] == pytest.approx(0.01) and s["fidelity.ppl_ratio"] == 1.0
+    assert s["needle.acc_delta.len64"] == -0.25 and s["needle.flips.len64.correct_to_wrong"] == 1
+    assert s["structured.acc_delta"] == -0.5 and s["structured.acc_delta.close_line"] == -0.5
+    assert s["verdict.fidelity.kl_mean"] == "non-inferior"
+    assert s["verdict.needle.acc_delta.len64"] == "non-inferior"  # within the loose 0.9
+    assert s["changed.needle.acc_delta.len64"] == "no"  # one flip: McNemar p = 1
+    assert set(result.gates) == {"fidelity.kl_mean", "needle.acc_delta.len64"}
+    assert s["passed"] == 1 and result.passed
+    assert (s["suite.name"], s["suite.split"]) == ("tiny", "search")
+    assert s["identity.model"] == "m" * 16 and s["identity.dataset"] == "d" * 16
+    assert s["identity.plan"] == plan.fingerprint() and s["examples.n"] == 3 + 4 + 2
+    # a 0.9 tolerance is reachable with 4 needles (Tango's no-flip bound is -0.49), and
+    # every group's bf16 pass rate is 1: no warning
+    assert not any(k.startswith("warning.") for k in s)
+    rows = result.examples.to_pylist()
+    assert [r["task"] for r in rows] == ["fidelity"] * 3 + ["needle"] * 4 + ["structured"] * 2
+    assert rows[3]["flip"] == "correct_to_wrong" and rows[8]["flip"] == "correct_to_wrong"
+    assert result.memory_report == {"pool_bytes": 10}
+    t = result.timings_s
+    assert set(t) == set(ev.PHASES) and t["load"] == 7.0 and t["compile"] == 1.25
+    assert t["total"] >= 7.0 and all(v >= 0 for v in t.values())
+    again = me._evaluate(plan)  # the load is counted in the first evaluation only
+    assert again.timings_s["load"] == 0.0 and again.timings_s["total"] < 7.0
+    me.suite = me.suite.model_copy(
+        update={"gates": (GateSpec(metric="needle.acc_delta.len64", tolerance=0.01,
+                                   higher_is_better=True),)}
+    )  # fmt: skip
+    tight = me._evaluate(plan)
+    assert tight.summary["passed"] == 0 and not tight.passed
+    assert "warning.gate.needle.acc_delta.len64" in tight.summary  # 4 needles: unreachable
+
+
+def test_an_evaluation_of_only_needles_reports_no_fidelity(monkeypatch) -> None:
+    monkeypatch.setattr(
+        ev.retrieval, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * len(items)
+    )
+    me = _EvalMe()
+    me.fidelity_rows, me.structured_items = None, []
+    me.suite = me.suite.model_copy(update={"fidelity": None, "structured": None, "gates": ()})
+    me._base["generations"] = me._base["generations"][:4]
+    from tenantq.quant.plan import QuantPlan
+
+    result = me._evaluate(QuantPlan())
+    assert not any(k.startswith("fidelity.") for k in result.summary)
+    assert result.summary["needle.acc_delta.len64"] == 0.0 and result.summary["examples.n"] == 4
+    assert result.gates == {} and result.summary["passed"] == 1
