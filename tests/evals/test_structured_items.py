@@ -233,6 +233,8 @@ def test_completion_text_ends_at_the_line_end() -> None:
     assert structured.completion_text(Generated(ids("ab"), [], ids(")")[0]), tok) == "ab)"
     assert structured.completion_text(Generated(ids("ab"), [], ids("\n  ")[0]), tok) == "ab"
     assert structured.completion_text(Generated(ids("ab\n  cd"), [], None), tok) == "ab"
+    # the first line, however many follow
+    assert structured.completion_text(Generated(ids("ab\n  cd\n  ab"), [], None), tok) == "ab"
 
 
 def test_structured_scoring_counts_the_stop_tokens_text() -> None:
@@ -253,6 +255,7 @@ def test_run_items_decodes_lines_to_their_end_and_blocks_a_fixed_width(monkeypat
     calls = []
 
     def generate(engine, prompts, max_new_tokens, stop_tokens=frozenset()):
+        assert isinstance(engine, _Engine)  # the engine the items run on
         calls.append(([p[0] for p in prompts], max_new_tokens, stop_tokens))
         return [Generated([p[0]] * 2, [0.0]) for p in prompts]
 
@@ -272,3 +275,16 @@ def test_run_items_decodes_lines_to_their_end_and_blocks_a_fixed_width(monkeypat
     assert len(calls) == 1 and calls[0][1] == structured.INDENT_TOKENS and out[0].tokens == [1, 1]
     assert structured.INDENT_TOKENS == 8
     assert np.all([g is not None for g in out])
+
+
+def test_a_batch_returning_fewer_records_than_items_is_an_error(monkeypatch) -> None:
+    # a lost record would leave an item without a completion (None)
+    monkeypatch.setattr(
+        structured, "generate_with_margins", lambda e, prompts, *a: [Generated([], [])]
+    )
+    items = [structured.StructuredItem("close_line", "", [k], "", "") for k in range(2)]
+    with pytest.raises(ValueError, match="zip"):
+        structured.run_items(_Engine(), items, max_new_tokens=3)
+    blocks = [structured.StructuredItem("indent_block", "", [k], "", "") for k in range(2)]
+    with pytest.raises(ValueError, match="zip"):
+        structured.run_items(_Engine(), blocks, max_new_tokens=3)
