@@ -18,7 +18,8 @@ from tenantq.evals.suite import StructuredSpec
 
 # "data_values" and "z)" are single tokens (as a BPE merges them); other identifiers split
 # into pieces of up to three characters, so most cuts inside a name land on a boundary.
-_TOKEN = re.compile(r"data_values|z\)|[A-Za-z0-9_]{1,3}| +|\n +|.|\n", re.S)
+# A colon with trailing spaces at a line's end is one token too.
+_TOKEN = re.compile(r"data_values|z\)|: +(?=\n|$)|[A-Za-z0-9_]{1,3}| +|\n +|.|\n", re.S)
 
 
 class _WordTokenizer:
@@ -173,7 +174,7 @@ def test_items_are_seeded_draws_whose_prompts_end_at_the_cut() -> None:
     lines = DOC.split("\n")
     for item in items:
         assert item.prompt[0] == tok.token_id("<|bos|>") and item.task == "structured"
-        assert len(item.prompt) <= spec.context_tokens  # BOS + the last 23 tokens
+        assert len(item.prompt) <= spec.context_tokens  # BOS + at most the last 23 tokens
         text = tok.decode(item.prompt[1:])
         # the prompt is the tail of the file up to the cut line's prefix
         (i,) = [
@@ -188,6 +189,8 @@ def test_items_are_seeded_draws_whose_prompts_end_at_the_cut() -> None:
             start, name = item.expect.split(":")
             assert len(item.line_prefix) > int(start)  # part of the name is in the prompt
             assert lines[i][int(start) :].startswith(name)
+    # a cut with more before it than fits is BOS + exactly the last 23 tokens
+    assert any(len(i.prompt) == spec.context_tokens for i in items)
     long = structured.build_items(tok, [DOC], _spec(context_tokens=200), seed=5)
     # a long context reaches back to the document's start (up to 200 lines)
     assert tok.decode(long[0].prompt[1:]).startswith("import os\n")
@@ -288,3 +291,60 @@ def test_a_batch_returning_fewer_records_than_items_is_an_error(monkeypatch) -> 
     blocks = [structured.StructuredItem("indent_block", "", [k], "", "") for k in range(2)]
     with pytest.raises(ValueError, match="zip"):
         structured.run_items(_Engine(), blocks, max_new_tokens=3)
+
+
+def test_indent_block_skips_tabbed_openers_and_bodies_not_deeper() -> None:
+    assert list(structured._candidates("indent_block", ["if x:", "    y = 1"])) == [
+        (0, "if x:", "0")
+    ]
+    assert list(structured._candidates("indent_block", ["if\tx:", "    y = 1"])) == []
+    assert list(structured._candidates("indent_block", ["    if x:", "    y = 1"])) == []
+    assert list(structured._candidates("indent_block", ["    if x:", "", "     y"])) == [
+        (0, "    if x:", "4")
+    ]
+
+
+def test_each_task_draws_its_lines_in_its_own_seeded_order() -> None:
+    doc = "\n".join(f"    value_{k} = compute_{k}(a, b_{k})" for k in range(12))
+    tok = _WordTokenizer([doc])
+    spec = _spec(tasks=("indent_block", "close_line"), per_task=4)
+    doc2 = doc + "\n" + "\n".join(f"if x_{k}:\n    pass" for k in range(6))
+    tok = _WordTokenizer([doc2])
+    items = structured.build_items(tok, [doc2], spec, seed=3)
+    lines = doc2.split("\n")
+    for t, task in enumerate(spec.tasks):
+        found = list(structured._candidates(task, lines))
+        order = np.random.default_rng([3, 100 + t]).permutation(len(found))
+        want = [found[k][1] for k in order[:4]]
+        assert [i.line_prefix for i in items if i.task_name == task] == want, task
+
+
+def test_a_prompt_reaches_back_two_hundred_lines_at_most() -> None:
+    lines = [f"a{k} = {k}" for k in range(230)] + ["    result = compute_all(x, y)"]
+    doc = "\n".join(lines)
+    tok = _WordTokenizer([doc])
+    (item,) = structured.build_items(tok, [doc], _spec(per_task=1, context_tokens=10_000), seed=0)
+    assert tok.decode(item.prompt[1:]) == "\n".join(lines[30:230]) + "\n" + item.line_prefix
+
+
+def test_a_one_token_identifier_is_skipped_and_the_draw_goes_on() -> None:
+    # five lines whose name is one token (nothing of it left to repeat) and one usable:
+    # whatever the seeded order, the usable one is found
+    doc = "\n".join(
+        ["    data_values = 1", *["    x = data_values"] * 5, "    helper = 2", "    y = helper"]
+    )
+    tok = _WordTokenizer([doc])
+    spec = _spec(tasks=("repeat_identifier",), per_task=1)
+    for seed in range(8):
+        (item,) = structured.build_items(tok, [doc], spec, seed=seed)
+        assert item.expect == "8:helper", seed
+
+
+def test_an_indent_block_cut_inside_a_token_is_skipped() -> None:
+    # "    if x:  " ends in the token ":  ": its cut after the colon falls inside it
+    doc = "    if x:  \n        y = 1\n    for i in z:\n        pass"
+    tok = _WordTokenizer([doc])
+    (item,) = structured.build_items(tok, [doc], _spec(tasks=("indent_block",), per_task=1), 0)
+    assert item.line_prefix == "    for i in z:"
+    with pytest.raises(ValueError, match="'indent_block': the dataset half has 1 usable lines"):
+        structured.build_items(tok, [doc], _spec(tasks=("indent_block",), per_task=2), seed=0)
