@@ -65,11 +65,13 @@ def test_a_cut_moves_back_to_the_last_token_boundary() -> None:
         ("    result = compute(value, other[1])", "    result = compute(value, other[1"),
         ("x = f(aaaaaaaa)", None),  # 15 characters: too short
         ("x = f(aaaaaaaaa)", "x = f(aaaaaaaaa"),  # 16: long enough
-        ("    x = f(" + "a" * 89 + ")", "    x = f(" + "a" * 89),  # 100 stripped: kept
+        ("    x = f(" + "a" * 93 + ")", "    x = f(" + "a" * 93),  # 100 stripped: kept
         ("x = f(" + "a" * 94 + ")", None),  # 101: too long
         ("# note(abcdefgh, ijk)", None),  # a comment
         ("@decorate(abcdefgh, ijk)", None),  # a decorator
         ("value = compute(abc) + 1", None),  # does not end in a closer
+        ("value = 12345  # see)", None),  # its closer is in a comment: nothing to close
+        ("value = 12345  # See X)", None),
         ("value = [compute(abc)]  ", "value = [compute(abc"),  # trailing spaces ignored
         ("value = compute(abc, def)", None),  # ends in a closer but does not parse
         ("value = thing_one_two()", "value = thing_one_two("),
@@ -113,6 +115,11 @@ def test_repeat_identifier_asks_a_name_assigned_just_before() -> None:
     near = ["    settings = 1", *[""] * 29, "    return settings"]
     assert list(structured._candidates("repeat_identifier", near)) == [
         (30, "    return setting", "11:settings")
+    ]
+    # a name ending the line it was seen on, or opening the next, is still seen
+    ends = ["    x = settings", "helper_fn(y)", "    return settings"]
+    assert list(structured._candidates("repeat_identifier", ends)) == [
+        (2, "    return setting", "11:settings")
     ]
     kw = ["    nonlocal_value = 1", "    global_ = nonlocal_value"]
     assert list(structured._candidates("repeat_identifier", kw)) == [
