@@ -169,11 +169,14 @@ def test_a_saved_baseline_reads_back_equal(tmp_path, exact: bool) -> None:
         got, want = np.asarray(getattr(back, name)), np.asarray(getattr(base, name))
         assert got.shape == want.shape, name
         np.testing.assert_array_equal(got, want, err_msg=name)
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     table = pq.read_table(path)
     assert table.column("row").to_pylist()[:6] == [0, 0, 0, 0, 0, 1]
     assert table.column("pos").to_pylist()[:6] == [0, 1, 2, 3, 4, 0]
+    # the file's row and position columns are int32, as its other id columns
+    assert table.schema.field("row").type == table.schema.field("pos").type == pa.int32()
 
 
 def test_a_baseline_of_other_rows_is_refused(tmp_path) -> None:
