@@ -303,8 +303,14 @@ def test_metric_names_and_their_example_counts() -> None:
     }  # fmt: skip
     me.fidelity_rows = None
     assert "fidelity.kl_mean" not in ev.Evaluator.expected_metrics(me)
-    with pytest.raises(ValueError, match="suite 't' gates 'fidelity.kl_mean', which it does not"):
-        ev._check_gates(_suite(("fidelity.kl_mean", 0.01, False)), ["needle.acc_delta.len64"])
+    with pytest.raises(ValueError) as err:
+        ev._check_gates(
+            _suite(("fidelity.kl_mean", 0.01, False)), ["needle.acc_delta.len64", "structured.n"]
+        )
+    assert str(err.value) == (
+        "suite 't' gates 'fidelity.kl_mean', which it does not measure; measured deltas: "
+        "needle.acc_delta.len64, structured.n"
+    )
     ev._check_gates(_suite(("fidelity.kl_mean", 0.01, False)), ["fidelity.kl_mean"])
 
 
@@ -378,6 +384,13 @@ def test_a_cached_baseline_is_keyed_by_everything_its_numbers_depend_on() -> Non
     )
     assert ev.Evaluator.baseline_key(_KeyMe(same)) == key
     assert ev.CACHE_VERSION == 2
+
+
+def test_a_new_cache_version_never_reads_an_older_baseline(monkeypatch) -> None:
+    suite = _suite(("fidelity.kl_mean", 0.01, False))
+    key = ev.Evaluator.baseline_key(_KeyMe(suite))
+    monkeypatch.setattr(ev, "CACHE_VERSION", ev.CACHE_VERSION + 1)
+    assert ev.Evaluator.baseline_key(_KeyMe(suite)) != key
 
 
 def test_generations_run_needles_then_structured_items_in_one_list(monkeypatch) -> None:
