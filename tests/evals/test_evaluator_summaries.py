@@ -659,3 +659,5 @@ def test_an_evaluation_of_only_needles_reports_no_fidelity(monkeypatch) -> None:
     assert not any(k.startswith("fidelity.") for k in result.summary)
     assert result.summary["needle.acc_delta.len64"] == 0.0 and result.summary["examples.n"] == 4
     assert result.gates == {} and result.summary["passed"] == 1
+    # phases that did not run took no time
+    assert result.timings_s["fidelity"] == result.timings_s["structured"] == 0.0
