@@ -69,6 +69,8 @@ def test_a_cut_moves_back_to_the_last_token_boundary() -> None:
         ("x = f(" + "a" * 94 + ")", None),  # 101: too long
         ("# note(abcdefgh, ijk)", None),  # a comment
         ("@decorate(abcdefgh, ijk)", None),  # a decorator
+        # a matrix product is no decorator, whatever its first name
+        ("XX@XX_weights(rows, cols)", "XX@XX_weights(rows, cols"),
         ("value = compute(abc) + 1", None),  # does not end in a closer
         ("value = 12345  # see)", None),  # its closer is in a comment: nothing to close
         ("value = 12345  # See X)", None),
