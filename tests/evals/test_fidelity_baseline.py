@@ -192,3 +192,41 @@ def test_a_baseline_of_other_rows_is_refused(tmp_path) -> None:
     first = _rows().copy()
     first[:, 0] = 99  # the BOS column is not predicted: not compared
     assert fidelity.load_baseline(path, first).exact
+
+
+def test_tail_draws_follow_the_baseline_probabilities_outside_the_top_k() -> None:
+    # 8 tokens, the top 2 kept; the other 6 hold 0.4, 0.2 and 4 x 0.1 of the tail's mass
+    probs = np.array([0.5, 0.3, 0.08, 0.04, 0.02, 0.02, 0.02, 0.02])
+    logp = jax.numpy.asarray(np.log(probs)[None, None, :], np.float32)
+    n = 20_000
+    ids, _, tail, draws, draw_logp = fidelity._top_k_tail(logp, 2, n, jax.random.PRNGKey(0))
+    assert sorted(np.asarray(ids).ravel().tolist()) == [0, 1]
+    assert float(tail[0, 0]) == pytest.approx(np.log(0.2), abs=1e-6)
+    freq = np.bincount(np.asarray(draws).ravel(), minlength=8) / n
+    want = np.r_[0.0, 0.0, probs[2:] / 0.2]
+    # binomial sd of a frequency is at most sqrt(0.25 / n) = 0.0035: 5 sd is 0.018; uniform
+    # draws over the tail (1/6 each) would miss token 2's 0.4 by 0.23
+    np.testing.assert_allclose(freq, want, atol=0.018)
+    np.testing.assert_allclose(np.asarray(draw_logp), np.log(probs)[np.asarray(draws)], atol=1e-6)
+
+
+def test_a_topk_comparison_is_the_top_k_terms_plus_the_sampled_or_lumped_tail() -> None:
+    # the top-k part and the tail written out in numpy from the baseline's own draws:
+    # sampled: p_tail * mean_j log(p_sj / q_sj); lumped: p_tail * log(p_tail / q_tail), q_tail
+    # being the candidate's mass outside the baseline's top k
+    base_logits, cand_logits = _logits(0), _logits(0) + _logits(7, 0.8)
+    exact = fidelity.compute_baseline(_Engine(base_logits), _rows(), exact=True, top_k=4)
+    topk = fidelity.topk_from_exact(exact, 5, tail_samples=9, seed=2)
+    p, q = _logsm(base_logits[:, : LENGTH - 1]), _logsm(cand_logits[:, : LENGTH - 1])
+    ids, tail_ids = np.asarray(topk.topk_ids), np.asarray(topk.tail_ids)
+    head = (np.exp(np.take_along_axis(p, ids, -1)) * np.take_along_axis(p - q, ids, -1)).sum(-1)
+    in_head = np.zeros(p.shape, bool)
+    np.put_along_axis(in_head, ids, True, -1)
+    p_tail = np.where(in_head, 0.0, np.exp(p)).sum(-1)
+    q_tail = np.where(in_head, 0.0, np.exp(q)).sum(-1)
+    sampled = head + p_tail * np.take_along_axis(p - q, tail_ids, -1).mean(-1)
+    lumped = head + p_tail * np.log(p_tail / q_tail)
+    got = fidelity.compare(_Engine(cand_logits), _rows(), topk)["kl"]
+    np.testing.assert_allclose(got, sampled, rtol=1e-3, atol=1e-5)
+    got = fidelity.compare(_Engine(cand_logits), _rows(), topk, lumped_tail=True)["kl"]
+    np.testing.assert_allclose(got, lumped, rtol=1e-3, atol=1e-5)
