@@ -147,6 +147,34 @@ def test_each_kv_units_row_is_its_mean_kl_with_the_paired_bootstrap_ci(checkpoin
     )
 
 
+def test_profiles_differing_in_kind_unit_or_resamples_are_cached_apart(checkpoint, tmp_path):
+    # int8 is both a KV and a weight format: a KV table must never answer a weight profile,
+    # nor a block profile a tensor one, nor one bootstrap size another's
+    folder, source = checkpoint
+    kw = dict(source=str(source), rows=4, row_tokens=9, cache_dir=tmp_path / "c", progress=False)
+    kv = sensitivity.profile(folder, "int8", kv=True, resamples=200, **kw)
+    weights = sensitivity.profile(folder, "int8", resamples=200, **kw)
+    blocks = sensitivity.profile(folder, "int8", by="block", resamples=200, **kw)
+    more = sensitivity.profile(folder, "int8", kv=True, resamples=300, **kw)
+    assert set(kv.column("kind").to_pylist()) == {"kv"}
+    assert set(weights.column("kind").to_pylist()) == {"weight"}
+    assert "layers/0/mlp" in blocks.column("tensor").to_pylist()
+    assert "layers/0/mlp" not in weights.column("tensor").to_pylist()
+    assert more.column("kl_ci_low") != kv.column("kl_ci_low")
+    assert len(list((tmp_path / "c").iterdir())) == 4
+
+
+def test_a_profile_batches_at_most_sixteen_windows(checkpoint, tmp_path):
+    # the engine is sized for 16 sequences at most, however many windows are profiled
+    folder, source = checkpoint
+    sensitivity.profile(
+        folder, "int8", kv=True, source=str(source), rows=20, row_tokens=9, resamples=100,
+        cache_dir=tmp_path / "c", progress=False,
+    )  # fmt: skip
+    assert {e["options"]["max_seqs"] for e in _Engine.made} == {16}
+    assert _Engine.made[0]["options"]["max_seq_tokens"] == 9
+
+
 def test_units_spread_over_devices_give_the_serial_table(checkpoint, tmp_path):
     folder, source = checkpoint
     kw = dict(kv=True, source=str(source), rows=4, row_tokens=9, resamples=200, progress=False)
