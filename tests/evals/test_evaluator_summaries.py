@@ -649,6 +649,44 @@ def test_an_evaluation_summarizes_every_task_and_its_gates(monkeypatch) -> None:
     tight = me._evaluate(plan)
     assert tight.summary["passed"] == 0 and not tight.passed
     assert "warning.gate.needle.acc_delta.len64" in tight.summary  # 4 needles: unreachable
+    # a gate whose CI bound sits exactly on its tolerance (constraint 0) is within it: the
+    # summary's "passed" says what `EvalResult.passed` and the verdict say
+    edge = s["fidelity.kl_mean.ci_high"]
+    me.suite = me.suite.model_copy(
+        update={"gates": (GateSpec(metric="fidelity.kl_mean", tolerance=edge),)}
+    )
+    at_edge = me._evaluate(plan)
+    assert at_edge.gates["fidelity.kl_mean"].constraint == 0.0
+    assert at_edge.passed and at_edge.summary["passed"] == 1
+    assert at_edge.summary["verdict.fidelity.kl_mean"] == "non-inferior"
+
+
+def test_each_engine_phase_leaves_out_the_compile_seconds_counted_inside_it(monkeypatch):
+    # fidelity, needles and structured each compile while they run (distinct amounts): each
+    # phase is its wall time (well under 10 s with stand-ins) less its own compile seconds
+    def compare(engine, rows, base, *, kv_tokens=None):
+        engine.stats.compile_s += 100.0
+        return {"kl": np.full((3, 7), 0.01), "top1_agree": np.ones((3, 7), bool),
+                "target_logp": np.full((3, 7), -2.0)}  # fmt: skip
+
+    def run_needles(engine, items, *, chunk_tokens=None, kv_tokens=None):
+        engine.stats.compile_s += 1000.0
+        return [Generated([5, 6], [2.0, 2.0])] * 4
+
+    def run_items(engine, items, max_new_tokens):
+        engine.stats.compile_s += 10000.0
+        return [Generated([ord(")")], [1.0])] * 2
+
+    monkeypatch.setattr(ev.fidelity, "compare", compare)
+    monkeypatch.setattr(ev.retrieval, "run_needles", run_needles)
+    monkeypatch.setattr(ev.structured, "run_items", run_items)
+    from tenantq.quant.plan import QuantPlan
+
+    t = _EvalMe()._evaluate(QuantPlan()).timings_s
+    assert -100.0 <= t["fidelity"] < -90.0
+    assert -1000.0 <= t["needles"] < -990.0
+    assert -10000.0 <= t["structured"] < -9990.0
+    assert t["compile"] == 11101.25
 
 
 def test_an_evaluation_of_only_needles_reports_no_fidelity(monkeypatch) -> None:
