@@ -186,6 +186,9 @@ def test_units_spread_over_devices_give_the_serial_table(checkpoint, tmp_path):
         on_unit=lambda u, d: seen.append(u.tensor_class), **kw,
     )  # fmt: skip
     assert spread.equals(serial) and sorted(seen) == ["keys", "keys", "values", "values"]
+    # each device's engines get the model's params (copied there), not nothing
+    for made in _Engine.made[-4:]:
+        np.testing.assert_array_equal(np.asarray(made["params"]["w"]), np.ones(2))
     with pytest.raises(ValueError, match="devices is empty"):
         sensitivity.profile(folder, "int8", cache_dir=tmp_path / "c", devices=[], **kw)
 
@@ -284,6 +287,18 @@ def test_calibration_and_held_out_windows_are_disjoint_seeded_draws(tmp_path):
         _Tok(), _config(), source=str(source), num_sequences=5, seq_tokens=9, seed=1
     )
     assert not np.array_equal(cal1, cal[:5])
+    # the seed draws the windows as well as their split
+    allw1 = sensitivity.text_windows(
+        _Tok(), _config(), source=str(source), rows=5, row_tokens=9, seed=1
+    )
+    np.testing.assert_array_equal(cal1, allw1[np.random.default_rng([1, 2]).permutation(5)])
+
+
+def test_calibration_defaults_are_128_windows_of_512_tokens_none_held_out(tmp_path):
+    source = tmp_path / "t.txt"
+    source.write_text(TEXT * 60)  # ~86K tokens: 128 x 511 fit
+    cal, held = sensitivity.calibration_windows(_Tok(), _config(), source=str(source))
+    assert cal.shape == (128, 512) and held.shape == (0, 512)
 
 
 def test_unit_errors_name_what_is_valid():
