@@ -604,7 +604,7 @@ def test_an_evaluation_summarizes_every_task_and_its_gates(monkeypatch) -> None:
         return [Generated([5, 7], [0.1, 0.2])] + [Generated([5, 6], [2.0, 2.0])] * 3
 
     def run_items(engine, items, max_new_tokens):
-        assert max_new_tokens == 5 and engine is me.engine
+        assert max_new_tokens == 5 and engine is me.engine and items == me.structured_items
         return [Generated([ord(")")], [1.0]), Generated([ord(",")], [1.0])]
 
     monkeypatch.setattr(ev.fidelity, "compare", compare)
@@ -714,6 +714,40 @@ def test_an_evaluation_missing_a_needles_record_is_an_error(monkeypatch) -> None
     me = _EvalMe()
     me.fidelity_rows, me.structured_items = None, []
     me.suite = me.suite.model_copy(update={"fidelity": None, "structured": None, "gates": ()})
+    from tenantq.quant.plan import QuantPlan
+
+    with pytest.raises(ValueError, match="zip"):
+        me._evaluate(QuantPlan())
+
+
+def test_a_baseline_missing_a_needles_record_is_an_error(monkeypatch) -> None:
+    monkeypatch.setattr(
+        ev.retrieval, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+    )
+    me = _EvalMe()
+    me.fidelity_rows, me.structured_items = None, []
+    me.suite = me.suite.model_copy(update={"fidelity": None, "structured": None, "gates": ()})
+    me._base["generations"] = me._base["generations"][:3]
+    from tenantq.quant.plan import QuantPlan
+
+    with pytest.raises(ValueError, match="zip"):
+        me._evaluate(QuantPlan())
+
+
+@pytest.mark.parametrize("short", ["candidate", "baseline"])
+def test_a_structured_record_missing_on_either_side_is_an_error(monkeypatch, short) -> None:
+    # a lost record must not pair the remaining ones with the wrong items
+    monkeypatch.setattr(
+        ev.retrieval, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+    )
+    line_end = Generated([ord(")")], [1.0])
+    n = 1 if short == "candidate" else 2
+    monkeypatch.setattr(ev.structured, "run_items", lambda e, items, m: [line_end] * n)
+    me = _EvalMe()
+    me.fidelity_rows = None
+    me.suite = me.suite.model_copy(update={"fidelity": None, "gates": ()})
+    if short == "baseline":
+        me._base["generations"] = me._base["generations"][:-1]
     from tenantq.quant.plan import QuantPlan
 
     with pytest.raises(ValueError, match="zip"):
