@@ -183,9 +183,10 @@ def test_units_spread_over_devices_give_the_serial_table(checkpoint, tmp_path):
     seen = []
     spread = sensitivity.profile(
         folder, "int8", cache_dir=tmp_path / "b", devices=[device, device],
-        on_unit=lambda u, d: seen.append(u.tensor_class), **kw,
+        on_unit=lambda u, d: seen.append((u.tensor_class, d)), **kw,
     )  # fmt: skip
-    assert spread.equals(serial) and sorted(seen) == ["keys", "keys", "values", "values"]
+    assert spread.equals(serial)
+    assert sorted(seen) == [("keys", device)] * 2 + [("values", device)] * 2  # named devices
     # each device's engines get the model's params (copied there), not nothing
     for made in _Engine.made[-4:]:
         np.testing.assert_array_equal(np.asarray(made["params"]["w"]), np.ones(2))
