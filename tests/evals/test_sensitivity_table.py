@@ -175,6 +175,15 @@ def test_a_profile_batches_at_most_sixteen_windows(checkpoint, tmp_path):
     assert _Engine.made[0]["options"]["max_seq_tokens"] == 9
 
 
+def test_a_profile_shows_its_progress_unless_told_not_to(checkpoint, tmp_path, capsys):
+    folder, source = checkpoint
+    kw = dict(kv=True, source=str(source), rows=4, row_tokens=9, resamples=100)
+    sensitivity.profile(folder, "int8", cache_dir=tmp_path / "a", **kw)
+    assert "sensitivity int8" in capsys.readouterr().err
+    sensitivity.profile(folder, "int8", cache_dir=tmp_path / "b", progress=False, **kw)
+    assert "sensitivity int8" not in capsys.readouterr().err
+
+
 def test_units_spread_over_devices_give_the_serial_table(checkpoint, tmp_path):
     folder, source = checkpoint
     kw = dict(kv=True, source=str(source), rows=4, row_tokens=9, resamples=200, progress=False)
