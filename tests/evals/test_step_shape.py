@@ -35,6 +35,10 @@ def test_quick_suite_shares_one_window():
         (1024, [1019, 3000], (1024, 4096, 4096)),  # 4 x 1,024: shared
         (1024, [5000], (None, 8192, 1024)),
         (300, [10], (300, 512, 512)),  # fidelity alone sets the window
+        # 8-token windows: fidelity's own window is still 16 (the floor), so a needle
+        # window of 64 is 4 x 16 and shared (an 8-token window would make it 8 x)
+        (8, [60], (8, 64, 64)),
+        (8, [], (8, 16, 16)),  # no needles: the 16-token floor
     ],
 )
 def test_long_needles_do_not_widen_fidelity(fidelity_tokens, prompts, expected):
