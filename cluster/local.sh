@@ -5,7 +5,8 @@
 #   cluster/local.sh start     start the head (ray start --head --block, in its own session)
 #   cluster/local.sh stop      stop what `start` started, and nothing else
 #   cluster/local.sh status    exit 0 when the head runs and its dashboard answers, 3 when not
-#   cluster/local.sh env       print the exports that `ray job submit` needs
+#   cluster/local.sh env       print the exports that `ray job submit` needs, and a driver run
+#                              outside a job (`tenantq search SPEC --address "$TENANTQ_RAY_GCS"`)
 #   cluster/local.sh join NAME a second Ray node on this machine joins the head (ray start
 #                              --address, its own CPUs, resource `node:NAME` and label
 #                              tenantq.node=NAME), in its own session
@@ -96,6 +97,13 @@ print_env() {
     echo "export RAY_ADDRESS=$(dashboard_url)"
     echo "export RAY_AUTH_MODE=token"
     echo "export RAY_AUTH_TOKEN_PATH=$TOKEN_FILE"
+    # A driver started outside a job (`tenantq search SPEC --address 127.0.0.1:GCS_PORT`): Ray
+    # turns a 127.0.0.1 address into the machine's routable one unless multi-node mode is off,
+    # as it is on a head at 127.0.0.1, so the driver would wait for a GCS that is not there.
+    if [[ "$HEAD_IP" == "127.0.0.1" ]]; then
+        echo "export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"
+    fi
+    echo "export TENANTQ_RAY_GCS=$HEAD_IP:$GCS_PORT"
 }
 
 ensure_token() {

@@ -303,3 +303,41 @@ def _sid(process: psutil.Process) -> int | None:
         return os.getsid(process.pid)
     except (ProcessLookupError, PermissionError):
         return None
+
+
+def test_a_driver_outside_a_job_joins_the_cluster_by_its_loopback_address(
+    local_cluster, tmp_path
+) -> None:
+    """`tenantq search SPEC --address 127.0.0.1:GCS` from a shell with `local.sh env`'s exports:
+    Ray turns a 127.0.0.1 address into the machine's routable one unless multi-node mode is
+    off (the head runs with it off), and the driver then waited minutes for a GCS that is not
+    there. The exports switch it off for the driver too. Bound: the study finishes inside the
+    180 s timeout (a good run takes seconds; the broken one retried past 90 s here)."""
+    spec = tiny_study_spec(
+        tmp_path,
+        name="outside",
+        trials=2,
+        suite="tiny_suite.toml",
+        sampler="random",
+        seed=0,
+        workers=1,
+        key_formats=("bf16", "fp8_e4m3"),
+    )
+    (tmp_path / "spec.toml").write_text(spec)
+    (tmp_path / "tiny_suite.toml").write_text(TINY_SUITE)
+    env = client_env(local_cluster.env)
+    # No model, no compile: this test is about joining, not measuring (workers.faults).
+    env["TENANTQ_WORKER_CLASS"] = "InstantUnlessInt4Weights"
+    address = local_cluster.env["TENANTQ_RAY_GCS"]
+    assert address.startswith("127.0.0.1:")
+    done = subprocess.run(
+        [sys.executable, "-m", "tenantq", "search", "spec.toml", "--address", address]
+        + ["--no-progress", "--out", str(tmp_path / "o")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "Connected to Ray cluster" in done.stderr

@@ -75,7 +75,16 @@ def test_env_prints_what_the_ray_cli_needs() -> None:
         "export RAY_ADDRESS=http://127.0.0.1:8999",
         "export RAY_AUTH_MODE=token",
         "export RAY_AUTH_TOKEN_PATH=/tmp/tq-x/auth_token",
+        "export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0",
+        "export TENANTQ_RAY_GCS=127.0.0.1:6380",
     ]
+
+
+def test_env_of_a_joinable_head_leaves_multi_node_mode_on() -> None:
+    # A head off 127.0.0.1 runs in multi-node mode (nodes join it); the driver's must match.
+    done = _run("env", TENANTQ_RAY_DIR="/tmp/tq-x", TENANTQ_RAY_HEAD_IP="127.0.0.2")
+    assert "export TENANTQ_RAY_GCS=127.0.0.2:6380" in done.stdout.splitlines()
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in done.stdout
 
 
 def test_head_off_127_0_0_1_is_refused_where_other_interfaces_exist() -> None:
