@@ -194,16 +194,15 @@ class SearchDriver:
 
     def _search(self, pool) -> None:
         """Ask while the ledger wants plans and a worker is idle; record results; log."""
-        from tqdm import tqdm
+        from tenantq.model.terminal import progress_bar
 
         ledger = self.ledger
-        bar = tqdm(
-            total=ledger.trials,
+        bar = progress_bar(
+            ledger.trials,
             initial=min(ledger.done, ledger.trials),
             desc=f"study {self.spec.study.name}",
             unit="plan",
-            disable=not self.progress,
-            dynamic_ncols=True,
+            enabled=self.progress,
         )
         shown: tuple[int, ...] = ()
         try:
