@@ -541,7 +541,7 @@ class Engine:
         positions = (start[:, None] + np.arange(s)[None, :]).astype(np.int32)
         end = int((start[:n] + np.array([len(r) for r in rows])).max())
         kv_tokens = self._cap(max(steps.pow2_at_least(end, _MIN_BUCKET), kv_tokens or 0))
-        self.cache.prepare(batch.seq_ids, [int(e) for e in start[:n] + [len(r) for r in rows]])
+        self.cache.make_room(batch.seq_ids, [int(e) for e in start[:n] + [len(r) for r in rows]])
         table = self.cache.table(batch.seq_ids + [None] * (b - n))
         compile_before = self.stats.compile_s
         began = time.perf_counter()
