@@ -1,7 +1,8 @@
-"""Suite-wide test setup: CPU JAX by default, the `device` marker's skip rule, the serial
-xdist group (e2e and tests/cluster), one XLA compilation cache that every study's Ray workers
-share (a study compiles what an earlier one already compiled otherwise: about half a cold
-trial's time on 2 cores), and the real studies that the report tests and the search's
+"""Suite-wide test setup: the shared tiny model's fixtures (`config`, `params`, `tokenizer`,
+`make_config`, from `tenantq.testing`), CPU JAX by default, the `device` marker's skip rule,
+the serial xdist group (e2e and tests/cluster), one XLA compilation cache that every study's
+Ray workers share (a study compiles what an earlier one already compiled otherwise: about
+half a cold trial's time on 2 cores), and the real studies that the report tests and the search's
 failed-trial test read (`studies`).
 """
 
@@ -32,6 +33,38 @@ def shared_worker_xla_cache(tmp_path_factory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(XLA_CACHE_ENV, folder)
         yield Path(folder)
+
+
+@pytest.fixture(scope="session")
+def make_config():
+    """`make_config(**overrides)`: `tenantq.testing`'s tiny config with some fields changed."""
+    from tenantq.testing import tiny_config
+
+    return tiny_config
+
+
+@pytest.fixture(scope="session")
+def config():
+    """The shared tiny model's config (`tenantq.testing.tiny_config`)."""
+    from tenantq.testing import tiny_config
+
+    return tiny_config()
+
+
+@pytest.fixture(scope="session")
+def params(config):
+    """Random float32 params of `config` (`tenantq.testing.tiny_params`, seed 0)."""
+    from tenantq.testing import tiny_params
+
+    return tiny_params(config, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The character-level tokenizer whose ids fit the tiny config (`tiny_tokenizer`)."""
+    from tenantq.testing import tiny_tokenizer
+
+    return tiny_tokenizer()
 
 
 def _has_accelerator() -> bool:

@@ -270,7 +270,7 @@ def plans(draw) -> dict:
 
 # ------------------------------------------------------------------ the property, per kind
 def _spec_targets(doc: dict) -> list[tuple[tuple, FieldInfo]]:
-    return targets(spec_mod.Spec, doc)
+    return targets(spec_mod.ExperimentSpec, doc)
 
 
 def _plan_targets(doc: dict) -> list[tuple[tuple, FieldInfo]]:

@@ -13,22 +13,20 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
-from safetensors.numpy import save_file
 
 from tenantq.engine import Engine
 from tenantq.engine.sharding import device_bytes, make_mesh, shard_params
 from tenantq.model.config import ModelConfig
 from tenantq.model.decoder import init_params
-from tenantq.model.loader import hf_names
 from tenantq.numerics import QArray, dequantize
 from tenantq.quant.apply import quantize_per_shard, quantize_tensor
 from tenantq.quant.kv_calibration import KVScales
 from tenantq.quant.plan import QuantPlan
 from tenantq.storage.tp import tp_split_axis as split_axis
+from tenantq.testing import tiny_checkpoint
 
 CONFIG = ModelConfig(
     model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -286,12 +284,7 @@ def main() -> None:
 
     # from_checkpoint(tp=2, scale_scope=...) builds the same engine as in-memory params.
     with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / "config.json").write_text(json.dumps(CONFIG.to_hf_dict()))
-        tensors = {}
-        for path, (name, transpose) in hf_names(CONFIG).items():
-            value = np.asarray(params[path], np.float32)
-            tensors[name] = np.ascontiguousarray(value.T if transpose else value)
-        save_file(tensors, str(Path(folder) / "model.safetensors"))
+        tiny_checkpoint(folder, CONFIG, params, dtype="float32")
         loaded = {}
         for scope in ("global", "shard"):
             from_disk = Engine.from_checkpoint(

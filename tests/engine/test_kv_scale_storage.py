@@ -39,7 +39,7 @@ def _write_read(config, fmt: str, scale_dtype: str, k, v):
     pool = PagedPool(config, QuantPlan(kv=kv), dtype="float32", page_tokens=PAGE_TOKENS,
                      max_seqs=2, max_seq_tokens=32)  # fmt: skip
     seq = pool.allocate(TOKENS)
-    pool.prepare([seq], [TOKENS])
+    pool.make_room([seq], [TOKENS])
     table = pool.table([seq])
     positions = np.arange(TOKENS, dtype=np.int32)[None]
     valid = np.ones((1, TOKENS), bool)

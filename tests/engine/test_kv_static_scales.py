@@ -43,7 +43,7 @@ def _pool(config, kv: KVPlan, scales: KVScales | None) -> PagedPool:
 
 def _write(pool: PagedPool, keys, values, valid) -> int:
     seq = pool.allocate(keys.shape[1])
-    pool.prepare([seq], [int(valid.sum())])
+    pool.make_room([seq], [int(valid.sum())])
     positions = np.arange(keys.shape[1], dtype=np.int32)[None]
     table = pool.table([seq])
     pool.state = pool.layout.write(pool.state, 0, table, positions, valid, keys, values)

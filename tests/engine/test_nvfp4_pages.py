@@ -29,7 +29,7 @@ F32_SLACK = 2.0**-20  # float32 rounding of x/step and code*step, relative to am
 def _write_run(pool: PagedPool, seq: int, start: int, keys, values) -> None:
     """One step's write of tokens start.. of `seq` into layer 0 (the pool's jit-side layout)."""
     s = keys.shape[1]
-    pool.prepare([seq], [start + s])
+    pool.make_room([seq], [start + s])
     positions = (start + np.arange(s, dtype=np.int32))[None]
     pool.state = pool.layout.write(
         pool.state, 0, pool.table([seq]), positions, np.ones((1, s), bool), keys, values

@@ -36,7 +36,7 @@ def _write_run(pool: PagedPool, seq: int, start: int, keys, values) -> None:
     The one place this file reaches the pool's jit-side layout; adapt here if it moves.
     """
     s = keys.shape[1]
-    pool.prepare([seq], [start + s])
+    pool.make_room([seq], [start + s])
     table = pool.table([seq])
     positions = (start + np.arange(s, dtype=np.int32))[None]
     valid = np.ones((1, s), bool)

@@ -22,7 +22,7 @@ from tenantq.engine.sharding import make_mesh, param_spec
 from tenantq.model.config import ModelConfig
 from tenantq.numerics import dequantize, quantize
 from tenantq.quant.apply import quantize_per_shard
-from tenantq.quant.plan import TensorQuant
+from tenantq.quant.plan import QuantPlan, TensorQuant
 from tenantq.storage.tp import tp_split_axis as split_axis
 
 CONFIG = ModelConfig(
@@ -165,6 +165,44 @@ def test_engine_tp1_is_the_unsharded_engine(config, params):
     assert on_mesh.mesh.shape == {"tp": 1}
     np.testing.assert_array_equal(on_mesh.logits(tokens), plain.logits(tokens))
     assert on_mesh.memory_report().total_bytes == plain.memory_report().total_bytes
+
+
+def test_engine_shard_scope_takes_quantized_params(config, params):
+    # Quantized params (a calibrator's, apply_plan's) are placed as they are under
+    # scale_scope="shard" when their scales stay inside a shard: on one device every scale
+    # does, and the engine equals the one that quantized the same params itself.
+    from tenantq.engine import Engine
+    from tenantq.quant.apply import apply_plan
+
+    plan = QuantPlan.from_dict({"rules": [{"pattern": ".*", "format": "int4", "group_size": 16}]})
+    options = dict(dtype="float32", max_seqs=2, max_seq_tokens=16)
+    own = Engine(config, params, plan, tp=1, scale_scope="shard", **options)
+    given = Engine(config, apply_plan(params, plan, config), plan, tp=1, scale_scope="shard",
+                   **options)  # fmt: skip
+    tokens = [[1, 5, 9, 3]]
+    np.testing.assert_array_equal(given.logits(tokens), own.logits(tokens))
+
+
+def test_shard_scope_refuses_a_scale_that_spans_shards():
+    # tp=2 over CONFIG: o_proj splits its input rows (axis 0). One scale over the whole tensor,
+    # or one per column over all rows, spans both shards: refused in one line naming the
+    # tensor; the same tensor quantized per shard (or in groups inside a shard) passes.
+    from tenantq.engine.sharding import check_shard_scales
+
+    path = "layers/0/attn/o_proj"
+    w = RNG.standard_normal((128, 64)).astype(np.float32)
+    for axis, words in (
+        (None, "one scale for the whole tensor"),
+        (0, "groups of 128 along axis 0"),
+    ):
+        with pytest.raises(ValueError, match=f"{path} has {words}, which spans its 2 shards") as e:
+            check_shard_scales({path: quantize(w, "int8", axis=axis)}, CONFIG, 2)
+        assert "\n" not in str(e.value)
+        per_shard = quantize_per_shard(w, how("int8", path, axis=axis), 0, 2)
+        check_shard_scales({path: per_shard}, CONFIG, 2)
+    grouped = quantize(w, "int4", axis=0, group_size=16)  # groups of 16 inside shards of 64
+    check_shard_scales({path: grouped}, CONFIG, 2)
+    check_shard_scales({path: quantize(w, "int8", axis=None)}, CONFIG, 1)  # one shard: fine
 
 
 # ---------------------------------------------------------------- 4 CPU devices

@@ -11,26 +11,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 
 from tenantq.model.loader import hf_names
 from tenantq.numerics import dequantize
+from tenantq.testing import tiny_checkpoint
 
 
 def write_folder(folder: Path, config, params) -> Path:
     """`params` (float32, engine layout) saved as a bf16 HF checkpoint folder (no tokenizer)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for path, (name, transpose) in hf_names(config).items():
-        value = np.asarray(params[path], np.float32)
-        tensors[name] = np.ascontiguousarray(value.T if transpose else value).astype(
-            ml_dtypes.bfloat16
-        )
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    raw = {**config.to_hf_dict(), "architectures": ["LlamaForCausalLM"]}
-    (folder / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    tiny_checkpoint(
+        folder, config, params, metadata={"format": "pt"},
+        config_overrides={"architectures": ["LlamaForCausalLM"]},
+    )  # fmt: skip
     (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}) + "\n")
     return folder
 

@@ -1,25 +1,15 @@
-"""Tiny models for the calibration tests: a random Llama and the same written as a checkpoint."""
+"""Tiny models for the calibration tests: `tenantq.testing`'s random Llama and the same
+written as a checkpoint (`tiny_checkpoint`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from tenantq.model.config import ModelConfig
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    fields = dict(
-        model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128, eos_token_ids=(2,),
-    )  # fmt: skip
-    fields.update(overrides)
-    return ModelConfig(**fields)
+from tenantq.testing import tiny_checkpoint, tiny_config, tiny_params
 
 
 @pytest.fixture(scope="session")
@@ -35,37 +25,19 @@ def reference_float32():
     return path, config, params, load_tokenizer(path)
 
 
-def write_checkpoint(folder: Path, config: ModelConfig, params) -> Path:
-    """HF layout (bf16 safetensors + config.json) of `params` (our [in, out] layout)."""
-    from tenantq.model.loader import hf_names
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for path, (name, transpose) in hf_names(config).items():
-        value = np.asarray(params[path], np.float32)
-        tensors[name] = np.ascontiguousarray(value.T if transpose else value).astype(
-            ml_dtypes.bfloat16
-        )
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config.to_hf_dict()))
-    return folder
-
-
 @pytest.fixture(scope="session")
 def config() -> ModelConfig:
-    return tiny_config()
+    return tiny_config(bos_token_id=None)  # the calibration tests' windows carry no BOS
 
 
 @pytest.fixture(scope="session")
 def params(config):
-    from tenantq.model.decoder import init_params
-
-    return init_params(config, seed=0)
+    return tiny_params(config, seed=0)
 
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory, config, params) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("tiny") / "model", config, params)
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", config, params)
 
 
 @pytest.fixture(scope="session")

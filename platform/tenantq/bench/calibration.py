@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from tenantq.model.files import CACHE_DIR
+from tenantq.model.terminal import text_table
 
 FORMATS = (("int4", 128), ("int8", None), ("nvfp4", None), ("mxfp4", None))
 ALGORITHMS = ("rtn", "gptq", "awq", "smoothquant")
@@ -289,9 +290,7 @@ def _print(result: dict) -> None:
             print(f"  {algorithm:<12} " + " ".join(f"{s:7.2f}" for s in secs))
         print(f"quality vs RTN (layer error: held-out Gram, all decoder linears; KL: "
               f"{ref['kl_set'][0]} x {ref['kl_set'][1]} test-split tokens, 95% CI)")  # fmt: skip
-        print(f"  {'format':<26} {'algorithm':<12} {'err/rtn':>8} {'below':>6} "
-              f"{'KL mean':>9} {'KL 95% CI':>21} {'KL/rtn':>7} "
-              f"{'KL - rtn, paired 95% CI':>34}")  # fmt: skip
+        body = []
         for q in ref["quality"]:
             err = f"{q['layer_error_vs_rtn']:.3f}" if "layer_error_vs_rtn" in q else "-"
             below = f"{q['tensors_below_rtn']}/{q['tensors']}" if "tensors" in q else "-"
@@ -301,8 +300,13 @@ def _print(result: dict) -> None:
             if "kl_minus_rtn" in q:
                 paired = (f"{q['kl_minus_rtn']:+.2e} [{q['kl_minus_rtn_ci_low']:+.2e}, "
                           f"{q['kl_minus_rtn_ci_high']:+.2e}]")  # fmt: skip
-            print(f"  {q['format']:<26} {q['algorithm']:<12} {err:>8} {below:>6} "
-                  f"{q['kl_mean']:9.2e} {ci:>21} {ratio:>7} {paired:>34}")  # fmt: skip
+            body.append([q["format"], q["algorithm"], err, below, f"{q['kl_mean']:9.2e}", ci,
+                         ratio, paired])  # fmt: skip
+        head = ["format", "algorithm", "err/rtn", "below", "KL mean", "KL 95% CI", "KL/rtn",
+                "KL - rtn, paired 95% CI"]  # fmt: skip
+        widths = [26, 12, 8, 6, 9, 21, 7, 34]
+        print("\n".join(text_table(head, body, widths=widths, right=range(2, 8), sep=" ",
+                                   indent="  ")))  # fmt: skip
     syn = result.get("synthetic_8b")
     if syn:
         for name, row in syn["linears"].items():

@@ -22,6 +22,7 @@ import time
 import tomllib
 from pathlib import Path
 
+from tenantq.model.terminal import text_table
 from tenantq.testing import TINY_SUITE
 
 PHASES = ("load", "quantize", "compile", "fidelity", "needles", "structured")
@@ -322,21 +323,39 @@ def main(argv: list[str]) -> int:
         f"search bench: {args.spec}, suite {args.suite}, {args.trials} trials per run, "
         f"{os.cpu_count()} CPUs; bf16 baseline computed once beforehand in {baseline_s:.1f} s"
     )
-    print(
-        f"{'workers':>7} {'trials':>6} {'evaluated':>9} {'wall s':>8} {'steady s':>8} "
-        f"{'trials/h':>9} {'speedup':>7} {'s/trial':>8}"
-    )
-    for r in rows:
-        print(
-            f"{r['workers']:>7} {r['trials']:>6} {r['evaluated']:>9} {r['wall_s']:>8.1f} "
-            f"{r['steady_s']:>8.1f} {r['trials_per_hour']:>9.1f} {r['speedup']:>6.2f}x "
-            f"{r['trial_s_mean']:>8.1f}"
-        )
+    head = [
+        "workers",
+        "trials",
+        "evaluated",
+        "wall s",
+        "steady s",
+        "trials/h",
+        "speedup",
+        "s/trial",
+    ]
+    body = [
+        [
+            f"{r['workers']}",
+            f"{r['trials']}",
+            f"{r['evaluated']}",
+            f"{r['wall_s']:.1f}",
+            f"{r['steady_s']:.1f}",
+            f"{r['trials_per_hour']:.1f}",
+            f"{r['speedup']:>6.2f}x",
+            f"{r['trial_s_mean']:.1f}",
+        ]  # fmt: skip
+        for r in rows
+    ]
+    widths = [7, 6, 9, 8, 8, 9, 7, 8]
+    print("\n".join(text_table(head, body, widths=widths, right=True, sep=" ")))
     print("\nshare of evaluated trial time (sum over trials)")
-    print(f"{'workers':>7} " + " ".join(f"{p:>10}" for p in (*PHASES, "eval")))
-    for r in rows:
-        s = r["phase_share"]
-        cells = [f"{100 * s.get(p, 0):>9.1f}%" for p in PHASES]
-        cells.append(f"{100 * sum(s.get(p, 0) for p in EVAL_PHASES):>9.1f}%")
-        print(f"{r['workers']:>7} " + " ".join(cells))
+    share = [
+        [f"{r['workers']}"]
+        + [f"{100 * r['phase_share'].get(p, 0):>9.1f}%" for p in PHASES]
+        + [f"{100 * sum(r['phase_share'].get(p, 0) for p in EVAL_PHASES):>9.1f}%"]
+        for r in rows
+    ]
+    widths = [7] + [10] * (len(PHASES) + 1)
+    print("\n".join(text_table(["workers", *PHASES, "eval"], share, widths=widths, right=True,
+                               sep=" ")))  # fmt: skip
     return 0

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from tenantq.capacity.budget import Budget
 from tenantq.capacity.units import exact_bytes, human_bytes
+from tenantq.model.terminal import text_table
 
 _LABEL = 46
 
@@ -114,20 +115,25 @@ def render_compare(rows: Sequence[tuple[str, str, Budget]], base: Budget) -> str
         "per chip; ratio = pool tokens / pool tokens at bf16 weights + bf16 KV",
         "",
     ]
-    cols = (
-        f"{'weights':<10} {'KV':<10} {'weights':>10} {'KV pool':>10} {'KV B/token':>11} "
-        f"{'pool tokens':>12} {'ratio':>6} {'KV/tenant':>10} {'tenants':>8} {'max ctx @1':>11}"
-    )
-    out.append(cols)
-    out.append("-" * len(cols))
-    for weights, kv, b in rows:
-        ratio = f"{b.pool_tokens / base.pool_tokens:.2f}x" if base.pool_tokens else "n/a"
-        out.append(
-            f"{weights:<10} {kv:<10} {human_bytes(b.weights_bytes_per_chip):>10} "
-            f"{human_bytes(b.pool_bytes_per_chip):>10} {_per_token(b):>11} "
-            f"{b.pool_tokens:>12,} {ratio:>6} {human_bytes(b.tenant_bytes_per_chip):>10} "
-            f"{b.tenants:>8,} {b.max_context_tokens:>11,}"
-        )
+    head = ["weights", "KV", "weights", "KV pool", "KV B/token", "pool tokens", "ratio",
+            "KV/tenant", "tenants", "max ctx @1"]  # fmt: skip
+    body = [
+        [
+            weights,
+            kv,
+            human_bytes(b.weights_bytes_per_chip),
+            human_bytes(b.pool_bytes_per_chip),
+            _per_token(b),
+            f"{b.pool_tokens:,}",
+            f"{b.pool_tokens / base.pool_tokens:.2f}x" if base.pool_tokens else "n/a",
+            human_bytes(b.tenant_bytes_per_chip),
+            f"{b.tenants:,}",
+            f"{b.max_context_tokens:,}",
+        ]  # fmt: skip
+        for weights, kv, b in rows
+    ]
+    widths = [10, 10, 10, 10, 11, 12, 6, 10, 8, 11]
+    out += text_table(head, body, widths=widths, right=range(2, 10), sep=" ", rule=True)
     for weights, kv, b in rows:
         if b.reason:
             out.append(f"{weights}/{kv}: 0 tenants: {b.reason}")

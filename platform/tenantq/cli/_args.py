@@ -93,9 +93,10 @@ def number_format(text: str) -> str:
     return text
 
 
-def byte_count(what: str):
+def byte_count(what: str, *, example: str = "4GiB"):
     """An argparse type: a byte count >= 1, with a unit or without (`2GiB`, `16GB`,
-    `1000000`; `tenantq.capacity.parse_bytes`), else an error naming `what`."""
+    `1000000`; `tenantq.capacity.parse_bytes`), else an error naming `what`; the one
+    wrapper of `parse_bytes` for every byte-size flag."""
 
     def parse(text: str) -> int:
         from tenantq.capacity.units import parse_bytes
@@ -105,7 +106,9 @@ def byte_count(what: str):
         except ValueError as err:  # argparse names the argument itself
             raise argparse.ArgumentTypeError(str(err).removeprefix(f"{what}: ")) from None
         if value < 1:
-            raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"must be at least 1 byte, got {text!r}; write e.g. {example}"
+            )
         return value
 
     parse.__name__ = what

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tenantq.cli._args import number_format, one_line_errors, positive_int
+from tenantq.cli._args import byte_count, number_format, one_line_errors, positive_int
 
 DEFAULT_PAIRS = (
     ("bf16", "bf16"),
@@ -45,7 +45,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=1,
         help="chips = tensor-parallel degree (1)",
     )
-    p.add_argument("--memory", type=_memory, help="memory size for --hardware cpu, e.g. 64GiB")
+    p.add_argument(
+        "--memory",
+        type=byte_count("--memory", example="64GiB"),
+        help="memory size for --hardware cpu, e.g. 64GiB",
+    )
     p.add_argument(
         "--context",
         type=positive_int("a token count"),
@@ -123,18 +127,6 @@ def _hardware(text: str) -> str:
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
     return text
-
-
-def _memory(text: str) -> int:
-    from tenantq.capacity.units import parse_bytes
-
-    try:
-        size = parse_bytes(text, what="memory size")
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"memory size {text!r} must be positive, e.g. 64GiB")
-    return size
 
 
 def _reserve(text: str) -> str:

@@ -98,23 +98,15 @@ def format_rows(size: int) -> list[dict]:
 
 
 def render_table(rows: list[dict]) -> str:
-    cells = [[title for _, title in COLUMNS]]
-    for row in rows:
-        line = []
-        for key, _ in COLUMNS:
-            value = row[key]
-            line.append(f"{value:.4f}" if isinstance(value, float) else str(value))
-        cells.append(line)
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    from tenantq.model.terminal import text_table
+
+    cells = [
+        [f"{row[key]:.4f}" if isinstance(row[key], float) else str(row[key]) for key, _ in COLUMNS]
+        for row in rows
+    ]
     numeric = {"element_bits", "effective_bits", "weight_nbytes"}
-    out = []
-    for line in cells:
-        parts = [
-            cell.rjust(width) if key in numeric else cell.ljust(width)
-            for cell, width, (key, _) in zip(line, widths, COLUMNS, strict=True)
-        ]
-        out.append("  ".join(parts).rstrip())
-    return "\n".join(out)
+    right = {i for i, (key, _) in enumerate(COLUMNS) if key in numeric}
+    return "\n".join(text_table([title for _, title in COLUMNS], cells, right=right))
 
 
 def run(args: argparse.Namespace) -> int:

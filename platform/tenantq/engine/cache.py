@@ -53,7 +53,7 @@ class KVCache(Protocol):
     def allocate(self, num_tokens: int, tenant: str = "default") -> int: ...  # CacheFull if no room
 
     # Before a step: make room for each sequence to hold `end_tokens` (CacheFull if refused).
-    def prepare(self, seq_ids: Sequence[int], end_tokens: Sequence[int]) -> None: ...
+    def make_room(self, seq_ids: Sequence[int], end_tokens: Sequence[int]) -> None: ...
 
     def free(self, seq_id: int) -> None: ...
 
@@ -177,7 +177,7 @@ class ContiguousCache:
         self._live.add(slot)
         return slot
 
-    def prepare(self, seq_ids: Sequence[int], end_tokens: Sequence[int]) -> None:
+    def make_room(self, seq_ids: Sequence[int], end_tokens: Sequence[int]) -> None:
         # Slots are allocated whole; the runner never steps past a sequence's capacity.
         if max(end_tokens, default=0) > self.max_seq_tokens:
             raise CacheFull(f"a step would pass max_seq_tokens={self.max_seq_tokens}")

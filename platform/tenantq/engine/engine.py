@@ -129,15 +129,13 @@ class Engine:
         Full-precision params are quantized here (`apply_plan`, per tp shard when
         scale_scope="shard"); params holding QArrays were quantized already (`apply_plan`,
         `load_quantized`, a calibrator) and are only checked against the plan
-        (`check_quantized`): never quantized again. Unquantized tensors are cast to the
-        compute dtype; under tp everything is then placed on the mesh (placement only)."""
+        (`check_quantized`) and, under scale_scope="shard", for scales that stay inside a
+        shard (`sharding.check_shard_scales`): never quantized again. Unquantized tensors
+        are cast to the compute dtype; under tp everything is then placed on the mesh."""
         if any(isinstance(v, QArray) for v in params.values()):
             check_quantized(params, self.plan, self.config)
             if self.mesh is not None and scale_scope == "shard":
-                raise ValueError(
-                    "scale_scope='shard' quantizes each shard from full precision, but these "
-                    "params are already quantized; pass full-precision params"
-                )
+                sharding.check_shard_scales(params, self.config, self.mesh.shape[sharding.AXIS])
         else:
             tp = 1 if self.mesh is None else self.mesh.shape[sharding.AXIS]
             axes = None
@@ -543,7 +541,7 @@ class Engine:
         positions = (start[:, None] + np.arange(s)[None, :]).astype(np.int32)
         end = int((start[:n] + np.array([len(r) for r in rows])).max())
         kv_tokens = self._cap(max(steps.pow2_at_least(end, _MIN_BUCKET), kv_tokens or 0))
-        self.cache.prepare(batch.seq_ids, [int(e) for e in start[:n] + [len(r) for r in rows]])
+        self.cache.make_room(batch.seq_ids, [int(e) for e in start[:n] + [len(r) for r in rows]])
         table = self.cache.table(batch.seq_ids + [None] * (b - n))
         compile_before = self.stats.compile_s
         began = time.perf_counter()

@@ -3,7 +3,7 @@
 `PagedPool` is the engine's default `KVCache`. Its arrays are allocated from the plan's
 `LayerKVStorage` (the description the capacity planner counts from) and `kv_report` reads
 the bytes back from the real arrays. Pages are granted on demand as a sequence grows
-(`prepare` before each step), through `PageAllocator`'s tenant quotas; a refusal is a
+(`make_room` before each step), through `PageAllocator`'s tenant quotas; a refusal is a
 `PoolExhausted`, a sequence whose pages were taken by another tenant's guarantee raises
 `SequencePreempted` at its next step. Unless told its size, the pool takes the memory its
 device has left after the weights and the runtime reserve (`device_memory_bytes`). A plan with
@@ -265,7 +265,7 @@ class PagedPool:
 
     # ---------------------------------------------------------------- KVCache
     def allocate(self, num_tokens: int, tenant: str = DEFAULT_TENANT) -> int:
-        """Open a sequence that may grow to `num_tokens`; pages come later, in `prepare`."""
+        """Open a sequence that may grow to `num_tokens`; pages come later, in `make_room`."""
         if num_tokens > self.max_seq_tokens:
             raise CacheFull(
                 f"a sequence of {num_tokens} tokens exceeds max_seq_tokens={self.max_seq_tokens}"
@@ -279,7 +279,7 @@ class PagedPool:
         self._tokens[seq_id] = 0
         return seq_id
 
-    def prepare(self, seq_ids: Sequence[int], end_tokens: Sequence[int]) -> None:
+    def make_room(self, seq_ids: Sequence[int], end_tokens: Sequence[int]) -> None:
         """Grow each sequence's pages to hold `end_tokens` before a step writes them.
 
         Raises `SequencePreempted` for a sequence that lost its pages, `PoolExhausted` when

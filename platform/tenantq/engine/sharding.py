@@ -141,6 +141,33 @@ def shard_params(params: Mapping[str, Any], config: ModelConfig, mesh: Mesh) -> 
     return out
 
 
+def check_shard_scales(params: Mapping[str, Any], config: ModelConfig, tp: int) -> None:
+    """Raise unless every quantized tensor's scales lie inside one of the `tp` shards, as
+    scale_scope="shard" promises (each device dequantizes its slice from its own scales).
+
+    Quantized params pass as they are when no scale spans a shard boundary: per-shard ones
+    (`apply_plan(..., shard_axes=..., tp=tp)`), and any whose scales run along the split axis
+    or in groups dividing a shard. One scale for a whole split tensor does not."""
+    for path, q in params.items():
+        axis = tp_split_axis(path, config, tp)
+        if not isinstance(q, QArray) or axis is None or tp == 1:
+            continue
+        shard = q.shape[axis] // tp
+        if q.tensor_scale is not None:
+            spans = f"a {q.fmt} tensor scale"
+        elif q.scale is not None and q.axis is None:
+            spans = "one scale for the whole tensor"
+        elif q.axis == axis and (q.group_size is None or shard % q.group_size):
+            spans = f"groups of {q.group_size or q.shape[axis]} along axis {axis}"
+        else:
+            continue
+        raise ValueError(
+            f"scale_scope='shard': {path} has {spans}, which spans its {tp} shards of {shard} "
+            f"along axis {axis}; quantize it per shard (apply_plan with shard_axes and tp={tp}) "
+            "or pass full-precision params"
+        )
+
+
 def spans_processes(mesh: Mesh | None) -> bool:
     """Whether `mesh` holds devices of more than one process (a multi-host slice)."""
     return mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1

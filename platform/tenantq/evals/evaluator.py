@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -573,9 +572,9 @@ def _phase(timings: dict[str, float], name: str, engine=None):
 
 
 def _progress(enabled: bool, total: int):
-    from tqdm import tqdm
+    from tenantq.model.terminal import progress_bar
 
-    return tqdm(total=total, disable=not enabled, file=sys.stderr, unit="task", leave=False)
+    return progress_bar(total, enabled=enabled, unit="task", leave=False)
 
 
 def _check_gates(suite: Suite, metrics: list[str]) -> None:

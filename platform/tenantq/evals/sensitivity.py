@@ -29,6 +29,7 @@ from tenantq.evals import data, fidelity, stats
 from tenantq.evals.identity import cache_key, model_identity
 from tenantq.model.config import ModelConfig
 from tenantq.model.files import CACHE_DIR, atomic_path
+from tenantq.model.terminal import progress_bar, text_table
 from tenantq.quant.plan import FORMAT_NAMES, KV_FORMAT_NAMES, KVPlan, QuantPlan, Rule
 
 DEFAULT_ROWS = 16  # windows in the fixed set
@@ -195,7 +196,6 @@ def profile(
     """
     import jax
     import jax.numpy as jnp
-    from tqdm import tqdm
 
     from tenantq.engine import Engine
     from tenantq.model.loader import load_params
@@ -222,7 +222,7 @@ def profile(
     devices = list(jax.local_devices() if devices is None else devices)
     if not devices:
         raise ValueError("devices is empty; pass at least one jax device (or None for all)")
-    bar = tqdm(total=len(todo), desc=f"sensitivity {fmt}", disable=not progress, unit="unit")
+    bar = progress_bar(len(todo), enabled=progress, desc=f"sensitivity {fmt}", unit="unit")
 
     def measure(unit: Unit, device, params_there, base_there) -> dict:
         if on_unit is not None:
@@ -302,11 +302,12 @@ def matrix_text(table: pa.Table) -> str:
     layers = sorted({r["layer"] for r in recs if r["layer"] is not None})
     cell = {(r["layer"], r["tensor_class"]): r["kl_mean"] for r in recs}
     width = max([9, *(len(c) for c in classes)])
-    lines = ["layer " + " ".join(f"{c:>{width}}" for c in classes)]
-    for layer in layers:
-        values = (cell.get((layer, c)) for c in classes)
-        lines.append(f"{layer:>5} " + " ".join(
-            f"{'-':>{width}}" if v is None else f"{v:>{width}.3g}" for v in values))  # fmt: skip
+    body = [
+        [str(layer)] + ["-" if (v := cell.get((layer, c))) is None else f"{v:.3g}" for c in classes]
+        for layer in layers
+    ]
+    lines = text_table(["layer", *classes], body, widths=[5] + [width] * len(classes),
+                       right=True, sep=" ")  # fmt: skip
     for r in recs:
         if r["layer"] is None:
             lines.append(f"{r['tensor']}: {r['kl_mean']:.3g}")

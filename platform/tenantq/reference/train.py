@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from tokenizers import Tokenizer
-from tqdm import tqdm
 
 from tenantq.engine import Engine
 from tenantq.model.config import ModelConfig
 from tenantq.model.decoder import forward
 from tenantq.model.files import atomic_path
+from tenantq.model.terminal import progress_bar
 from tenantq.reference import export, needles
 from tenantq.reference.corpus import load_corpus
 from tenantq.reference.evaluate import mean_nll, needle_grid
@@ -399,7 +399,7 @@ def train(
     maker = BatchMaker(tok, ids["train"])
     log_path, records = out / "log.jsonl", []
     last_save, t_start = time.time(), time.time()
-    bar = tqdm(total=s.steps, initial=step, disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(s.steps, initial=step, enabled=progress)
     tokens_seen = tokens_through(step, s, curriculum)
     while step < s.steps:
         phase = phase_at(step, s.steps, curriculum)

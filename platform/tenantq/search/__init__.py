@@ -5,6 +5,6 @@ become a `QuantPlan`; `SearchDriver` runs the study on Ray workers and records i
 Importing this package loads no JAX, Ray or MLflow: the driver imports them when it runs.
 """
 
-from tenantq.search.spec import Spec, load_spec, parse_spec
+from tenantq.search.spec import ExperimentSpec, load_spec, parse_spec
 
-__all__ = ["Spec", "load_spec", "parse_spec"]
+__all__ = ["ExperimentSpec", "load_spec", "parse_spec"]

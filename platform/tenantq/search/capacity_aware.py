@@ -866,6 +866,7 @@ def _kv_bytes(context, plan) -> tuple[int, int]:
     without its longest-context search."""
     from tenantq.capacity.kv import pool_bytes_from_layers, tenant_pages
     from tenantq.storage.kv import kv_storage
+    from tenantq.storage.pool import kv_sums
 
     dep = context.deployment
     layers = kv_storage(context.capacity_config, plan, dep.page_tokens, dep.chips)
@@ -873,4 +874,4 @@ def _kv_bytes(context, plan) -> tuple[int, int]:
         context.capacity_config, context.spec.deployment.context_tokens, dep.page_tokens
     )
     tenant = pool_bytes_from_layers(layers, pages, 1)
-    return sum(lay.static_bytes for lay in layers), tenant["total_bytes"] - tenant["static_bytes"]
+    return kv_sums(layers).static_bytes, tenant["total_bytes"] - tenant["static_bytes"]

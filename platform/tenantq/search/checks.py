@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import warnings
 
-from tenantq.search.spec import Spec
+from tenantq.search.spec import ExperimentSpec
 
 
 class IgnoredOptionWarning(UserWarning):
     """A spec value that changes nothing for the chosen sampler or space (named, not fatal)."""
 
 
-def check_study(spec: Spec, config=None, profile=None) -> list[str]:
+def check_study(spec: ExperimentSpec, config=None, profile=None) -> list[str]:
     """Raise one ValueError line for a study that cannot run as written; warn (and return the
     warnings) for values that would be ignored. `config`: the study model's `ModelConfig`
     (read from `spec.model` when None); `profile`: its `SensitivityProfile`, if any."""
@@ -48,7 +48,7 @@ def check_study(spec: Spec, config=None, profile=None) -> list[str]:
     return ignored
 
 
-def _check_checkpoint(spec: Spec, config) -> None:
+def _check_checkpoint(spec: ExperimentSpec, config) -> None:
     """The model's safetensors headers against its config.json (names, shapes, dtypes: the
     loader's own `check_checkpoint`, no tensor data read), so a broken checkpoint is the
     loader's one line at `--check`, not a worker's failure after the stores exist. NaN/inf
@@ -61,7 +61,7 @@ def _check_checkpoint(spec: Spec, config) -> None:
         raise ValueError(f"model: {err}") from None
 
 
-def _check_context(spec: Spec, config) -> None:
+def _check_context(spec: ExperimentSpec, config) -> None:
     """A tenant's context and its sink tokens within the model's positions."""
     limit = config.max_position_embeddings
     context = spec.deployment.context_tokens
@@ -77,7 +77,7 @@ def _check_context(spec: Spec, config) -> None:
         )
 
 
-def _check_calibration(spec: Spec, config) -> None:
+def _check_calibration(spec: ExperimentSpec, config) -> None:
     """Calibration windows within the model's positions, and the calibration text (when the
     spec names one) a file holding the windows asked for: the workers' own draw
     (`evals.sensitivity.calibration_windows`: the same reading, tokenizing and count), so
@@ -113,7 +113,7 @@ def _cheapest(formats: list[str]) -> list[str]:
     return sorted({f for f in formats if get_format(f).element_bits == bits})
 
 
-def _check_some_plan_fits(spec: Spec, config) -> None:
+def _check_some_plan_fits(spec: ExperimentSpec, config) -> None:
     """Some plan of the space holds a tenant: every tensor in one of the space's cheapest
     formats, no bf16 layers and no sinks, bounds the space's plans' bytes from below; when
     none of those fits a tenant, every trial would report 0."""
@@ -144,7 +144,7 @@ def _check_some_plan_fits(spec: Spec, config) -> None:
     )
 
 
-def _check_suites(spec: Spec, config) -> None:
+def _check_suites(spec: ExperimentSpec, config) -> None:
     from tenantq.evals.suite import check_suite_for_model, load_suite
 
     if not spec.quality_objectives() and not spec.eval.confirm_suite:
@@ -175,7 +175,7 @@ def _check_suite_data(suite) -> None:
             raise ValueError(f"suite {suite.name!r}: fidelity.source: {err}") from None
 
 
-def _check_capacity_aware(spec: Spec, config, profile) -> None:
+def _check_capacity_aware(spec: ExperimentSpec, config, profile) -> None:
     """capacity_aware ranks plans by a quality objective (any space size: its capacity side
     is a knapsack, not an enumeration)."""
     if spec.sampler.kind != "capacity_aware":
@@ -202,7 +202,7 @@ SPACE_FIELD_KINDS = {
 COUNTED_NEEDLES = ("multikey", "multivalue")
 
 
-def ignored_options(spec: Spec) -> list[str]:
+def ignored_options(spec: ExperimentSpec) -> list[str]:
     """Values the chosen sampler, space or suite never reads, each named with why (written
     in the spec and different from the default: a default that changes nothing is silent)."""
     out = []
@@ -242,7 +242,7 @@ def ignored_options(spec: Spec) -> list[str]:
     return out
 
 
-def _ignored_suite_options(spec: Spec) -> list[str]:
+def _ignored_suite_options(spec: ExperimentSpec) -> list[str]:
     from tenantq.evals.suite import load_suite
 
     out = []
@@ -267,7 +267,7 @@ def _ignored_suite_options(spec: Spec) -> list[str]:
 
 
 # ---------------------------------------------------------------- stores
-def check_store_files(spec: Spec) -> None:
+def check_store_files(spec: ExperimentSpec) -> None:
     """Both stores' sqlite files (Optuna's `study.storage`, MLflow's `tracking.uri`)."""
     from tenantq.tracking import check_sqlite_file
 
@@ -323,7 +323,7 @@ def _check_not_locked(url: str, key: str) -> None:
         con.close()
 
 
-def check_resumable(spec: Spec) -> None:
+def check_resumable(spec: ExperimentSpec) -> None:
     """`--resume` of a study its sqlite store does not hold (or a store that does not exist):
     an error before MLflow's store is opened, so the failed resume creates no empty one."""
     from tenantq.tracking.runs import sqlite_file

@@ -20,7 +20,7 @@ from tenantq.search.space import (
     parameter_choices,
     plan_from_params,
 )
-from tenantq.search.spec import CAPACITY_METRIC, CAPACITY_METRICS, Spec, wants_baselines
+from tenantq.search.spec import CAPACITY_METRIC, CAPACITY_METRICS, ExperimentSpec, wants_baselines
 
 
 @dataclass
@@ -29,7 +29,7 @@ class StudyContext:
     spec, the model and deployment, and `plan_and_budget`, the one way params become a plan
     and its exact tenants (the driver, the samplers and the bench all call it)."""
 
-    spec: Spec
+    spec: ExperimentSpec
     spec_text: str
     model_path: Path
     config: Any
@@ -108,7 +108,7 @@ class StudyContext:
 _Prepared = StudyContext  # the name before the split
 
 
-def prepare(spec: Spec, spec_text: str = "") -> StudyContext:
+def prepare(spec: ExperimentSpec, spec_text: str = "") -> StudyContext:
     """The run's checks, all in one place (`--check` calls this too): the spec against the
     model, the space, the suites and the stores. Raises ValueError; writes nothing."""
     from tenantq.capacity import get_model_config
@@ -152,7 +152,7 @@ def prepare(spec: Spec, spec_text: str = "") -> StudyContext:
     )
 
 
-def check_metrics(spec: Spec) -> None:
+def check_metrics(spec: ExperimentSpec) -> None:
     """Objectives and constraints name metrics the spec's suites report (`suite_metrics`):
     a misspelt one is an error now, not a failure of every trial. The confirmation suite
     must report the objectives too (the front is re-measured on it)."""
@@ -232,7 +232,7 @@ def _check_database_url(url: str, key: str, what: str) -> None:
             )
 
 
-def check_stores(spec: Spec) -> None:
+def check_stores(spec: ExperimentSpec) -> None:
     """`study.storage` is an Optuna RDB URL and `tracking.uri` a URI MLflow takes, checked
     before either store is opened, so that a typo in one does not leave the other written."""
     _check_database_url(spec.study.storage, "study.storage", "Optuna")

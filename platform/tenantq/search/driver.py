@@ -32,7 +32,7 @@ from tenantq.search.objectives import constraint_values, objective_values
 from tenantq.search.pareto import FrontRow, render_front
 from tenantq.search.samplers import make_sampler
 from tenantq.search.space import suggest
-from tenantq.search.spec import Spec
+from tenantq.search.spec import ExperimentSpec
 from tenantq.search.store import (  # noqa: F401
     GRACE_PERIOD_S,
     HEARTBEAT_INTERVAL_S,
@@ -108,7 +108,7 @@ class Heartbeats:
 class SearchDriver:
     def __init__(
         self,
-        spec: Spec,
+        spec: ExperimentSpec,
         spec_text: str,
         *,
         resume: bool = False,
@@ -194,16 +194,15 @@ class SearchDriver:
 
     def _search(self, pool) -> None:
         """Ask while the ledger wants plans and a worker is idle; record results; log."""
-        from tqdm import tqdm
+        from tenantq.model.terminal import progress_bar
 
         ledger = self.ledger
-        bar = tqdm(
-            total=ledger.trials,
+        bar = progress_bar(
+            ledger.trials,
             initial=min(ledger.done, ledger.trials),
             desc=f"study {self.spec.study.name}",
             unit="plan",
-            disable=not self.progress,
-            dynamic_ncols=True,
+            enabled=self.progress,
         )
         shown: tuple[int, ...] = ()
         try:

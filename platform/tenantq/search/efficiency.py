@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from tenantq.model.files import atomic_write_text
-from tenantq.search.spec import SpaceSpec, Spec
+from tenantq.search.spec import ExperimentSpec, SpaceSpec
 
 MLP_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "nvfp4", "mxfp4")
 ATTN_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4")
@@ -53,7 +53,7 @@ class SpacePoint:
     plan_json: str
 
 
-def efficiency_space(spec: Spec) -> SpaceSpec:
+def efficiency_space(spec: ExperimentSpec) -> SpaceSpec:
     """The spec's structured space narrowed to the three searched axes (no bf16 edge layers,
     no sinks, no bf16 KV layers; embed and lm_head stay bf16)."""
     kv_formats = sorted({c.split("/")[0] for c in KV_CHOICES})
@@ -350,7 +350,7 @@ def axis_params(choice: tuple[str, str, str]) -> dict[str, str]:
     return dict(zip(AXES, choice, strict=True))
 
 
-def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: Spec):
+def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: ExperimentSpec):
     """The sampler the driver would build for `kind` (its own `make_sampler`), or the
     capacity-aware one (`KnapsackSampler`) over the landscape's space, its byte figures from
     `landscape_problem`."""
@@ -385,7 +385,7 @@ def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: Sp
 _PROBLEMS: dict[str, Any] = {}
 
 
-def landscape_problem(spec: Spec):
+def landscape_problem(spec: ExperimentSpec):
     """The finite space as the knapsack sampler sees it: groups mlp and attn (weight bytes of
     their tensors per format, from `capacity.budget`), one KV option per KV choice; on the
     spec's deployment. Cached per spec (the comparison builds one sampler per run)."""
@@ -434,7 +434,7 @@ def landscape_problem(spec: Spec):
     return problem
 
 
-def landscape_sampler(landscape: Landscape, spec: Spec, seed: int = 0):
+def landscape_sampler(landscape: Landscape, spec: ExperimentSpec, seed: int = 0):
     """`KnapsackSampler` over the landscape: tenants and fingerprints from its points."""
     from optuna.distributions import CategoricalDistribution
 
@@ -598,7 +598,7 @@ def run_sampler(
 
 def compare(
     landscape: Landscape,
-    spec: Spec,
+    spec: ExperimentSpec,
     budgets: tuple[int, ...] = (10, 20, 25, 40),
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4),
     samplers: tuple[str, ...] = SAMPLERS,

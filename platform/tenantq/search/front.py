@@ -15,13 +15,13 @@ from typing import Any
 from tenantq.model.files import atomic_write_text
 from tenantq.search.objectives import constraint_values
 from tenantq.search.pareto import FrontRow, front_rows, quality_with_ci, verdict_text
-from tenantq.search.spec import CAPACITY_METRICS, Spec
+from tenantq.search.spec import CAPACITY_METRICS, ExperimentSpec
 
 CONFIRMED_ATTR = "tenantq.confirmed"  # study user attr: trial number -> confirmed figures
 POLL_S = 0.5
 
 
-def front(study, spec: Spec, pool, capacity=None) -> list[FrontRow]:
+def front(study, spec: ExperimentSpec, pool, capacity=None) -> list[FrontRow]:
     """The study's front rows (`capacity`: its `CapacityObjective`, whose value is each
     row's `tenants`), confirmed when the spec has a confirmation suite."""
     rows = front_rows(own_best_trials(study), spec.objectives, capacity)
@@ -78,7 +78,7 @@ def tag_front(tracker, rows: list[FrontRow]) -> None:
             )
 
 
-def confirm(study, spec: Spec, pool, rows: list[FrontRow]) -> list[FrontRow]:
+def confirm(study, spec: ExperimentSpec, pool, rows: list[FrontRow]) -> list[FrontRow]:
     """Re-evaluate the front on the held-out confirmation suite."""
     done: dict[str, Any] = dict(study.user_attrs.get(CONFIRMED_ATTR, {}))
     todo = [r for r in rows if "summary" not in done.get(str(r.trial), {})]

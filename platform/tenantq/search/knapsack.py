@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from tenantq.storage.pool import pool_bytes_left
+
 MAX_CELLS = 1 << 16  # DP table width: ~0.1-0.3 s per solve for 226 groups of 4 options
 
 
@@ -63,7 +65,7 @@ class Problem:
 
     def tenants(self, weight_bytes: int, kv: KVOption) -> int:
         """`capacity.budget`'s tenant count for these weight bytes and KV plan."""
-        pool = max(0, self.hbm_bytes - weight_bytes - self.reserve_bytes)
+        pool = pool_bytes_left(self.hbm_bytes, weight_bytes, self.reserve_bytes)
         return max(0, pool - kv.static_bytes) // kv.tenant_bytes
 
     def weight_cap(self, tenants: int, kv: KVOption) -> int:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenantq.model.terminal import text_table
 from tenantq.search.spec import CAPACITY_METRICS, ObjectiveSpec
 
 
@@ -125,11 +126,7 @@ def render_front(rows: list[FrontRow], objectives: list[ObjectiveSpec]) -> str:
             )
         cells += [r.weights, r.kv]
         body.append(cells)
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
-    lines.append("-" * len(lines[0]))
-    for b in body:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(b, widths, strict=True)).rstrip())
+    lines = text_table(head, body, rule=True)
     verdicts = [f"  trial {r.trial}: {r.verdicts}" for r in rows if r.verdicts]
     if verdicts:
         lines += ["", "verdicts:", *verdicts]

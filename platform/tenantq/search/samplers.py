@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
-from tenantq.search.spec import Spec
+from tenantq.search.spec import ExperimentSpec
 
 
 def start_seed(seed: int, trials_so_far: int) -> int:
@@ -23,13 +23,13 @@ def start_seed(seed: int, trials_so_far: int) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-def make_sampler(spec: Spec, context=None, *, trials_so_far: int = 0):
+def make_sampler(spec: ExperimentSpec, context=None, *, trials_so_far: int = 0):
     """`context`: the study's `StudyContext` (the capacity-aware and grid samplers enumerate
     its space); built from the spec when None (tests, the sampler bench)."""
     import optuna
 
     s = spec.sampler
-    if s.kind is None:  # a SamplerSpec built outside a Spec: the spec's default
+    if s.kind is None:  # a SamplerSpec built outside an ExperimentSpec: the spec's default
         from tenantq.search.spec import default_sampler_kind
 
         s = s.model_copy(update={"kind": default_sampler_kind(spec)})

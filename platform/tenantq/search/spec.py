@@ -322,20 +322,20 @@ class StudySpec(_Strict):
     )
 
 
-def default_sampler_kind(spec: Spec) -> str:
+def default_sampler_kind(spec: ExperimentSpec) -> str:
     """The sampler of a spec that names none: capacity_aware wherever a quality objective
     exists (issue 25), NSGA-II for a capacity-only study."""
     return "capacity_aware" if spec.quality_objectives() else "nsga2"
 
 
-def wants_baselines(spec: Spec) -> bool:
+def wants_baselines(spec: ExperimentSpec) -> bool:
     """Whether the study enqueues the three baselines (see StudySpec.baselines): yes unless
     the spec says `baselines = false`, whatever the sampler (the report draws them; the
     168-plan figures count them, docs/results/search-efficiency.md)."""
     return spec.study.baselines is not False
 
 
-def resumed_sampler(spec: Spec, stored: dict | None) -> SamplerSpec | None:
+def resumed_sampler(spec: ExperimentSpec, stored: dict | None) -> SamplerSpec | None:
     """The sampler a resumed study goes on with when the spec names no sampler.kind: the
     stored one (a study begun under an older default keeps its sampler), its fields that the
     spec sets taking the spec's values. None when the spec names a kind or nothing differs."""
@@ -355,7 +355,7 @@ class TrackingSpec(_Strict):
     experiment: str | None = Field(None, description="MLflow experiment (default: study name)")
 
 
-class Spec(_Strict):
+class ExperimentSpec(_Strict):
     """One experiment. Paths are relative to the working directory the study runs in."""
 
     model: str = Field(description="checkpoint folder (HF layout) or 'reference'")
@@ -381,7 +381,7 @@ class Spec(_Strict):
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
 
     @model_validator(mode="after")
-    def _slice_chips(self) -> Spec:
+    def _slice_chips(self) -> ExperimentSpec:
         """A slice runs the engine at tp = every device of the slice; the capacity side must
         budget that layout (deployment.chips), or planner and engine count different bytes."""
         if self.workers.kind not in ("tpu_slice", "cpu_slice"):
@@ -398,7 +398,7 @@ class Spec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _objectives(self) -> Spec:
+    def _objectives(self) -> ExperimentSpec:
         from tenantq.evals.suite import higher_is_better
 
         names = [o.metric for o in self.objectives]
@@ -441,7 +441,7 @@ class Spec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _slo_needs_rates(self) -> Spec:
+    def _slo_needs_rates(self) -> ExperimentSpec:
         if self.deployment.slo is not None and self.deployment.hardware.lower().startswith("cpu"):
             raise ValueError(
                 "deployment.slo: hardware cpu has no bandwidth and peak figures for the step "
@@ -450,7 +450,7 @@ class Spec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _default_sampler(self) -> Spec:
+    def _default_sampler(self) -> ExperimentSpec:
         if self.sampler.kind is None:  # frozen model: set once, while validating
             kind = default_sampler_kind(self)
             sampler = self.sampler.model_copy(update={"kind": kind})
@@ -461,7 +461,7 @@ class Spec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _sinks_within_the_context(self) -> Spec:
+    def _sinks_within_the_context(self) -> ExperimentSpec:
         # Sink tokens are part of each tenant's context: more sinks than context tokens would
         # have the capacity objective reserve bf16 sink pages for tokens that never exist.
         context = self.deployment.context_tokens
@@ -497,12 +497,12 @@ class Spec(_Strict):
         return SLO_METRIC if self.deployment.slo is not None else CAPACITY_METRIC
 
 
-def parse_spec(raw: dict[str, Any], source: str = "spec") -> Spec:
+def parse_spec(raw: dict[str, Any], source: str = "spec") -> ExperimentSpec:
     """Validate a spec dict; a mistake is a ValueError of one line naming the key."""
     try:
-        spec = Spec.model_validate(raw)
+        spec = ExperimentSpec.model_validate(raw)
     except ValidationError as err:
-        raise ValueError(validation_line(err, Spec, source=source)) from None
+        raise ValueError(validation_line(err, ExperimentSpec, source=source)) from None
     try:
         spec.deployment.build()
     except ValueError as err:
@@ -510,7 +510,7 @@ def parse_spec(raw: dict[str, Any], source: str = "spec") -> Spec:
     return spec
 
 
-def load_spec(path: str | Path) -> Spec:
+def load_spec(path: str | Path) -> ExperimentSpec:
     """Read and validate a spec TOML file."""
     p = Path(path)
     if not p.is_file():

@@ -24,7 +24,7 @@ from typing import Any
 from pydantic_core import to_jsonable_python
 
 from tenantq.search.ledger import COPIED_ATTR
-from tenantq.search.spec import Spec, resumed_sampler
+from tenantq.search.spec import ExperimentSpec, resumed_sampler
 
 HEARTBEAT_INTERVAL_S = 5  # Optuna RDB heartbeat of every trial this driver has in flight
 GRACE_PERIOD_S = 15  # a trial whose heartbeat is older than this belongs to a dead driver
@@ -80,7 +80,7 @@ def open_study(
     import optuna
     from sqlalchemy.exc import SQLAlchemyError
 
-    spec: Spec = context.spec
+    spec: ExperimentSpec = context.spec
     name = spec.study.name
     try:
         if storage is None:
@@ -187,7 +187,7 @@ def _copy_marked(storage, old_name: str, name: str):
     return study
 
 
-def _record(study, spec: Spec, identity: dict[str, str]) -> None:
+def _record(study, spec: ExperimentSpec, identity: dict[str, str]) -> None:
     study.set_user_attr(SPEC_ATTR, spec.model_dump(mode="json"))
     study.set_user_attr(IDENTITY_ATTR, identity)
 
@@ -246,7 +246,7 @@ def _changed_files(stored: dict, now: dict) -> list[str]:
     return out
 
 
-def keep_stored_sampler(spec: Spec, stored: dict | None, name: str) -> None:
+def keep_stored_sampler(spec: ExperimentSpec, stored: dict | None, name: str) -> None:
     """A spec naming no sampler.kind resumes with the sampler its study began with (a study
     begun under the older default, nsga2, is not refused for the new one): `spec` goes on
     with it, in place, so that every holder of the spec builds that sampler."""
@@ -269,7 +269,9 @@ def _is_default(field, value) -> bool:
     return value == to_jsonable_python(field.get_default(call_default_factory=True))
 
 
-def check_same_spec(stored: dict | None, spec: Spec, ignore: tuple[str, ...] = ()) -> None:
+def check_same_spec(
+    stored: dict | None, spec: ExperimentSpec, ignore: tuple[str, ...] = ()
+) -> None:
     """Refuse --resume when the spec changed, except for the resumable fields. A field that
     a later tenantq added (absent from the stored spec) is unchanged while it holds its
     default, so a study begun before an upgrade resumes."""

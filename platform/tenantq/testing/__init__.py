@@ -3,7 +3,8 @@
 Shapes are small enough to compile in about a second. `tiny_config` is the engine's
 2-layer Llama; `odd_config` has odd sizes on purpose (packing pads a nibble, groups and
 MX/nvfp4 blocks run partial) for byte-count tests; `tiny_tokenizer` is a character-level
-tokenizer whose ids fit `tiny_config`'s vocabulary. After gemma's `gm/testing`.
+tokenizer whose ids fit `tiny_config`'s vocabulary; `tiny_checkpoint` writes a model as a
+Hugging Face folder (the one checkpoint writer of the tests). After gemma's `gm/testing`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,56 @@ def tiny_params(config: ModelConfig | None = None, seed: int = 0) -> dict[str, A
     from tenantq.model.decoder import init_params
 
     return init_params(config or tiny_config(), seed=seed)
+
+
+def hf_tensors(config: ModelConfig, params: Any, dtype: Any = "bfloat16") -> dict[str, Any]:
+    """`params` (engine layout, [in, out]) under their Hugging Face names and layout
+    ([out, in]), as `dtype` numpy arrays: what a checkpoint's safetensors hold."""
+    import ml_dtypes
+    import numpy as np
+
+    from tenantq.model.loader import hf_names
+
+    cast = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    out = {}
+    for path, (name, transpose) in hf_names(config).items():
+        value = np.asarray(params[path], np.float32)
+        out[name] = np.ascontiguousarray(value.T if transpose else value).astype(cast)
+    return out
+
+
+def tiny_checkpoint(
+    folder: Any,
+    config: ModelConfig | None = None,
+    params: Any = None,
+    *,
+    tensors: dict[str, Any] | None = None,
+    dtype: Any = "bfloat16",
+    shards: int = 1,
+    config_overrides: dict[str, Any] | None = None,
+    metadata: dict[str, str] | None = None,
+) -> Any:
+    """A Hugging Face folder (config.json and safetensors, no tokenizer) of `params`
+    (default: `tiny_params(config)`) in `dtype`, or of `tensors` (HF names) as they are; split
+    over `shards` files (`model-0000k.safetensors`, no index) when shards > 1. The one
+    checkpoint writer the tests share. Returns the folder."""
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    config = config or tiny_config()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if tensors is None:
+        tensors = hf_tensors(config, tiny_params(config) if params is None else params, dtype)
+    raw = {**config.to_hf_dict(), **(config_overrides or {})}
+    (folder / "config.json").write_text(json.dumps(raw))
+    names = sorted(tensors)
+    for k in range(shards):
+        file = "model.safetensors" if shards == 1 else f"model-{k:05d}.safetensors"
+        save_file({n: tensors[n] for n in names[k::shards]}, str(folder / file), metadata)
+    return folder
 
 
 def tiny_tokenizer():

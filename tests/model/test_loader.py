@@ -5,39 +5,19 @@ from __future__ import annotations
 import json
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from tenantq.engine import Engine
-from tenantq.model.loader import hf_names, iter_checkpoint, load_params
+from tenantq.model.loader import iter_checkpoint, load_params
 from tenantq.numerics import QArray
 from tenantq.quant.apply import apply_plan, load_quantized
 from tenantq.quant.plan import QuantPlan, Rule
-
-
-def hf_tensors(config, params, dtype=ml_dtypes.bfloat16) -> dict[str, np.ndarray]:
-    out = {}
-    for path, (name, transpose) in hf_names(config).items():
-        value = np.asarray(params[path], np.float32)
-        out[name] = np.ascontiguousarray(value.T if transpose else value).astype(dtype)
-    return out
-
-
-def write_checkpoint(folder, config, tensors, *, config_overrides=None, shards=1):
-    raw = config.to_hf_dict()
-    raw.update(config_overrides or {})
-    (folder / "config.json").write_text(json.dumps(raw))
-    names = sorted(tensors)
-    for k in range(shards):
-        part = {n: tensors[n] for n in names[k::shards]}
-        save_file(part, str(folder / f"model-{k:05d}.safetensors"))
-    return folder
+from tenantq.testing import hf_tensors, tiny_checkpoint
 
 
 def test_bf16_checkpoint_loads_exactly(tmp_path, config, params):
-    write_checkpoint(tmp_path, config, hf_tensors(config, params), shards=3)  # no index file
+    tiny_checkpoint(tmp_path, config, tensors=hf_tensors(config, params), shards=3)  # no index file
     loaded = load_params(tmp_path, config, dtype=jnp.bfloat16)
     assert set(loaded) == set(config.tensors())
     for path, value in params.items():
@@ -59,7 +39,7 @@ def test_tensors_stream_one_at_a_time(tmp_path, make_config):
         hidden_size=256, intermediate_size=256, num_layers=8, num_heads=8, head_dim=32
     )
     params = init_params(config, seed=0)
-    write_checkpoint(tmp_path, config, hf_tensors(config, params, dtype=np.float32))
+    tiny_checkpoint(tmp_path, config, tensors=hf_tensors(config, params, dtype=np.float32))
     total_bytes = sum(int(np.prod(t.shape)) * 4 for t in config.tensors().values())
     largest_bytes = max(int(np.prod(t.shape)) * 4 for t in config.tensors().values())
     tracemalloc.start()
@@ -72,7 +52,7 @@ def test_tensors_stream_one_at_a_time(tmp_path, make_config):
 
 
 def test_streaming_quantized_load_equals_apply_plan(tmp_path, config, params):
-    write_checkpoint(tmp_path, config, hf_tensors(config, params))
+    tiny_checkpoint(tmp_path, config, tensors=hf_tensors(config, params))
     plan = QuantPlan(
         rules=(Rule("layers/.*/mlp/.*", "int4", group_size=16), Rule(".*", "fp8_e4m3"))
     )
@@ -87,8 +67,11 @@ def test_streaming_quantized_load_equals_apply_plan(tmp_path, config, params):
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "phi3"])
 def test_unsupported_model_type_names_the_supported_ones(tmp_path, config, params, model_type):
-    write_checkpoint(
-        tmp_path, config, hf_tensors(config, params), config_overrides={"model_type": model_type}
+    tiny_checkpoint(
+        tmp_path,
+        config,
+        tensors=hf_tensors(config, params),
+        config_overrides={"model_type": model_type},
     )
     with pytest.raises(ValueError, match=rf"unsupported model_type '{model_type}'.*llama.*qwen3"):
         Engine.from_checkpoint(tmp_path)
@@ -97,9 +80,9 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path, config, param
 def test_missing_tensor_names_it_and_the_files_searched(tmp_path, config, params):
     tensors = hf_tensors(config, params)
     del tensors["model.layers.1.mlp.up_proj.weight"]
-    write_checkpoint(tmp_path, config, tensors)
+    tiny_checkpoint(tmp_path, config, tensors=tensors)
     with pytest.raises(
-        ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing.*model-00000"
+        ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing.*model\.safetensors"
     ):
         load_params(tmp_path, config)
 
@@ -108,7 +91,7 @@ def test_misshaped_tensor_names_expected_and_found(tmp_path, config, params):
     tensors = hf_tensors(config, params)
     name = "model.layers.0.self_attn.k_proj.weight"
     tensors[name] = np.ascontiguousarray(tensors[name].T)  # [in, out] instead of HF's [out, in]
-    write_checkpoint(tmp_path, config, tensors)
+    tiny_checkpoint(tmp_path, config, tensors=tensors)
     with pytest.raises(ValueError, match=r"k_proj.*shape \[32, 16\], expected \[16, 32\]"):
         load_params(tmp_path, config)
 
@@ -116,7 +99,7 @@ def test_misshaped_tensor_names_expected_and_found(tmp_path, config, params):
 def test_unreadable_dtype_names_it_and_the_readable_ones(tmp_path, config, params):
     tensors = hf_tensors(config, params)
     tensors["model.norm.weight"] = np.ones(32, np.int8)
-    write_checkpoint(tmp_path, config, tensors)
+    tiny_checkpoint(tmp_path, config, tensors=tensors)
     with pytest.raises(
         ValueError, match=r"model\.norm\.weight has dtype I8.*readable: F64, F32, F16, BF16"
     ):
@@ -126,7 +109,7 @@ def test_unreadable_dtype_names_it_and_the_readable_ones(tmp_path, config, param
 def test_unexpected_tensors_are_an_error_not_silently_dropped(tmp_path, config, params):
     tensors = hf_tensors(config, params)
     tensors["model.layers.0.mlp.up_proj.bias"] = np.zeros(64, np.float32)
-    write_checkpoint(tmp_path, config, tensors)
+    tiny_checkpoint(tmp_path, config, tensors=tensors)
     with pytest.raises(ValueError, match=r"does not use.*up_proj\.bias"):
         load_params(tmp_path, config)
 
@@ -141,7 +124,7 @@ def test_pickle_checkpoints_are_never_read(tmp_path, config):
 def test_tokenizer_is_optional(tmp_path, config, params):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    write_checkpoint(tmp_path, config, hf_tensors(config, params))
+    tiny_checkpoint(tmp_path, config, tensors=hf_tensors(config, params))
     engine = Engine.from_checkpoint(tmp_path, dtype="float32", max_seqs=1, max_seq_tokens=16)
     assert engine.tokenizer is None
     with pytest.raises(ValueError, match="no tokenizer.json"):

@@ -68,7 +68,7 @@ CASES = [
     (
         "memory-zero",
         [*CAP[:3], "--hardware", "cpu", "--memory", "0GiB", *CAP[5:]],
-        ("--memory", "positive", "64GiB"),
+        ("--memory", "at least 1 byte", "64GiB"),
     ),  # fmt: skip
     ("cpu-without-memory", [*CAP[:3], "--hardware", "cpu", *CAP[5:]], ("--memory", "64GiB")),
     # names from a closed set list the set

@@ -277,7 +277,7 @@ def test_clip_report_counts_what_the_static_scale_clipped():
     plan = QuantPlan(kv=KVPlan("int8", "tensor", "bf16", "token"))
     pool = _pool(plan, kv_scales=_scales())
     seq = pool.allocate(8)
-    pool.prepare([seq], [3])
+    pool.make_room([seq], [3])
     x = np.zeros((1, 3, 2, 8), np.float32)
     x[0, 0, 0, 0] = x[0, 2, 1, 7] = 5.0
     x[0, 1, 1, 1] = 3.8  # inside the range
@@ -306,8 +306,8 @@ def test_slots_ids_and_the_block_table():
     # Open, no pages yet: length 0, no block.
     np.testing.assert_array_equal(pool.table([b]), [[1, 0, 4, 4, 4, 4, 4, 4, 4, 4]])
     with pytest.raises(ValueError, match="zip"):  # one end per sequence, not fewer
-        pool.prepare([a, b], [5])
-    pool.prepare([a, b], [5, 4])  # 5 tokens: 2 pages (0, 1); 4 tokens: 1 page (2)
+        pool.make_room([a, b], [5])
+    pool.make_room([a, b], [5, 4])  # 5 tokens: 2 pages (0, 1); 4 tokens: 1 page (2)
     table = pool.table([a, None, b])
     # [slot, tokens after the step, pages..., num_pages (=4) as "no page"]; padding rows
     # carry slot max_seqs (=3) and length 0. max_pages = 32 / 4 = 8 columns of pages.
@@ -318,7 +318,7 @@ def test_slots_ids_and_the_block_table():
     )  # fmt: skip
     assert table.dtype == np.int32
     assert pool.free_pages == 1
-    pool.prepare([a], [5])  # no growth: same pages
+    pool.make_room([a], [5])  # no growth: same pages
     assert pool.free_pages == 1
     pool.free(a)
     assert pool.free_pages == 3
@@ -338,8 +338,8 @@ def test_sequence_errors():
     with _raises(CacheFull, "all 2 sequence slots are in use"):
         pool.allocate(4)
     with _raises(CacheFull, "sequence 1 would hold 33 tokens, over max_seq_tokens=32"):
-        pool.prepare([b], [33])
-    pool.prepare([b], [32])  # exactly max_seq_tokens is allowed: 8 pages of 4 tokens
+        pool.make_room([b], [33])
+    pool.make_room([b], [32])  # exactly max_seq_tokens is allowed: 8 pages of 4 tokens
     assert pool.free_pages == 0
     with _raises(ValueError, "sequence 7 is not allocated"):
         pool.free(7)
@@ -355,10 +355,10 @@ def test_a_guarantee_preempts_the_borrower():
     pool.add_tenant("b")  # no guarantee unless given one
     assert pool.tenant_usage()["b"] == (0, 0)
     old, new = pool.allocate(8), pool.allocate(8)
-    pool.prepare([old, new], [8, 8])
+    pool.make_room([old, new], [8, 8])
     assert pool.free_pages == 0
     mine = pool.allocate(8, tenant="a")
-    pool.prepare([mine], [8])
+    pool.make_room([mine], [8])
     assert pool.is_preempted(new) and not pool.is_preempted(old)
     assert pool.tenant_usage() == {"default": (2, 0), "a": (2, 2), "b": (0, 0)}
     message = (
@@ -366,7 +366,7 @@ def test_a_guarantee_preempts_the_borrower():
         "guaranteed share; release it and submit it again"
     )
     with _raises(SequencePreempted, message):
-        pool.prepare([old, new], [8, 9])
+        pool.make_room([old, new], [8, 9])
     pool.free(new)  # a preempted sequence has no pages left to return
     assert not pool.is_preempted(new)
     assert pool.free_pages == 0

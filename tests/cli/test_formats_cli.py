@@ -67,7 +67,7 @@ def test_table_is_aligned_and_lists_every_format(capsys):
 
 
 def test_bad_size_is_a_value_error_from_python():
-    # The CLI rejects --size 0 while parsing (tests/numerics/test_cli_bad_inputs.py); the
+    # The CLI rejects --size 0 while parsing (tests/cli/test_cli_bad_inputs.py); the
     # function itself says the same to a Python caller.
     with pytest.raises(ValueError, match="--size must be an integer from 1 to 16384, got 0"):
         formats_cli.format_rows(0)

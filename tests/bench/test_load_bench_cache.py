@@ -1,6 +1,6 @@
 """`python -m tenantq.bench load --cache cold` measures loads from disk: the checkpoint's
 pages are evicted before each load, and the fraction still resident is measured (mincore)
-rather than assumed. The bench itself runs with its defaults in tests/engine/test_bench.py."""
+rather than assumed. The bench itself runs with its defaults in tests/bench/test_bench.py."""
 
 from __future__ import annotations
 

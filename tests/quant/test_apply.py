@@ -5,7 +5,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_loader import hf_tensors, write_checkpoint
 
 from tenantq.engine import Engine
 from tenantq.engine.pool import PagedPool
@@ -14,6 +13,7 @@ from tenantq.quant import algorithms as algorithms_mod
 from tenantq.quant import apply as apply_mod
 from tenantq.quant.apply import UnusedRuleWarning, apply_plan, quantize_tensor
 from tenantq.quant.plan import QuantPlan, Rule, TensorQuant
+from tenantq.testing import hf_tensors, tiny_checkpoint
 
 
 def test_first_match_decides_each_tensor(config, params):
@@ -96,7 +96,7 @@ def test_every_path_to_the_engine_quantizes_each_tensor_once(
     assert sorted(quantized_paths) == want
     quantized_paths.clear()
 
-    write_checkpoint(tmp_path, config, hf_tensors(config, params, dtype=np.float32))
+    tiny_checkpoint(tmp_path, config, tensors=hf_tensors(config, params, dtype=np.float32))
     Engine.from_checkpoint(tmp_path, plan, **options)
     assert sorted(quantized_paths) == want
 

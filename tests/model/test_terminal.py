@@ -1,0 +1,19 @@
+"""The one text-table renderer (tenantq.model.terminal.text_table)."""
+
+from __future__ import annotations
+
+from tenantq.model.terminal import text_table
+
+
+def test_columns_take_their_widest_cell_and_trailing_spaces_go():
+    lines = text_table(
+        ["name", "bits"], [["int4", "4.25"], ["fp8_e4m3", "8"]], right={1}, rule=True
+    )
+    assert lines == ["name      bits", "--------------", "int4      4.25", "fp8_e4m3     8"]
+
+
+def test_fixed_widths_pad_like_an_f_string_and_keep_a_wider_cell_whole():
+    # The capacity compare table's contract: f"{x:>6}" never cuts x, so neither may the table.
+    lines = text_table(None, [["a", "1234567"], ["bb", "1"]], widths=[3, 6], right=True, sep=" ")
+    assert lines == [f"{'a':>3} {'1234567':>6}", f"{'bb':>3} {'1':>6}"]
+    assert text_table(["x"], [["y"]], indent="  ") == ["  x", "  y"]
