@@ -163,6 +163,14 @@ def test_w4a8_weights_are_unpacked_then_read_as_8bit_codes_on_a_cpu_profile():
     assert st.memory_s == pytest.approx((matmul + 4 * 8_192 + NORM_BYTES + kv) / 20e9)
     one = decode_step(LLAMA8, w4a8, d, 1, 512, overhead_s=0.0)
     assert one.convert_s == pytest.approx(matmul / 2e9, rel=1e-12)
+    # With the grouped product's rate (5e9 FLOP/s, every shape): each W4A8 weight's 2 x 4 x n
+    # FLOPs at that rate, after its unpack, and no longer at the int8 peak (counted once).
+    g = _shaped(("unpack", "int4", (), 1e9), ("grouped", "int4", (), 5e9))
+    gst = decode_step(LLAMA8, w4a8, g, 4, 512, overhead_s=0.0)
+    assert gst.convert_s == pytest.approx(matmul / 1e9 + 2 * 4 * matmul / 5e9, rel=1e-12)
+    assert gst.flops["int8"] == 2 * 4 * matmul  # the step's FLOPs are still all reported
+    assert gst.compute_s == pytest.approx(gst.flops["bf16"] / 100e9, rel=1e-12)
+    assert st.compute_s == pytest.approx(gst.compute_s + 2 * 4 * matmul / 200e9, rel=1e-12)
     # Without an unpack rate (an accelerator's kernel) the stored int4 bytes are read.
     plain = decode_step(LLAMA8, w4a8, _shaped(pack=1e9), 4, 512, overhead_s=0.0)
     assert plain.convert_s == 0.0
@@ -173,7 +181,7 @@ def test_w4a8_weights_are_unpacked_then_read_as_8bit_codes_on_a_cpu_profile():
 def test_shape_rates_name_a_known_pass_and_a_shape():
     from tenantq.capacity.hardware import HardwareProfile
 
-    with pytest.raises(ValueError, match=r"hardware cpu: shape_rates pass 'packing' is unknown"):
+    with pytest.raises(ValueError, match=r"shape_rates pass 'packing' is unknown; valid: convert"):
         HardwareProfile("cpu", 2**30, 1, "CPU", shape_rates=(("packing", "bf16", (), 1e9),))
     with pytest.raises(ValueError, match=r"shape_rates shape \[4096\] must be a tuple"):
         HardwareProfile("cpu", 2**30, 1, "CPU", shape_rates=(("pack", "bf16", [4096], 1e9),))

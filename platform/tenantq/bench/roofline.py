@@ -55,18 +55,19 @@ def measure_bandwidth(nbytes: int, repeats: int) -> float:
 
 
 def measure_convert(
-    rows: int, cols: int, copies: int, bandwidth: float, int8_peak: float, repeats: int
-) -> tuple[dict, dict, float, float]:
+    rows: int, cols: int, copies: int, bandwidth: float, wide: int, repeats: int
+) -> tuple[dict, dict, float, float, float]:
     """Weight elements/s of the passes the engine's matmul runs before its dot on XLA:CPU,
     for `copies` distinct [rows, cols] weights (one shape class of the model), timed where
     the engine pays them: inside the engine's own `matmul`, whose converted copy is a
     temporary that XLA:CPU faults in afresh at every call (a copy returned as an output is
     not: the runtime may reuse its pages). Returns (to bf16 per format, to float32 per
-    format, W4A8 unpack, W4A8 unpack at one row). Batched conversion: the matmul at 2 rows
-    less a bf16 weight's at 2 rows (no conversion; the dot and its packing); one row: the
-    matmul at 1 row less the time to read its float32 copy at `bandwidth`. W4A8 (int4/g128
-    weights, int8 activations): the matmul less the read of its 8-bit codes at `bandwidth`
-    and its products at `int8_peak`, i.e. the unpack and whatever else its int8 dot adds."""
+    format, W4A8 unpack, W4A8 unpack at one row, W4A8 grouped product FLOP/s). Batched
+    conversion: the matmul at 2 rows less a bf16 weight's at 2 rows (no conversion; the dot
+    and its packing); one row: the matmul at 1 row less the time to read its float32 copy at
+    `bandwidth`. W4A8 (int4/g128 weights, int8 activations): its grouped product's rate from
+    its times at 2 and `wide` rows (2 (wide - 2) n FLOPs more), then the unpack as the
+    matmul less the read of its 8-bit codes at `bandwidth` and its products at that rate."""
     import jax
     import jax.numpy as jnp
 
@@ -88,16 +89,19 @@ def measure_convert(
         x = jnp.ones((m, rows), jnp.bfloat16)
         for fmt, qs in stored.items():
             t[fmt, m] = _best_s(lambda x=x, qs=qs: jax.block_until_ready(f(x, qs)), repeats)
+    for m in (1, 2, wide):
+        x = jnp.ones((m, rows), jnp.bfloat16)
         qs = stored["int4"]
         t["w4a8", m] = _best_s(lambda x=x, qs=qs: jax.block_until_ready(w4a8(x, qs)), repeats)
     out = {fmt: n / max(t[fmt, 2] - t["bf16", 2], 0.1 * t[fmt, 2]) for fmt in ("int8", "int4")}
     read_s = 4 * n / bandwidth
     out_b1 = {fmt: n / max(t[fmt, 1] - read_s, 0.1 * t[fmt, 1]) for fmt in stored}
+    grouped = 2 * (wide - 2) * n / max(t["w4a8", wide] - t["w4a8", 2], 0.1 * t["w4a8", wide])
     unpack = {
-        m: n / max(t["w4a8", m] - n / bandwidth - 2 * m * n / int8_peak, 0.1 * t["w4a8", m])
+        m: n / max(t["w4a8", m] - n / bandwidth - 2 * m * n / grouped, 0.1 * t["w4a8", m])
         for m in (1, 2)
     }
-    return out, out_b1, unpack[2], unpack[1]
+    return out, out_b1, unpack[2], unpack[1], grouped
 
 
 def measure_matmul(batch: int, size: int, repeats: int) -> dict[str, float]:
@@ -233,21 +237,23 @@ def cpu_profile(args) -> tuple[object, dict]:
     per_shape, rates = {}, []
     for i, (rows, cols) in enumerate(weight_shapes(config)):
         copies = max(1, round(budget / (rows * cols)))
-        convert, convert_b1, unpack, unpack_b1 = measure_convert(
-            rows, cols, copies, bw, peaks["int8"], args.repeats
+        convert, convert_b1, unpack, unpack_b1, grouped = measure_convert(
+            rows, cols, copies, bw, max(max(args.batches), 4), args.repeats
         )
         pack, bf16_peak = measure_bf16_dot(
             rows, cols, copies, max(max(args.batches), 4), bw, args.repeats
         )
         per_shape[f"{rows}x{cols}"] = {
             "copies": copies, "convert": convert, "convert_b1": convert_b1,
-            "pack": pack, "unpack": unpack, "unpack_b1": unpack_b1, "bf16_peak": bf16_peak,
+            "pack": pack, "unpack": unpack, "unpack_b1": unpack_b1, "grouped": grouped,
+            "bf16_peak": bf16_peak,
         }  # fmt: skip
         for key in ((rows, cols), ()) if i == 0 else ((rows, cols),):
             rates += [("convert", f, key, r) for f, r in convert.items()]
             rates += [("convert_b1", f, key, r) for f, r in convert_b1.items()]
             rates += [("pack", "bf16", key, pack), ("unpack", "int4", key, unpack),
-                      ("unpack_b1", "int4", key, unpack_b1)]  # fmt: skip
+                      ("unpack_b1", "int4", key, unpack_b1),
+                      ("grouped", "int4", key, grouped)]  # fmt: skip
         if i == 0:  # the products alone, on the largest class: the packing is `pack`
             peaks["bf16"] = bf16_peak
         print(f"profile {rows}x{cols}: {json.dumps(per_shape[f'{rows}x{cols}'])}",
@@ -346,7 +352,8 @@ def _profile_line(p: dict) -> str:
         lines.append(
             f"  {shape:>10} x{r['copies']:<3} to bf16 {conv}; to f32 (1 row) {conv1}; "
             f"bf16 packing {r['pack'] / 1e9:.2f}; W4A8 unpack {r['unpack'] / 1e9:.2f}, "
-            f"1 row {r['unpack_b1'] / 1e9:.2f}"
+            f"1 row {r['unpack_b1'] / 1e9:.2f}; W4A8 grouped product "
+            f"{r.get('grouped', float('nan')) / 1e9:.1f} GFLOP/s"
         )
     return "\n".join(lines)
 

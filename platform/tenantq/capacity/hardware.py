@@ -25,8 +25,10 @@ TFLOP_S = 10**12  # peak matmul rates are decimal too: TFLOP/s (TOP/s for int8)
 COMPUTE_FORMATS = ("bf16", "int8", "fp8")
 # Weight passes XLA:CPU runs before a dot (`HardwareProfile.shape_rates`): conversion to a bf16
 # copy (a batch) or a float32 copy (one row), the batched bf16 dot's packing of its weight,
-# and W4A8's unpacking of int4 nibbles to 8-bit codes (a batch; one row).
-CPU_PASSES = ("convert", "convert_b1", "pack", "unpack", "unpack_b1")
+# and W4A8's unpacking of int4 nibbles to 8-bit codes (a batch; one row). "grouped" is not a
+# pass but W4A8's grouped int8 product, in FLOP/s: XLA:CPU runs it far below a plain int8
+# dot's peak, and a CPU profile that has it charges W4A8's FLOPs at it, after the unpack.
+CPU_PASSES = ("convert", "convert_b1", "pack", "unpack", "unpack_b1", "grouped")
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,10 @@ def cpu_weight_pass(
                 continue
             seconds += n / rate
             read += n
+            products = hw.pass_rate("grouped", t.format, shape)
+            # FLOP/s of the grouped product; `decode_step` takes these FLOPs off the int8 peak
+            if products is not None and tq.activations == "int8":
+                seconds += 2 * batch * n / products
             continue
         pack = None if one_row or gather else hw.pass_rate("pack", "bf16", shape)
         if pack is not None:
@@ -223,6 +227,29 @@ def cpu_weight_pass(
         seconds += n / rate
         read += stored if gather else copy_bytes * n
     return seconds, read
+
+
+def _grouped_flops(
+    config: ModelConfig, plan: QuantPlan, hw: HardwareProfile, tp: int, batch: int
+) -> int:
+    """The int8 FLOPs of W4A8 weights that `cpu_weight_pass` charges at the profile's
+    grouped-product rate (the same weights: an unpack rate and a "grouped" rate), taken out
+    of the int8 peak's share so they are counted once."""
+    if not hw.shape_rates:
+        return 0
+    unpack = "unpack_b1" if batch == 1 else "unpack"
+    resolved = plan.resolve(config)
+    total = 0
+    for t in tensor_bytes(config, plan, tp):
+        tq = resolved.get(t.path)
+        if t.format != "int4" or tq is None or tq.activations != "int8":
+            continue
+        if t.path == "embed" and not config.tie_word_embeddings:
+            continue
+        shape = tuple(t.shard_shape)
+        if hw.pass_rate(unpack, "int4", shape) and hw.pass_rate("grouped", "int4", shape):
+            total += 2 * batch * shape[0] * shape[1]
+    return total
 
 
 def decode_step(
@@ -245,7 +272,9 @@ def decode_step(
     flops = step_flops(config, plan, deployment.chips, batch, context_tokens)
     conv, read = cpu_weight_pass(config, plan, deployment.hardware, deployment.chips, batch)
     memory_s = (read + kv) / bandwidth
-    compute_s = sum(n / peaks[f] for f, n in flops.items())
+    charged = dict(flops)
+    charged["int8"] -= _grouped_flops(config, plan, deployment.hardware, deployment.chips, batch)
+    compute_s = sum(n / peaks[f] for f, n in charged.items())
     return StepTime(
         batch=batch,
         context_tokens=context_tokens,
