@@ -109,6 +109,84 @@ def test_cpu_conversion_pass_adds_and_the_dot_reads_the_converted_copy():
     assert decode_step(LLAMA8, QuantPlan(), packed, 1, 512).convert_s == one.convert_s
 
 
+# Llama-3.1-8B's weights by shape one chip stores ([in, out]), elements per layer: q and o
+# 2 x 4,096 x 4,096; k and v 2 x 4,096 x 1,024; gate and up 2 x 4,096 x 14,336; down
+# 14,336 x 4,096 (32 layers); lm_head 4,096 x 128,256 (the published config).
+QO, KV_, GATE_UP, DOWN = 33_554_432, 8_388_608, 117_440_512, 58_720_256
+LM_HEAD, NORM_BYTES = 525_336_576, 532_480
+
+
+def _shaped(*rates, convert=(), convert_b1=(), pack=None):
+    from tenantq.capacity.hardware import HardwareProfile
+
+    hw = HardwareProfile("cpu", 64 * 2**30, 20 * 10**9, "CPU", 100 * 10**9, 200 * 10**9,
+                         None, tuple(convert), tuple(convert_b1), dot_pack_elements_per_s=pack,
+                         shape_rates=tuple(rates))  # fmt: skip
+    return Deployment.of(hw)
+
+
+def test_each_weight_shape_takes_its_own_pass_rate():
+    # Packing: [14336, 4096] (down) at 0.5e9/s, every other shape at the any-shape 1e9/s (the
+    # table's 7e9 unused: a shape_rates entry wins); conversion of int8 to bf16: [4096, 1024]
+    # (k, v) at 4e9/s, every other shape (and the 4 gathered embedding rows) at the per-format
+    # table's 2e9/s. Batch 4, int8 weights.
+    d = _shaped(("pack", "bf16", (), 1e9), ("pack", "bf16", (14_336, 4_096), 0.5e9),
+                ("convert", "int8", (4_096, 1_024), 4e9), convert=[("int8", 2e9)],
+                pack=7e9)  # fmt: skip
+    int8 = QuantPlan((Rule(".*", "int8"),))
+    st = decode_step(LLAMA8, int8, d, 4, 512, overhead_s=0.0)
+    pack_s = (32 * (QO + KV_ + GATE_UP) + LM_HEAD) / 1e9 + 32 * DOWN / 0.5e9
+    convert_s = (32 * (QO + GATE_UP + DOWN) + LM_HEAD + 4 * 4_096) / 2e9 + 32 * KV_ / 4e9
+    assert st.convert_s == pytest.approx(pack_s + convert_s, rel=1e-12)
+    # bf16 weights: no conversion, the packing alone, shape by shape.
+    bf16 = decode_step(LLAMA8, QuantPlan(), d, 4, 512, overhead_s=0.0)
+    assert bf16.convert_s == pytest.approx(pack_s, rel=1e-12)
+    # One row: no packing; a per-shape float32 conversion for [4096, 14336] only.
+    d1 = _shaped(("convert_b1", "bf16", (4_096, 14_336), 0.25e9), convert_b1=[("bf16", 1e9)])
+    one = decode_step(LLAMA8, QuantPlan(), d1, 1, 512, overhead_s=0.0)
+    rest = 32 * (QO + KV_ + DOWN) + LM_HEAD + 4_096
+    assert one.convert_s == pytest.approx(rest / 1e9 + 32 * GATE_UP / 0.25e9, rel=1e-12)
+
+
+def test_w4a8_weights_are_unpacked_then_read_as_8bit_codes_on_a_cpu_profile():
+    # W4A8 on every projection and the head: each is unpacked at its shape's rate (gate/up at
+    # 0.5e9/s, the rest at 1e9/s; one row: 2e9/s, every shape) and its int8 dot reads 1 B per
+    # element; no bf16 packing (the pack rate is there for bf16 dots only); the untied
+    # embedding's 4 rows and the norms are read as stored (bf16).
+    d = _shaped(("unpack", "int4", (), 1e9), ("unpack", "int4", (4_096, 14_336), 0.5e9),
+                ("unpack_b1", "int4", (), 2e9), pack=1e9)  # fmt: skip
+    w4a8 = QuantPlan((Rule(".*_proj|lm_head", "int4", group_size=128, activations="int8"),))
+    st = decode_step(LLAMA8, w4a8, d, 4, 512, overhead_s=0.0)
+    matmul = 32 * (QO + KV_ + GATE_UP + DOWN) + LM_HEAD
+    assert st.convert_s == pytest.approx((matmul - 32 * GATE_UP) / 1e9 + 32 * GATE_UP / 0.5e9)
+    kv = kv_step_bytes(LLAMA8, w4a8, d, 4, 512)
+    assert st.memory_s == pytest.approx((matmul + 4 * 8_192 + NORM_BYTES + kv) / 20e9)
+    one = decode_step(LLAMA8, w4a8, d, 1, 512, overhead_s=0.0)
+    assert one.convert_s == pytest.approx(matmul / 2e9, rel=1e-12)
+    # With the grouped product's rate (5e9 FLOP/s, every shape): each W4A8 weight's 2 x 4 x n
+    # FLOPs at that rate, after its unpack, and no longer at the int8 peak (counted once).
+    g = _shaped(("unpack", "int4", (), 1e9), ("grouped", "int4", (), 5e9))
+    gst = decode_step(LLAMA8, w4a8, g, 4, 512, overhead_s=0.0)
+    assert gst.convert_s == pytest.approx(matmul / 1e9 + 2 * 4 * matmul / 5e9, rel=1e-12)
+    assert gst.flops["int8"] == 2 * 4 * matmul  # the step's FLOPs are still all reported
+    assert gst.compute_s == pytest.approx(gst.flops["bf16"] / 100e9, rel=1e-12)
+    assert st.compute_s == pytest.approx(gst.compute_s + 2 * 4 * matmul / 200e9, rel=1e-12)
+    # Without an unpack rate (an accelerator's kernel) the stored int4 bytes are read.
+    plain = decode_step(LLAMA8, w4a8, _shaped(pack=1e9), 4, 512, overhead_s=0.0)
+    assert plain.convert_s == 0.0
+    stored = weight_step_bytes(LLAMA8, w4a8, 1, 4)
+    assert plain.memory_s == pytest.approx((stored + kv) / 20e9, rel=1e-12)
+
+
+def test_shape_rates_name_a_known_pass_and_a_shape():
+    from tenantq.capacity.hardware import HardwareProfile
+
+    with pytest.raises(ValueError, match=r"shape_rates pass 'packing' is unknown; valid: convert"):
+        HardwareProfile("cpu", 2**30, 1, "CPU", shape_rates=(("packing", "bf16", (), 1e9),))
+    with pytest.raises(ValueError, match=r"shape_rates shape \[4096\] must be a tuple"):
+        HardwareProfile("cpu", 2**30, 1, "CPU", shape_rates=(("pack", "bf16", [4096], 1e9),))
+
+
 @pytest.mark.parametrize(
     "plan",
     [
@@ -393,6 +471,7 @@ def test_cli_slo_on_plain_cpu_names_the_missing_figures(cli):
         {"convert_elements_per_s": (("int8", float("nan")),)},
         {"dot_pack_elements_per_s": 0.0},
         {"dot_pack_elements_per_s": float("inf")},
+        {"shape_rates": (("pack", "bf16", (4096, 1024), 0.0),)},
     ],
 )
 def test_cpu_pass_rates_must_be_positive_and_finite(field):

@@ -18,12 +18,24 @@ def test_roofline_bench_predicts_each_measured_step_and_counts_the_same_bytes() 
     env = dict(os.environ, TENANTQ_BENCH_SMOKE="1", JAX_PLATFORMS="cpu")
     # A subprocess: the bench pins its own process to one core (--clock cpu).
     cmd = [sys.executable, "-m", "tenantq.bench", "roofline", "--plans",
-           "int4-weights+int8-kv", "--batches", "1,2", "--json"]  # fmt: skip
+           "int4-weights+int8-kv,w4a8", "--batches", "1,2", "--json"]  # fmt: skip
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
     rows = result["rows"]
-    assert {(r["plan"], r["batch"]) for r in rows} == {("int4-weights+int8-kv", b) for b in (1, 2)}
+    plans = ("int4-weights+int8-kv", "w4a8")
+    assert {(r["plan"], r["batch"]) for r in rows} == {(p, b) for p in plans for b in (1, 2)}
+    # one profile, every pass rate measured for each weight shape class of the model
+    from tenantq.bench.roofline import SMOKE_MODEL, weight_shapes
+    from tenantq.model.config import ModelConfig
+
+    shapes = weight_shapes(ModelConfig(model_type="llama", **SMOKE_MODEL))
+    assert len(result["profiles"]) == 1
+    by_shape = result["profile"]["by_shape"]
+    assert list(by_shape) == [f"{r}x{c}" for r, c in shapes]
+    for rates in by_shape.values():
+        assert rates["pack"] > 0 and rates["unpack"] > 0 and rates["unpack_b1"] > 0
+    assert result["wall_s"] > 0
     for r in rows:
         assert r["measured_ms"] > 0 and r["predicted_ms"] > 0
         assert r["error"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1, rel=1e-6)
@@ -54,3 +66,14 @@ def test_bf16_dot_rates_invert_the_step_models_own_equation(bandwidth, pack, pea
     got_pack, got_peak = bf16_dot_rates(t(2), t(batch), n, batch, bandwidth)
     assert got_pack == pytest.approx(pack, rel=1e-9)
     assert got_peak == pytest.approx(peak, rel=1e-9)
+
+
+def test_shape_classes_are_the_models_matmul_shapes_largest_first() -> None:
+    # The validation model's weights one chip stores ([in, out]), by elements over 8 layers:
+    # gate/up 2 x 1024 x 2816, down 2816 x 1024, lm_head 1024 x 8192, q/o 2 x 1024 x 1024,
+    # k/v 2 x 1024 x 256 (the untied embedding is a row gather, not a matmul weight).
+    from tenantq.bench.roofline import MODEL, weight_shapes
+    from tenantq.model.config import ModelConfig
+
+    got = weight_shapes(ModelConfig(model_type="llama", **MODEL))
+    assert got == [(1024, 2816), (2816, 1024), (1024, 1024), (1024, 8192), (1024, 256)]

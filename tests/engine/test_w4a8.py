@@ -110,14 +110,16 @@ def test_w4a8_rules_take_groups_but_8bit_w8a8_does_not() -> None:
 
 TP_SCRIPT = """
 import json
+import sys
 import numpy as np
 from tenantq.engine import Engine
 from tenantq.engine.sharding import device_bytes
 from tenantq.quant.plan import QuantPlan, Rule
 from tenantq.testing import tiny_config, tiny_params
-config = tiny_config()
+pattern, tied = sys.argv[1], sys.argv[2] == "tied"
+config = tiny_config(tie_word_embeddings=tied)
 params = tiny_params(config)
-plan = QuantPlan((Rule("layers/.*", "int4", group_size=16, activations="int8"),))
+plan = QuantPlan((Rule(pattern, "int4", group_size=16, activations="int8"),))
 prompts = [[3, 4, 5, 6, 7], [9, 8, 7]]
 one = Engine(config, params, plan, max_seqs=2, max_seq_tokens=32)
 two = Engine(config, params, plan, tp=2, max_seqs=2, max_seq_tokens=32)
@@ -128,30 +130,57 @@ print(json.dumps({"diff": float(np.abs(a - b).max()), "top": float(np.abs(a).max
 """
 
 
+def _tp2(pattern: str, tied: bool) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")  # fmt: skip
+    argv = [sys.executable, "-c", TP_SCRIPT, pattern, "tied" if tied else "untied"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow  # a subprocess that imports JAX and builds a sharded engine
 def test_w4a8_under_tensor_parallelism_matches_one_chip_and_the_planner() -> None:
     # W4A8 with groups along the input splits its row-parallel weights (o, down) between
     # groups: each device multiplies whole groups, so the sharded engine sums the same exact
     # group products (int32) in another order. Bound: float32 re-association of the logits'
     # sums, 1e-5 of the largest logit (about 2^-17: a few hundred terms at 2^-24 each).
-    import json
-    import os
-    import subprocess
-    import sys
-
     from tenantq.capacity.weights import tensor_bytes
     from tenantq.testing import tiny_config
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", TP_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = _tp2("layers/.*", tied=False)
     assert out["diff"] <= 1e-5 * out["top"]
     plan = QuantPlan((Rule("layers/.*", "int4", group_size=16, activations="int8"),))
     for t in tensor_bytes(tiny_config(), plan, tp=2):
         assert out["held"][t.path] == [t.bytes_per_chip] * 2, t.path
+
+
+@pytest.mark.slow  # a subprocess that imports JAX and builds a sharded engine
+def test_w4a8_tied_head_under_tensor_parallelism_matches_one_chip_and_the_planner() -> None:
+    # A tied embedding in W4A8 ([vocab, hidden], int4 groups along hidden) is split along the
+    # vocabulary at tp=2: each device runs the grouped E^T product for its half of the
+    # logits over whole groups, the same group products as one chip. Bound as the untied
+    # test's: float32 re-association, 1e-5 of the largest logit. Bytes: each device holds
+    # what the planner counts per chip, the embedding's half included.
+    from tenantq.capacity.weights import tensor_bytes
+    from tenantq.testing import tiny_config
+
+    out = _tp2(".*", tied=True)
+    assert out["diff"] <= 1e-5 * out["top"]
+    config = tiny_config(tie_word_embeddings=True)
+    plan = QuantPlan((Rule(".*", "int4", group_size=16, activations="int8"),))
+    counted = tensor_bytes(config, plan, tp=2)
+    assert "embed" in {t.path for t in counted} and "lm_head" not in out["held"]
+    embed = next(t for t in counted if t.path == "embed")
+    assert embed.shard_shape[0] == config.vocab_size // 2  # split, not replicated
+    for t in counted:
+        assert out["held"][t.path] == [t.bytes_per_chip] * 2, t.path
+    assert set(out["held"]) == {t.path for t in counted}
 
 
 @pytest.mark.parametrize("activations", ["int8", "fp8_e4m3"])

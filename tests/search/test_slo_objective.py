@@ -190,11 +190,12 @@ def test_an_slo_study_carries_tenants_at_slo_through_front_export_mlflow_and_rep
     # the report: the front table, the Pareto axis and the waterfall use the SLO capacity
     record = load_study(spec.tracking.uri, "slo")
     rows = front_table_rows(record)
-    assert [int(r["tenants at 1500tok/s"]) for r in rows] == [r.tenants for r in outcome.front]
+    # one label everywhere (issue 30): the spec's "1500tok/s" is written as search writes it
+    assert [int(r["tenants at 1500 tok/s"]) for r in rows] == [r.tenants for r in outcome.front]
     assert [int(r["tenants by memory"]) for r in rows] == [
         r.tenants_by_memory for r in outcome.front
     ]
-    assert pareto_figure(record).layout.xaxis.title.text == "tenants at 1500tok/s"
+    assert pareto_figure(record).layout.xaxis.title.text == "tenants at 1500 tok/s"
     chosen = record.choose_trial()
     fig = waterfall_figure(chosen, None)
     b = chosen.artifact_json("budget.json")
@@ -208,6 +209,50 @@ def test_an_slo_study_carries_tenants_at_slo_through_front_export_mlflow_and_rep
     y = list(fig.data[0].y)
     # both bars together are the memory's tenants' bytes, to the byte
     assert -(y[4] + y[5]) * 1024**2 == pytest.approx(b["tenants"] * b["tenant_bytes_per_chip"])
+
+
+@pytest.mark.slow
+def test_a_loose_slo_study_is_bound_by_memory_through_front_and_report(
+    tmp_path, monkeypatch
+) -> None:
+    # The other edge of min(memory, SLO): at 1 tok/s every plan's step at its memory tenants
+    # is far under a second (tpu-v5e, reference model, context 256), so memory binds: the
+    # value Optuna is told is memory's count, the SLO's count lies above it, the budget says
+    # memory binds and the report's waterfall serves every tenant memory holds.
+    from tenantq.report.figures import front_table_rows, waterfall_figure
+    from tenantq.report.study import load_study
+    from tenantq.search.driver import SearchDriver
+    from tenantq.workers.inprocess import InProcessPool
+
+    monkeypatch.chdir(tmp_path)  # MLflow's sqlite store puts artifacts in ./mlruns
+    text = SPEC.format(tmp=tmp_path).replace('slo = "1500tok/s"', 'slo = "1tok/s"')
+    text = text.replace("trials = 6", "trials = 3")
+    spec = parse_spec(tomllib.loads(text))
+    outcome = SearchDriver(
+        spec,
+        text,
+        progress=False,
+        out_dir=tmp_path / "out",
+        pool_factory=lambda d: InProcessPool(count=d.workers),
+    ).run()
+    study = optuna.load_study(study_name="slo", storage=spec.study.storage)
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert done
+    for t in done:
+        cap = t.user_attrs["capacity"]
+        assert t.values[0] == cap["capacity.tenants_at_slo"] == cap["capacity.tenants"]
+        assert cap["capacity.tenants_by_slo"] > cap["capacity.tenants"]
+    assert outcome.front and all(r.tenants == r.tenants_by_memory for r in outcome.front)
+    assert outcome.table.splitlines()[0].split()[:5] == ["trial", "tenants", "at", "1", "tok/s"]
+    record = load_study(spec.tracking.uri, "slo")
+    assert [int(r["tenants at 1 tok/s"]) for r in front_table_rows(record)] == [
+        r.tenants for r in outcome.front
+    ]
+    chosen = record.choose_trial()
+    b = chosen.artifact_json("budget.json")
+    assert b["service_level"]["binding"] == "memory"
+    labels = list(waterfall_figure(chosen, None).data[0].x)
+    assert labels[4:6] == [f"{b['tenants']} tenants at 1 tok/s", "0 beyond the SLO"]
 
 
 def test_the_report_reads_the_capacity_the_study_used():
@@ -232,6 +277,10 @@ def test_the_report_reads_the_capacity_the_study_used():
     assert [t.tenants for t in slo.trials] == [30, 40]
     assert slo.choose_trial().number == 1  # most tenants at the SLO, not by memory
     assert slo.quality_metrics == ["fidelity.kl_mean"]
+    # the label `tenantq search` prints (CapacityObjective.label), whatever the spec's spelling
+    for written in ("20tok/s", "20 tokens/s", "20", 20):
+        again = StudyRecord("u", "e", "s", "p", dict(params, **{"deployment.slo": written}), {}, [])
+        assert again.capacity_label == "tenants at 20 tok/s"
     mem = dict(params, objectives="maximize tenants, minimize fidelity.kl_mean")
     memory = StudyRecord("u", "e", "s", "p", mem, {}, [trial(0, 90, 30), trial(1, 50, 40)])
     assert [t.tenants for t in memory.trials] == [90, 50]

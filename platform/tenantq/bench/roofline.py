@@ -32,7 +32,7 @@ MODEL = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_laye
 SMOKE_MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16,
                    max_position_embeddings=64)  # fmt: skip
-PLANS = ("bf16", "int8-weights", "int4-weights+int8-kv")
+PLANS = ("bf16", "int8-weights", "int4-weights+int8-kv", "w4a8")
 TARGET_ERROR = 0.30  # the issue's target, where the measured step is >= 1 ms
 _clock = time.perf_counter  # time.process_time under --clock cpu (set in main)
 
@@ -55,15 +55,19 @@ def measure_bandwidth(nbytes: int, repeats: int) -> float:
 
 
 def measure_convert(
-    rows: int, cols: int, copies: int, bandwidth: float, repeats: int
-) -> tuple[dict, dict]:
-    """Weight elements/s of the conversion pass the engine's matmul runs before its dot on
-    XLA:CPU, per stored format, timed where the engine pays it: inside the engine's own
-    `matmul`, whose converted copy is a temporary that XLA:CPU faults in afresh at every call
-    (a copy returned as an output is not: the runtime may reuse its pages). Batched path: the
-    matmul at 2 rows less a bf16 weight's at 2 rows (no conversion; the dot and its packing);
-    one-row path: the matmul at 1 row less the time to read its float32 copy at `bandwidth`.
-    Over `copies` distinct [rows, cols] weights (the model's MLP shape), each once per call."""
+    rows: int, cols: int, copies: int, bandwidth: float, wide: int, repeats: int
+) -> tuple[dict, dict, float, float, float]:
+    """Weight elements/s of the passes the engine's matmul runs before its dot on XLA:CPU,
+    for `copies` distinct [rows, cols] weights (one shape class of the model), timed where
+    the engine pays them: inside the engine's own `matmul`, whose converted copy is a
+    temporary that XLA:CPU faults in afresh at every call (a copy returned as an output is
+    not: the runtime may reuse its pages). Returns (to bf16 per format, to float32 per
+    format, W4A8 unpack, W4A8 unpack at one row, W4A8 grouped product FLOP/s). Batched
+    conversion: the matmul at 2 rows less a bf16 weight's at 2 rows (no conversion; the dot
+    and its packing); one row: the matmul at 1 row less the time to read its float32 copy at
+    `bandwidth`. W4A8 (int4/g128 weights, int8 activations): its grouped product's rate from
+    its times at 2 and `wide` rows (2 (wide - 2) n FLOPs more), then the unpack as the
+    matmul less the read of its 8-bit codes at `bandwidth` and its products at that rate."""
     import jax
     import jax.numpy as jnp
 
@@ -78,16 +82,26 @@ def measure_convert(
         "int4": [quantize(w, "int4", axis=0, group_size=128) for w in ws],
     }
     f = jax.jit(lambda x, qs: [matmul(x, q, dtype=jnp.bfloat16) for q in qs])
+    w4a8 = jax.jit(lambda x, qs: [matmul(x, q, dtype=jnp.bfloat16, activations="int8") for q in qs])
     n = rows * cols * copies
     t = {}
     for m in (1, 2):
         x = jnp.ones((m, rows), jnp.bfloat16)
         for fmt, qs in stored.items():
             t[fmt, m] = _best_s(lambda x=x, qs=qs: jax.block_until_ready(f(x, qs)), repeats)
+    for m in (1, 2, wide):
+        x = jnp.ones((m, rows), jnp.bfloat16)
+        qs = stored["int4"]
+        t["w4a8", m] = _best_s(lambda x=x, qs=qs: jax.block_until_ready(w4a8(x, qs)), repeats)
     out = {fmt: n / max(t[fmt, 2] - t["bf16", 2], 0.1 * t[fmt, 2]) for fmt in ("int8", "int4")}
     read_s = 4 * n / bandwidth
     out_b1 = {fmt: n / max(t[fmt, 1] - read_s, 0.1 * t[fmt, 1]) for fmt in stored}
-    return out, out_b1
+    grouped = 2 * (wide - 2) * n / max(t["w4a8", wide] - t["w4a8", 2], 0.1 * t["w4a8", wide])
+    unpack = {
+        m: n / max(t["w4a8", m] - n / bandwidth - 2 * m * n / grouped, 0.1 * t["w4a8", m])
+        for m in (1, 2)
+    }
+    return out, out_b1, unpack[2], unpack[1], grouped
 
 
 def measure_matmul(batch: int, size: int, repeats: int) -> dict[str, float]:
@@ -158,6 +172,8 @@ def _plan(name: str):
         return QuantPlan()
     if name == "int8-weights":
         return QuantPlan((Rule(".*", "int8"),))
+    if name == "w4a8":  # int4/g128 projections and head on int8 activations; bf16 embedding
+        return QuantPlan((Rule(".*_proj|lm_head", "int4", group_size=128, activations="int8"),))
     return QuantPlan((Rule(".*", "int4"),), KVPlan(key_format="int8", value_format="int8"))
 
 
@@ -191,32 +207,66 @@ def step_overhead_s(steps: int, repeats: int) -> float:
     return measure_step(engine, 1, 8, steps, repeats)
 
 
+def weight_shapes(config) -> list[tuple[int, int]]:
+    """The model's matmul weight shapes as one chip stores them ([in, out]; the head's), each
+    once, largest share of the elements first: the shape classes a CPU profile measures."""
+    from tenantq.capacity.weights import tensor_bytes
+    from tenantq.quant.plan import QuantPlan
+
+    elements: dict[tuple[int, int], int] = {}
+    for t in tensor_bytes(config, QuantPlan(), 1):
+        if t.line in ("norms", "embed") and not (t.line == "embed" and config.tie_word_embeddings):
+            continue
+        shape = tuple(t.shard_shape)
+        elements[shape] = elements.get(shape, 0) + shape[0] * shape[1]
+    return sorted(elements, key=lambda s: -elements[s])
+
+
 def cpu_profile(args) -> tuple[object, dict]:
+    """The CPU profile: stream bandwidth, matmul peaks, then every pass rate per shape class
+    of the validation model (`weight_shapes`), each over ~`convert_copies` MLP weights'
+    worth of elements; the largest class's rates are also the any-shape defaults."""
     from tenantq.capacity.hardware import HardwareProfile
+    from tenantq.model.config import ModelConfig
 
     shape = SMOKE_MODEL if args.smoke else MODEL
+    config = ModelConfig(model_type="llama", **shape)
     bw = measure_bandwidth(args.stream_bytes, args.repeats + 2)
     peaks = measure_matmul(max(args.batches), args.matmul_size, args.repeats)
-    convert, convert_b1 = measure_convert(
-        shape["hidden_size"], shape["intermediate_size"], args.convert_copies, bw, args.repeats
-    )
-    pack, bf16_peak = measure_bf16_dot(
-        shape["hidden_size"], shape["intermediate_size"], args.convert_copies,
-        max(max(args.batches), 4), bw, args.repeats,
-    )  # fmt: skip
-    peaks["bf16"] = bf16_peak  # the products alone: the weight's packing is `pack`
+    budget = args.convert_copies * shape["hidden_size"] * shape["intermediate_size"]
+    per_shape, rates = {}, []
+    for i, (rows, cols) in enumerate(weight_shapes(config)):
+        copies = max(1, round(budget / (rows * cols)))
+        convert, convert_b1, unpack, unpack_b1, grouped = measure_convert(
+            rows, cols, copies, bw, max(max(args.batches), 4), args.repeats
+        )
+        pack, bf16_peak = measure_bf16_dot(
+            rows, cols, copies, max(max(args.batches), 4), bw, args.repeats
+        )
+        per_shape[f"{rows}x{cols}"] = {
+            "copies": copies, "convert": convert, "convert_b1": convert_b1,
+            "pack": pack, "unpack": unpack, "unpack_b1": unpack_b1, "grouped": grouped,
+            "bf16_peak": bf16_peak,
+        }  # fmt: skip
+        for key in ((rows, cols), ()) if i == 0 else ((rows, cols),):
+            rates += [("convert", f, key, r) for f, r in convert.items()]
+            rates += [("convert_b1", f, key, r) for f, r in convert_b1.items()]
+            rates += [("pack", "bf16", key, pack), ("unpack", "int4", key, unpack),
+                      ("unpack_b1", "int4", key, unpack_b1),
+                      ("grouped", "int4", key, grouped)]  # fmt: skip
+        if i == 0:  # the products alone, on the largest class: the packing is `pack`
+            peaks["bf16"] = bf16_peak
+        print(f"profile {rows}x{cols}: {json.dumps(per_shape[f'{rows}x{cols}'])}",
+              file=sys.stderr, flush=True)  # fmt: skip
     overhead = step_overhead_s(args.steps, args.repeats)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     profile = HardwareProfile(
         "cpu-measured", memory, int(bw), "this CPU, measured by python -m tenantq.bench roofline",
         peak_bf16_flops_per_s=int(peaks["bf16"]), peak_int8_ops_per_s=int(peaks["int8"]),
-        peak_fp8_flops_per_s=int(peaks["fp8"]), convert_elements_per_s=tuple(convert.items()),
-        convert_b1_elements_per_s=tuple(convert_b1.items()), dot_pack_elements_per_s=pack,
+        peak_fp8_flops_per_s=int(peaks["fp8"]), shape_rates=tuple(rates),
     )  # fmt: skip
     figures = {"bandwidth_bytes_per_s": bw, "peak_per_s": peaks, "step_overhead_s": overhead,
-               "convert_elements_per_s": convert,
-               "convert_b1_elements_per_s": convert_b1,
-               "dot_pack_elements_per_s": pack}  # fmt: skip
+               "by_shape": per_shape}  # fmt: skip
     return profile, figures
 
 
@@ -238,12 +288,15 @@ def run(args) -> dict:
     config = ModelConfig(model_type="llama", **shape)
     params = init_params(config, seed=0)
     rows, profiles = [], []
-    for name in args.plans:
-        # The profile is measured again before each plan's steps: on a shared machine the
-        # ratio of a step to the micro-benchmarks beside it is what stays meaningful.
-        profile, figures = cpu_profile(args)
-        profiles.append({"plan": name, **figures})
-        print(json.dumps(profiles[-1]), file=sys.stderr, flush=True)  # progress, to poll
+    started, started_cpu = time.monotonic(), time.process_time()
+    for i, name in enumerate(args.plans):
+        # `--profile each`: measured again before each plan's steps (on a shared machine the
+        # ratio of a step to the micro-benchmarks beside it is what stays meaningful);
+        # `once` (default): one profile for every plan, a bounded run on a quiet machine.
+        if i == 0 or args.profile == "each":
+            profile, figures = cpu_profile(args)
+            profiles.append({"plan": name if args.profile == "each" else "all", **figures})
+            print(json.dumps(profiles[-1]), file=sys.stderr, flush=True)  # progress, to poll
         plan = _plan(name)
         counted = sum(t.bytes_per_chip for t in tensor_bytes(config, plan, 1))
         for b in args.batches:
@@ -269,6 +322,7 @@ def run(args) -> dict:
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             del engine
     load_after = _loadavg()
+    wall_s, cpu_s = time.monotonic() - started, time.process_time() - started_cpu
     judged = [r for r in rows if r["measured_ms"] >= 1.0]
     return {
         "profile": profiles[0],
@@ -281,24 +335,33 @@ def run(args) -> dict:
         "clock": "process CPU time, one core" if _clock is time.process_time else "wall",
         "loadavg_before": load_before,
         "loadavg_after": load_after,
+        "wall_s": wall_s,  # the run's length on this machine, its load included
+        "cpu_s": cpu_s,  # its CPU time: about its wall time on a quiet machine (one core)
     }
 
 
 def _profile_line(p: dict) -> str:
     peaks = ", ".join(f"{k} {v / 1e9:.1f} G/s" for k, v in p["peak_per_s"].items())
-    conv = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in p["convert_elements_per_s"].items())
-    conv1 = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in p["convert_b1_elements_per_s"].items())
-    return (
+    lines = [
         f"{p.get('plan', '')}: stream {p['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; matmul "
-        f"{peaks}; conversion G elements/s to bf16 {conv}, to f32 (1 row) {conv1}; bf16 dot "
-        f"packing {p['dot_pack_elements_per_s'] / 1e9:.2f} G elements/s; "
-        f"step overhead {p['step_overhead_s'] * 1e3:.2f} ms"
-    )
+        f"{peaks}; step overhead {p['step_overhead_s'] * 1e3:.2f} ms; passes, G elements/s:"
+    ]
+    for shape, r in p["by_shape"].items():
+        conv = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in r["convert"].items())
+        conv1 = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in r["convert_b1"].items())
+        lines.append(
+            f"  {shape:>10} x{r['copies']:<3} to bf16 {conv}; to f32 (1 row) {conv1}; "
+            f"bf16 packing {r['pack'] / 1e9:.2f}; W4A8 unpack {r['unpack'] / 1e9:.2f}, "
+            f"1 row {r['unpack_b1'] / 1e9:.2f}; W4A8 grouped product "
+            f"{r.get('grouped', float('nan')) / 1e9:.1f} GFLOP/s"
+        )
+    return "\n".join(lines)
 
 
 def render(result: dict) -> str:
     out = [
-        "CPU profile, measured before each plan's steps:",
+        "CPU profile, measured "
+        + ("before each plan's steps:" if len(result.get("profiles", [])) > 1 else "once:"),
         *(_profile_line(p) for p in result.get("profiles", [result["profile"]])),
         f"model: {result['model']}; clock: {result.get('clock', 'wall')}",
         "",
@@ -319,6 +382,11 @@ def render(result: dict) -> str:
         f"{TARGET_ERROR:.0%}; largest |error| "
         + ("n/a" if worst is None else f"{worst:.0%}")
         + f"; load {' '.join(result['loadavg_before'])} -> {' '.join(result['loadavg_after'])}"
+        + (
+            f"; wall time {result['wall_s']:.0f} s, CPU time {result['cpu_s']:.0f} s"
+            if "wall_s" in result
+            else ""
+        )
     )
     for name in dict.fromkeys(r["plan"] for r in result["rows"]):
         r = next(x for x in result["rows"] if x["plan"] == name)
@@ -341,7 +409,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--matmul-size", type=int, default=128 if smoke else 2048)
     parser.add_argument(
         "--convert-copies", type=int, default=2 if smoke else 8,
-        help="distinct weights of the model's MLP shape the conversion benchmark passes over",
+        help="elements each shape class's pass benchmarks cover, in weights of the model's MLP "
+        "shape (a [1024, 256] class takes ~11 weights per MLP weight)",
     )  # fmt: skip
     parser.add_argument(
         "--clock",
@@ -350,6 +419,10 @@ def main(argv: list[str]) -> int:
         help="cpu: one core, process CPU time (default; a shared machine's load stays out); "
         "wall: all cores, wall time",
     )
+    parser.add_argument(
+        "--profile", choices=("once", "each"), default="once",
+        help="measure the CPU profile once for all plans (default) or again before each plan",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     global _clock

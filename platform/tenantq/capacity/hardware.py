@@ -23,6 +23,12 @@ TFLOP_S = 10**12  # peak matmul rates are decimal too: TFLOP/s (TOP/s for int8)
 # The compute formats a matmul can run in: bf16 (weight-only formats dequantize to it),
 # int8 and fp8 (W8A8 / W4A8 with int8 or fp8 activations).
 COMPUTE_FORMATS = ("bf16", "int8", "fp8")
+# Weight passes XLA:CPU runs before a dot (`HardwareProfile.shape_rates`): conversion to a bf16
+# copy (a batch) or a float32 copy (one row), the batched bf16 dot's packing of its weight,
+# and W4A8's unpacking of int4 nibbles to 8-bit codes (a batch; one row). "grouped" is not a
+# pass but W4A8's grouped int8 product, in FLOP/s: XLA:CPU runs it far below a plain int8
+# dot's peak, and a CPU profile that has it charges W4A8's FLOPs at it, after the unpack.
+CPU_PASSES = ("convert", "convert_b1", "pack", "unpack", "unpack_b1", "grouped")
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,12 @@ class HardwareProfile:
     # XLA:CPU's batched bf16 dot (YNNPACK) packs its weight operand into its own layout at
     # every call, a pass over every weight element before the products: elements/s of it.
     dot_pack_elements_per_s: float | None = None
+    # The same passes by weight shape (XLA:CPU's rates differ between shapes of one model,
+    # e.g. packing [2816, 1024] runs at ~60% of [1024, 2816]'s): (pass, format, shape one chip
+    # stores, elements/s); shape () is that pass's rate for any shape not listed. Passes:
+    # `CPU_PASSES`; "unpack" is W4A8's int4 nibbles to 8-bit codes before an int8 dot (its
+    # format: the stored one, int4). Looked up by `pass_rate`, before the tables above.
+    shape_rates: tuple[tuple[str, str, tuple[int, ...], float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.hbm_bytes, int) or self.hbm_bytes <= 0:
@@ -63,12 +75,48 @@ class HardwareProfile:
         passes = [*self.convert_elements_per_s, *self.convert_b1_elements_per_s]
         if self.dot_pack_elements_per_s is not None:
             passes.append(("dot packing", self.dot_pack_elements_per_s))
+        for kind, fmt, shape, rate in self.shape_rates:
+            if kind not in CPU_PASSES:
+                raise ValueError(
+                    f"hardware {self.name}: shape_rates pass {kind!r} is unknown; valid: "
+                    f"{', '.join(CPU_PASSES)}"
+                )
+            if not isinstance(shape, tuple) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape
+            ):
+                raise ValueError(
+                    f"hardware {self.name}: shape_rates shape {shape!r} must be a tuple of "
+                    "positive ints (() for any shape)"
+                )
+            passes.append((f"{kind} {fmt} {shape}", rate))
         for what, rate in passes:  # a zero rate divides by zero; leave a free pass out
             if isinstance(rate, bool) or not 0 < rate < float("inf"):
                 raise ValueError(
                     f"hardware {self.name}: {what} pass rate {rate!r} must be a positive, "
                     "finite rate (elements/s); leave out a format that has no pass"
                 )
+
+    def pass_rate(self, kind: str, fmt: str, shape: tuple[int, ...]) -> float | None:
+        """Elements/s of XLA:CPU's `kind` pass (`CPU_PASSES`) over a `fmt` weight that one chip
+        stores as `shape`: that shape's measured rate, else the pass's any-shape rate, else the
+        per-format tables (`convert_elements_per_s`, `convert_b1_elements_per_s`,
+        `dot_pack_elements_per_s` for a bf16 dot's packing); None where there is no pass."""
+        exact = anyshape = None
+        for k, f, s, rate in self.shape_rates:
+            if (k, f) == (kind, fmt):
+                if s == tuple(shape):
+                    exact = rate
+                elif s == ():
+                    anyshape = rate
+        if exact is not None or anyshape is not None:
+            return exact if exact is not None else anyshape
+        if kind == "convert":
+            return dict(self.convert_elements_per_s).get(fmt)
+        if kind == "convert_b1":
+            return dict(self.convert_b1_elements_per_s).get(fmt)
+        if kind == "pack" and fmt == "bf16":
+            return self.dot_pack_elements_per_s
+        return None
 
     def peak_for(self, compute_format: str) -> int | float | None:
         """The vendor's dense peak for `compute_format` (bf16, int8, fp8), or None."""

@@ -173,40 +173,83 @@ def cpu_weight_pass(
     hardware converts weights in a pass of its own (see `HardwareProfile`): each weight with a
     conversion rate for its stored format costs its elements at that rate, and its dot then
     reads the converted copy (bf16, 2 B per element, for a batch; float32, 4 B, for one row);
-    a weight without one is read as stored. A batch's dot also packs each weight it
-    multiplies (`dot_pack_elements_per_s`). An untied embedding: the batch's rows only.
+    a weight without one is read as stored. A batch's bf16 dot also packs each weight it
+    multiplies. A W4A8 weight (int4 with activations) is unpacked to 8-bit codes, which its
+    int8 dot reads (1 B per element). Every rate is the one for the weight's shape on one
+    chip (`HardwareProfile.pass_rate`). An untied embedding: the batch's rows only.
     Accelerator profiles (no rates): (0, the stored bytes, `weight_step_bytes`)."""
-    table = hw.convert_b1_elements_per_s if batch == 1 else hw.convert_elements_per_s
-    rates = dict(table)
-    pack = hw.dot_pack_elements_per_s if batch > 1 else None
-    if not rates and pack is None:
+    if not (
+        hw.convert_elements_per_s
+        or hw.convert_b1_elements_per_s
+        or hw.dot_pack_elements_per_s is not None
+        or hw.shape_rates
+    ):
         return 0.0, weight_step_bytes(config, plan, tp, batch)
-    copy_bytes = 4 if batch == 1 else 2
+    one_row = batch == 1
+    convert, unpack = ("convert_b1", "unpack_b1") if one_row else ("convert", "unpack")
+    copy_bytes = 4 if one_row else 2
     resolved = plan.resolve(config)
     seconds, read = 0.0, 0
     for t in tensor_bytes(config, plan, tp):
+        shape = tuple(t.shard_shape)
         n = 1
-        for d in t.shard_shape:
+        for d in shape:
             n *= d
         stored = t.bytes_per_chip
-        if t.path == "embed" and not config.tie_word_embeddings:
+        gather = t.path == "embed" and not config.tie_word_embeddings
+        if gather:
             rows = min(batch, t.shape[0])
             n, stored = n * rows // t.shape[0], -(-stored * rows // t.shape[0])
         tq = resolved.get(t.path)
-        rate = rates.get(t.format)
-        gather = t.path == "embed" and not config.tie_word_embeddings
-        # Norms are no matmul; W8A8/W4A8 dots multiply the stored codes (not modelled here).
-        if t.line == "norms" or (tq is not None and tq.activations):
+        if t.line == "norms":  # no matmul
             read += stored
             continue
-        if pack is not None and not gather:
+        if tq is not None and tq.activations:
+            # W8A8 dots multiply the stored codes; W4A8's unpack them to 8-bit codes first.
+            rate = hw.pass_rate(unpack, t.format, shape) if t.format == "int4" else None
+            if rate is None or gather:
+                read += stored
+                continue
+            seconds += n / rate
+            read += n
+            products = hw.pass_rate("grouped", t.format, shape)
+            # FLOP/s of the grouped product; `decode_step` takes these FLOPs off the int8 peak
+            if products is not None and tq.activations == "int8":
+                seconds += 2 * batch * n / products
+            continue
+        pack = None if one_row or gather else hw.pass_rate("pack", "bf16", shape)
+        if pack is not None:
             seconds += n / pack
+        rate = hw.pass_rate(convert, t.format, shape)
         if rate is None:
             read += stored
             continue
         seconds += n / rate
         read += stored if gather else copy_bytes * n
     return seconds, read
+
+
+def _grouped_flops(
+    config: ModelConfig, plan: QuantPlan, hw: HardwareProfile, tp: int, batch: int
+) -> int:
+    """The int8 FLOPs of W4A8 weights that `cpu_weight_pass` charges at the profile's
+    grouped-product rate (the same weights: an unpack rate and a "grouped" rate), taken out
+    of the int8 peak's share so they are counted once."""
+    if not hw.shape_rates:
+        return 0
+    unpack = "unpack_b1" if batch == 1 else "unpack"
+    resolved = plan.resolve(config)
+    total = 0
+    for t in tensor_bytes(config, plan, tp):
+        tq = resolved.get(t.path)
+        if t.format != "int4" or tq is None or tq.activations != "int8":
+            continue
+        if t.path == "embed" and not config.tie_word_embeddings:
+            continue
+        shape = tuple(t.shard_shape)
+        if hw.pass_rate(unpack, "int4", shape) and hw.pass_rate("grouped", "int4", shape):
+            total += 2 * batch * shape[0] * shape[1]
+    return total
 
 
 def decode_step(
@@ -229,7 +272,9 @@ def decode_step(
     flops = step_flops(config, plan, deployment.chips, batch, context_tokens)
     conv, read = cpu_weight_pass(config, plan, deployment.hardware, deployment.chips, batch)
     memory_s = (read + kv) / bandwidth
-    compute_s = sum(n / peaks[f] for f, n in flops.items())
+    charged = dict(flops)
+    charged["int8"] -= _grouped_flops(config, plan, deployment.hardware, deployment.chips, batch)
+    compute_s = sum(n / peaks[f] for f, n in charged.items())
     return StepTime(
         batch=batch,
         context_tokens=context_tokens,
