@@ -1,0 +1,180 @@
+"""The quality model's rules one at a time (tenantq.search.quality_model): the prior's trust
+against a ridge written in its primal form (the model solves the n x n dual), the trust's
+edge cases where no-prior predicts perfectly, and which trials the prediction metrics count.
+
+The reference below is the module docstring's objective solved directly:
+w = (X'X + D)^-1 (X'y + D m), D = diag(RIDGE + trust * PRIOR_PLANS * [f has a prior]),
+m = trust * PRIOR_PLANS * s * p / D, s the least-squares scale of the prior on the data;
+single values clipped at 0; an unmeasured value weighs max(0, m_f).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import optuna
+import pytest
+
+from tenantq.search import quality_model as qm
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _primal_predict(rows, ys, base, prior, target):
+    """The model's prediction of plan `target` fitted on (rows, ys), at trust 1 (or none)."""
+    feats = sorted({f for r in rows for f in r}, key=repr)
+    y = np.array(ys, float) - base
+    x = np.array([[float(f in r) for f in feats] for r in rows])
+    p = np.array([prior.get(f, 0.0) for f in feats])
+    xp = x @ p
+    s = max(float(xp @ y / (xp @ xp)), 0.0) if xp @ xp > 0 else 1.0
+    kappa = qm.PRIOR_PLANS if prior else 0.0
+    d = qm.RIDGE + kappa * np.array([f in prior for f in feats], float)
+    m = kappa * s * p / d
+    w = np.linalg.solve(x.T @ x + np.diag(d), x.T @ y + d * m)
+    weight = dict(zip(feats, np.maximum(w, 0.0), strict=True))
+    out = base
+    for f in target:
+        if f in weight:
+            out += weight[f]
+        else:  # never measured: its prior's pull (0 without a prior)
+            pull = kappa if f in prior else 0.0
+            out += max(0.0, pull * s * prior.get(f, 0.0) / (qm.RIDGE + pull))
+    return out
+
+
+def _reference_trust(rows, ys, base, prior, history):
+    n = len(rows)
+    first = max(qm.TRUST_START, n - qm.TRUST_WINDOW)
+    if n - first < qm.TRUST_MIN:
+        return 1.0
+    err_with = err_none = 0.0
+    for k in range(first, n):
+        lo = max(0, k - history)
+        err_with += (_primal_predict(rows[lo:k], ys[lo:k], base, prior, rows[k]) - ys[k]) ** 2
+        err_none += (_primal_predict(rows[lo:k], ys[lo:k], base, {}, rows[k]) - ys[k]) ** 2
+    return min(1.0, max(0.0, 1.0 - err_with / err_none))
+
+
+def _overlapping_plans(n, seed):
+    # plans of 1-3 of 5 values each, so every prediction rests on values measured before
+    rng = random.Random(seed)
+    values = [(f"w.t{i}", "int4") for i in range(5)]
+    cost = {f: rng.uniform(0.05, 0.5) for f in values}
+    prior = {f: c * rng.uniform(0.4, 1.8) for f, c in cost.items()}
+    rows = [tuple(rng.sample(values, rng.randint(1, 3))) for _ in range(n)]
+    ys = [0.3 + sum(cost[f] for f in r) + rng.uniform(-0.05, 0.05) for r in rows]
+    return rows, ys, prior
+
+
+@pytest.mark.parametrize(("n", "seed"), [(6, 1), (13, 2)])
+def test_the_prior_trust_matches_a_primal_ridge_on_overlapping_plans(n, seed):
+    # bound: the two solutions of one linear system agree to rounding (rel 1e-6)
+    rows, ys, prior = _overlapping_plans(n, seed)
+    expected = _reference_trust(rows, ys, 0.3, prior, qm.TRUST_HISTORY)
+    assert 0.0 < expected < 1.0  # an intermediate trust: neither clip decides it
+    assert qm.prior_trust(rows, ys, 0.3, prior) == pytest.approx(expected, rel=1e-6)
+
+
+def test_each_trust_prediction_is_fitted_on_at_most_trust_history_plans(monkeypatch):
+    # TRUST_HISTORY 3: plan k is predicted from plans k-3..k-1 only (the reference fits
+    # exactly those); the answer differs from the one on every earlier plan
+    rows, ys, prior = _overlapping_plans(13, 2)
+    monkeypatch.setattr(qm, "TRUST_HISTORY", 3)
+    short = _reference_trust(rows, ys, 0.3, prior, 3)
+    assert short != pytest.approx(_reference_trust(rows, ys, 0.3, prior, 200), rel=1e-3)
+    assert qm.prior_trust(rows, ys, 0.3, prior) == pytest.approx(short, rel=1e-6)
+
+
+def test_a_prior_is_fully_trusted_when_both_predict_every_plan_exactly():
+    # every loss equals the reference's: without a prior each prediction is exact (0 error),
+    # and the prior's scale fits to 0, so with it too: trust 1, not 0/0
+    rows = [(("a", "int4"),), (("b", "int4"),), (("a", "int4"),), (("b", "int4"),)]
+    assert qm.prior_trust(rows, [0.2] * 4, 0.2, {("a", "int4"): 1.0, ("b", "int4"): 2.0}) == 1.0
+
+
+def test_a_prior_is_distrusted_when_only_no_prior_predicts_exactly():
+    # plan 0 costs 1 (prior 1); plans 1-3 quantize fresh values that cost nothing. Without a
+    # prior each fresh value is predicted 0: exact. The prior predicts s * p for each (s = 1,
+    # 1/2, 1/3 from the plans before: errors ~1 + 1/4 + 1/9 > 1): any error against none is
+    # no trust
+    rows = [(("a", "int4"),), (("b", "int4"),), (("c", "int4"),), (("d", "int4"),)]
+    prior = {r[0]: 1.0 for r in rows}
+    assert qm.prior_trust(rows, [1.0, 0.0, 0.0, 0.0], 0.0, prior) == 0.0
+    # a small error against none (under 1 in squares) is still no trust
+    small = {r[0]: (1.0 if r[0][0] == "a" else 0.01) for r in rows}
+    assert qm.prior_trust(rows, [1.0, 0.0, 0.0, 0.0], 0.0, small) == 0.0
+
+
+def _study_with(trials, directions=("minimize", "minimize")):
+    """trials: (prediction dict or None, values, state)."""
+    study = optuna.create_study(directions=list(directions))
+    for predicted, values, state in trials:
+        trial = study.ask()
+        if predicted is not None:
+            study._storage.set_trial_system_attr(trial._trial_id, qm.PREDICTED_ATTR, predicted)
+        if state == "pruned":
+            trial.report(values[0], 0)
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        else:
+            study.tell(trial, values)
+    return study
+
+
+def test_metrics_count_completed_plans_with_a_prediction_and_a_finite_measurement():
+    # the reference plan (no prediction) comes first and is skipped, not the end of the list;
+    # a plan measured inf (a failed gate's value) is left out of its objective
+    study = _study_with(
+        [
+            (None, [0.0, 0.0], "complete"),
+            ({"0": 0.1}, [0.1, 1.0], "complete"),
+            ({"0": 0.2}, [0.25, 1.0], "complete"),
+            ({"0": 5.0, "1": 9.0}, [float("inf"), 1.0], "complete"),
+            ({"0": 0.4}, [0.5, 1.0], "complete"),
+        ]
+    )
+    m = qm.prediction_metrics(study)
+    assert m == {
+        "capacity_aware.obj0.rank_corr": pytest.approx(1.0),
+        "capacity_aware.obj0.median_rel_error": pytest.approx(0.2),
+        "capacity_aware.obj0.predicted_plans": 3.0,
+    }
+
+
+def test_a_pruned_trials_last_report_is_not_a_measurement():
+    # Optuna gives a pruned single-objective trial its last reported value: not a plan measured
+    study = _study_with(
+        [
+            ({"0": 0.1}, [0.1], "complete"),
+            ({"0": 0.2}, [0.25], "complete"),
+            ({"0": 0.4}, [0.5], "complete"),
+            ({"0": 0.3}, [9.0], "pruned"),
+        ],
+        directions=("minimize",),
+    )
+    m = qm.prediction_metrics(study, prefix="p")
+    assert m["p.obj0.predicted_plans"] == 3.0
+    assert m["p.obj0.rank_corr"] == pytest.approx(1.0)
+
+
+def test_three_predicted_plans_are_enough_and_each_objective_is_counted_alone():
+    # objective 0 has 2 predicted plans (left out), objective 1 has 3 (reported): a short
+    # objective does not end the loop over the others
+    study = _study_with(
+        [
+            ({"0": 0.1, "1": 0.3}, [0.1, 0.3], "complete"),
+            ({"0": 0.2, "1": 0.1}, [0.2, 0.2], "complete"),
+            ({"1": 0.2}, [0.5, 0.4], "complete"),
+        ]
+    )
+    m = qm.prediction_metrics(study)
+    assert set(m) == {
+        "capacity_aware.obj1.rank_corr",
+        "capacity_aware.obj1.median_rel_error",
+        "capacity_aware.obj1.predicted_plans",
+    }
+    assert m["capacity_aware.obj1.predicted_plans"] == 3.0
+    # predicted 0.3, 0.1, 0.2 for 0.3, 0.2, 0.4: ranks (3,1,2) vs (2,1,3): rho = 0.5
+    assert m["capacity_aware.obj1.rank_corr"] == pytest.approx(0.5)
+    assert m["capacity_aware.obj1.median_rel_error"] == pytest.approx(0.5)  # 0, .5, .5
