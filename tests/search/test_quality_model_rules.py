@@ -21,19 +21,24 @@ from tenantq.search import quality_model as qm
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-def _primal_predict(rows, ys, base, prior, target):
-    """The model's prediction of plan `target` fitted on (rows, ys), at trust 1 (or none)."""
+def _primal(rows, ys, base, prior, trust=1.0):
+    """(weights of the measured values, s, kappa) of the objective solved directly."""
     feats = sorted({f for r in rows for f in r}, key=repr)
     y = np.array(ys, float) - base
     x = np.array([[float(f in r) for f in feats] for r in rows])
     p = np.array([prior.get(f, 0.0) for f in feats])
     xp = x @ p
     s = max(float(xp @ y / (xp @ xp)), 0.0) if xp @ xp > 0 else 1.0
-    kappa = qm.PRIOR_PLANS if prior else 0.0
+    kappa = trust * qm.PRIOR_PLANS if prior else 0.0
     d = qm.RIDGE + kappa * np.array([f in prior for f in feats], float)
     m = kappa * s * p / d
     w = np.linalg.solve(x.T @ x + np.diag(d), x.T @ y + d * m)
-    weight = dict(zip(feats, np.maximum(w, 0.0), strict=True))
+    return dict(zip(feats, np.maximum(w, 0.0), strict=True)), s, kappa
+
+
+def _primal_predict(rows, ys, base, prior, target):
+    """The model's prediction of plan `target` fitted on (rows, ys), at trust 1 (or none)."""
+    weight, s, kappa = _primal(rows, ys, base, prior)
     out = base
     for f in target:
         if f in weight:
@@ -165,7 +170,7 @@ def test_three_predicted_plans_are_enough_and_each_objective_is_counted_alone():
         [
             ({"0": 0.1, "1": 0.3}, [0.1, 0.3], "complete"),
             ({"0": 0.2, "1": 0.1}, [0.2, 0.2], "complete"),
-            ({"1": 0.2}, [0.5, 0.4], "complete"),
+            ({"1": 0.2}, [0.5, 1.0], "complete"),
         ]
     )
     m = qm.prediction_metrics(study)
@@ -175,6 +180,24 @@ def test_three_predicted_plans_are_enough_and_each_objective_is_counted_alone():
         "capacity_aware.obj1.predicted_plans",
     }
     assert m["capacity_aware.obj1.predicted_plans"] == 3.0
-    # predicted 0.3, 0.1, 0.2 for 0.3, 0.2, 0.4: ranks (3,1,2) vs (2,1,3): rho = 0.5
+    # predicted 0.3, 0.1, 0.2 for 0.3, 0.2, 1.0: ranks (3,1,2) vs (2,1,3): rho = 0.5; a
+    # measured 1 is a measurement like any other (only a measured 0 is left out)
     assert m["capacity_aware.obj1.rank_corr"] == pytest.approx(0.5)
-    assert m["capacity_aware.obj1.median_rel_error"] == pytest.approx(0.5)  # 0, .5, .5
+    assert m["capacity_aware.obj1.median_rel_error"] == pytest.approx(0.5)  # 0, .5, .8
+
+
+def test_the_priors_pull_is_trust_times_prior_plans_measured_plans(monkeypatch):
+    # PRIOR_PLANS 2 at trust 0.5: a pull of 1 measured plan. The measured values match the
+    # primal solution; a value never measured sits at 1 / (1 + RIDGE) of s * p, and its
+    # posterior sd is sigma / sqrt(RIDGE + 1)
+    monkeypatch.setattr(qm, "PRIOR_PLANS", 2.0)
+    rows, ys, prior = _overlapping_plans(8, 3)
+    fresh = ("w.fresh", "int4")
+    prior = {**prior, fresh: 0.7}
+    fit = qm.fit(rows, ys, 0.3, prior, trust=0.5)
+    weight, s, kappa = _primal(rows, ys, 0.3, prior, trust=0.5)
+    assert kappa == 1.0 and fit.prior_scale == pytest.approx(s)
+    for f, w in weight.items():
+        assert fit.weight(f) == pytest.approx(w, rel=1e-6, abs=1e-12)
+    assert fit.weight(fresh) == pytest.approx(s * 0.7 / (1.0 + qm.RIDGE))
+    assert fit.sd(fresh) == pytest.approx(fit.sigma / np.sqrt(1.0 + qm.RIDGE))
