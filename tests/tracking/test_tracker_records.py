@@ -280,7 +280,9 @@ def test_the_study_ends_with_its_metrics_and_status(tracker):
     assert tracker.client.named("log_batch") == []  # no params, no metrics: nothing sent
     tracker.end_study("KILLED", {"study.complete": 0})
     assert tracker.client.named("set_terminated")[-1] == (("run1", "KILLED"), {})
-    (metric,) = tracker.client.named("log_batch")[-1][1]["metrics"]
+    args, kw = tracker.client.named("log_batch")[-1]
+    assert args == ("run1",)  # the study's metrics go on the parent run
+    (metric,) = kw["metrics"]
     assert (metric.key, metric.value) == ("study.complete", 0.0)
 
 
