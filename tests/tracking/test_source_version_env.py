@@ -6,6 +6,7 @@ code version string each case gives (`git describe`-like: the sha, "+dirty" when
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import tenantq
 from tenantq.tracking import code_version
@@ -60,3 +61,24 @@ def test_a_checkout_is_dirty_only_for_edits_inside_the_source_folder(monkeypatch
     (tmp_path / "src" / "b.py").write_text("y = 1\n")  # an untracked file inside it
     assert source_version(tmp_path / "src")["dirty"] == "true"
     assert code_version(tmp_path / "src") == sha + "+dirty"
+
+
+def test_without_a_root_the_tenantq_package_folder_is_asked(monkeypatch):
+    monkeypatch.delenv(SOURCE_COMMIT_ENV, raising=False)
+    where = Path(tenantq.__file__).resolve().parent
+    asked = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True
+    )  # the reference: git asked directly in the package's folder
+    found = source_version()
+    if asked.returncode == 0:
+        assert found["commit"] == asked.stdout.strip() and found["origin"] == "git"
+    else:  # an installed copy outside any checkout
+        assert found["commit"] == "" and found["origin"].startswith(
+            f"unknown: no .git above {where}"
+        )
+
+
+def test_a_tenantq_without_a_version_says_unknown(monkeypatch, tmp_path):
+    monkeypatch.delenv(SOURCE_COMMIT_ENV, raising=False)
+    monkeypatch.delattr(tenantq, "__version__", raising=False)
+    assert code_version(tmp_path) == "tenantq-unknown"

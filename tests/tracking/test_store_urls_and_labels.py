@@ -30,6 +30,7 @@ CONFIG = get_model_config("tenantq-ref")
         ("sqlite:////abs/m.db", Path("/abs/m.db")),
         ("sqlite:///~/m.db", Path("~/m.db").expanduser()),
         ("sqlite://", None),  # in memory
+        ("sqlite:///", None),  # no file named
         ("sqlite:///:memory:", None),
         ("postgresql://h/db", None),
         ("mlruns", None),
@@ -101,6 +102,8 @@ def test_an_unknown_scheme_is_one_line_naming_the_key_and_what_would_do():
     )
     with pytest.raises(ValueError, match=r"^tracking\.uri: MLflow cannot track"):
         check_tracking_uri("ftp://host/x")  # the default key
+    with pytest.raises(ValueError, match=r"\(scheme 'ftp'\)"):  # the part before the first ":"
+        check_tracking_uri("ftp://host:21/x", "k")
 
 
 def test_the_sqlite_check_runs_before_the_scheme_check(tmp_path):
