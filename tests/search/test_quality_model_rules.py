@@ -201,3 +201,95 @@ def test_the_priors_pull_is_trust_times_prior_plans_measured_plans(monkeypatch):
         assert fit.weight(f) == pytest.approx(w, rel=1e-6, abs=1e-12)
     assert fit.weight(fresh) == pytest.approx(s * 0.7 / (1.0 + qm.RIDGE))
     assert fit.sd(fresh) == pytest.approx(fit.sigma / np.sqrt(1.0 + qm.RIDGE))
+
+
+A, B, K = ("w.a", "int4"), ("w.b", "int4"), ("kv.key_format", "int4")
+
+
+def _is_kv(f) -> bool:
+    return f[0].startswith("kv.")
+
+
+def test_a_pair_counts_only_for_a_plan_holding_both_values():
+    # loss = 0.2 a + 0.3 k + 0.5 [a and k]: the paired fit keeps the (a, k) term, and a plan
+    # holding a alone (or k alone) is predicted without it; a pair never fitted adds 0
+    plans = [(A,), (K,), (A, K), (B,), (A, B), (B, K)] * 2
+    ys = [0.2 * (A in p) + 0.3 * (K in p) + 0.1 * (B in p) + 0.5 * (A in p and K in p)
+          for p in plans]  # fmt: skip
+    fit = qm.fit(plans, ys, 0.0, is_kv=_is_kv)
+    assert fit.pair(A, K) == pytest.approx(0.5, rel=0.02)
+    assert fit.predict((A,)) == pytest.approx(fit.base + fit.weight(A))
+    assert fit.predict((K,)) == pytest.approx(fit.base + fit.weight(K))
+    assert fit.predict((A, K)) == pytest.approx(fit.weight(A) + fit.weight(K) + fit.pair(A, K))
+    assert (K, A) not in fit.pairs and fit.pair(K, A) == 0.0  # (weight, KV) order only
+    assert fit.pair(("w.z", "int8"), K) == 0.0
+
+
+def test_the_fit_counts_the_plans_that_measured_each_value():
+    # a value listed twice in one plan is one plan
+    rows = [(A, A), (A, B), (B,), (K,)]
+    fit = qm.fit(rows, [0.1, 0.2, 0.3, 0.4], 0.0)
+    assert fit.counts == {A: 2, B: 2, K: 1}
+
+
+def test_a_fit_without_a_prior_is_at_full_trust():
+    # trust is the prior's weight; with no prior there is nothing to distrust (prior_trust: 1)
+    assert qm.fit([(A,), (B,)], [0.1, 0.2], 0.0).trust == 1.0
+    assert qm.fit([(A,), (B,)], [0.1, 0.2], 0.0, {}).trust == 1.0
+
+
+def test_a_fit_given_no_trust_uses_the_priors_measured_trust():
+    rows, ys, prior = _overlapping_plans(13, 2)
+    trust = qm.prior_trust(rows, ys, 0.3, prior)
+    assert 0.0 < trust < 1.0
+    fit = qm.fit(rows, ys, 0.3, prior)
+    assert fit.trust == pytest.approx(trust)
+    at = qm.fit(rows, ys, 0.3, prior, trust=trust)
+    for f in at.weights:
+        assert fit.weight(f) == pytest.approx(at.weight(f))
+
+
+def test_the_pairwise_model_keeps_the_prior_for_values_never_measured():
+    plans = [(A,), (K,), (A, K), (B,), (A, B), (B, K)] * 2
+    ys = [0.2 * (A in p) + 0.3 * (K in p) + 0.1 * (B in p) + 0.5 * (A in p and K in p)
+          for p in plans]  # fmt: skip
+    fresh = ("w.fresh", "int4")
+    prior = {A: 0.2, B: 0.1, K: 0.3, fresh: 0.4}
+    fit = qm.fit(plans, ys, 0.0, prior, trust=1.0, is_kv=_is_kv)
+    assert fit.pairs and fit.prior == prior
+    s = fit.prior_scale
+    assert s > 0 and fit.weight(fresh) == pytest.approx(s * 0.4 / (1.0 + qm.RIDGE))
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        # held by 1 plan, each value measured 3 times: not a candidate (PAIR_MIN = 2)
+        ([(A,), (A,), (K,), (K,), (A, K)], []),
+        # held by exactly PAIR_MIN plans, each value also measured without the other
+        ([(A, K), (A, K), (A,), (K,)], [(A, K)]),
+        # the KV value never measured without the weight value: one column with the pair
+        ([(A, K), (A, K), (A,)], []),
+    ],
+)
+def test_candidate_pairs_follow_pair_min_and_need_each_value_alone(rows, expected):
+    assert qm.candidate_pairs(rows, _is_kv) == expected
+
+
+def test_every_weight_value_of_a_plan_is_paired_with_its_kv_values():
+    # 20 weight values each held twice with k: all 20 pairs are candidates, whatever order
+    # a plan's set of values iterates in
+    ws = [(f"w.t{i:02d}", "int4") for i in range(20)]
+    rows = [r for w in ws for r in ((w, K), (w, K), (w,), (w,), (w,))] + [(K,)]
+    assert qm.candidate_pairs(rows, _is_kv) == sorted(((w, K) for w in ws), key=repr)
+
+
+def test_values_of_mixed_types_are_ordered_without_error():
+    # a value is any hashable (a sink token count is an int, a format a string): the fit
+    # and the candidate pairs order them by repr, not by comparing an int with a string
+    s0, s4, fmt = ("w.sink", 0), ("w.sink", "int4"), ("w.sink", 4)
+    rows = [(s0, K), (s0, K), (s0,), (s4, K), (s4, K), (s4,), (fmt, K), (fmt,), (K,), (K,)] * 2
+    pairs = qm.candidate_pairs(rows, _is_kv)
+    assert pairs == sorted([(s0, K), (s4, K), (fmt, K)], key=repr)
+    fit = qm.fit(rows, [0.1 * len(r) for r in rows], 0.0)
+    assert set(fit.weights) == {s0, s4, fmt, K}

@@ -170,7 +170,9 @@ def test_metrics_keep_finite_numbers_only_and_go_a_thousand_at_a_time(tracker):
     before = int(time.time() * 1000)
     tracker.log_metrics("run1", metrics)
     after = int(time.time() * 1000)
-    batches = [kw["metrics"] for a, kw in tracker.client.named("log_batch") if kw["metrics"]]
+    sent = [(a, kw) for a, kw in tracker.client.named("log_batch") if kw["metrics"]]
+    assert {a for a, _ in sent} == {("run1",)}  # to the run named
+    batches = [kw["metrics"] for _, kw in sent]
     assert [len(b) for b in batches] == [1000, 1000, 3]
     flat = [m for b in batches for m in b]
     assert [m.key for m in flat] == [*(f"m{i}" for i in range(2001)), "int", "zero"]
