@@ -293,3 +293,42 @@ def test_values_of_mixed_types_are_ordered_without_error():
     assert pairs == sorted([(s0, K), (s4, K), (fmt, K)], key=repr)
     fit = qm.fit(rows, [0.1 * len(r) for r in rows], 0.0)
     assert set(fit.weights) == {s0, s4, fmt, K}
+
+
+@pytest.mark.parametrize("rows", [[], [(), ()]])
+def test_with_no_value_measured_the_model_is_the_prior_at_face_value(rows):
+    # no plan measured (or only reference plans, which hold no value): the prior's scale is 1,
+    # a value with a prior sits at trust / (trust + RIDGE) of it, one without at 0; nothing
+    # was counted and there is no residual, so no deviation
+    prior = {A: 0.2, K: 0.4}
+    fit = qm.fit(rows, [0.1] * len(rows), 0.1, prior, trust=0.5)
+    assert fit.base == 0.1 and fit.trust == 0.5 and fit.prior == prior
+    assert fit.weights == {} and fit.counts == {} and fit.pairs == {}
+    assert fit.prior_scale == 1.0 and fit.sigma == 0.0
+    assert fit.weight(K) == pytest.approx(0.5 / (0.5 + qm.RIDGE) * 0.4)
+    assert fit.weight(B) == 0.0 and fit.sd(K) == 0.0
+    assert fit.predict((A, K, B)) == pytest.approx(0.1 + fit.weight(A) + fit.weight(K))
+
+
+def test_a_prior_no_measured_plan_holds_is_taken_at_face_value():
+    # the measured plans hold only values without a prior: the scale s cannot be fitted (X p
+    # = 0) and is 1, so an unmeasured value with a prior sits at 1 / (1 + RIDGE) of it
+    fit = qm.fit([(A,), (B,)], [0.3, 0.5], 0.0, {K: 0.4}, trust=1.0)
+    assert fit.prior_scale == 1.0
+    assert fit.weight(K) == pytest.approx(0.4 / (1.0 + qm.RIDGE))
+
+
+def test_one_measured_plan_scales_its_deviation_by_its_own_loss():
+    # one plan leaves no residual to speak of: sigma is the largest |loss - base| measured
+    fit = qm.fit([(A,)], [0.35], 0.05)
+    assert fit.sigma == pytest.approx(0.3)
+    assert fit.sd(B) == pytest.approx(0.3 / np.sqrt(qm.RIDGE))
+
+
+def test_two_measured_plans_scale_by_their_residual_rms():
+    # from two plans on, sigma is the residual RMS (here each value measured once: its fit is
+    # y / (1 + RIDGE), residual y * RIDGE / (1 + RIDGE))
+    ys = np.array([0.3, 0.5])
+    fit = qm.fit([(A,), (B,)], ys.tolist(), 0.0)
+    resid = ys * qm.RIDGE / (1 + qm.RIDGE)
+    assert fit.sigma == pytest.approx(float(np.sqrt(np.mean(resid**2))), rel=1e-6)

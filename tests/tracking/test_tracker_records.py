@@ -226,7 +226,7 @@ def test_a_failed_trial_keeps_its_error_as_a_tag_and_in_full_as_a_file(tracker):
 
 
 def test_a_trial_before_its_study_is_refused(tracker):
-    with pytest.raises(AssertionError, match="start_study or resume_study first"):
+    with pytest.raises(AssertionError, match=r"^start_study or resume_study first$"):
         tracker.log_trial(0, params={}, metrics={})
     assert tracker.client.named("create_run") == []
 
