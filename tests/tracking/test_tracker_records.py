@@ -329,3 +329,14 @@ def test_tag_and_delete_go_to_the_named_run(tracker):
     assert tracker.client.named("set_tag") == [(("r1", "k", "v"), {})]
     assert tracker.client.named("delete_run") == [(("r2",), {})]
     assert tracker.client.named("log_text") == [(("r3", "text", "t.txt"), {})]
+
+
+def test_a_new_experiment_on_a_sqlite_store_keeps_its_artifacts_beside_it(monkeypatch, tmp_path):
+    # (test_tracking.py checks the same on a real store; here the call itself)
+    monkeypatch.setattr(mlflow, "MlflowClient", RecordingClient)
+    monkeypatch.setattr(mlflow, "set_tracking_uri", lambda uri: None)
+    RecordingClient.experiments = {}
+    t = StudyTracker(f"sqlite:///{tmp_path}/m.db", "beside")
+    ((name,), kw) = t.client.named("create_experiment")[0]
+    assert name == "beside"
+    assert kw["artifact_location"].startswith((tmp_path / "mlruns").as_uri() + "/")
