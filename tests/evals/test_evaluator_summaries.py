@@ -148,7 +148,8 @@ def test_fidelity_summary_is_per_window_means_and_their_ratios() -> None:
     base = SimpleNamespace(target_logp=base_logp, margin=margin, exact=True)
     rows: list[dict] = []
     cand = {"kl": kl, "top1_agree": agree, "target_logp": cand_logp}
-    out = ev.Evaluator._fidelity_summary(me, base, cand, rows)
+    measured = ev.fidelity.KLMeasurement.of(cand, resamples=400, seed=3)
+    out = ev.Evaluator._fidelity_summary(me, base, measured, rows)
     assert out["fidelity.kl_mean"] == pytest.approx(kl.mean())
     assert (
         out["fidelity.kl_mean.ci_low"] <= kl.mean(axis=1).mean() <= out["fidelity.kl_mean.ci_high"]
@@ -191,7 +192,7 @@ def test_fidelity_summary_is_per_window_means_and_their_ratios() -> None:
     )
     another = ev.Evaluator._fidelity_summary(
         _FidelityMe(seed=4), SimpleNamespace(target_logp=base_logp, margin=margin, exact=False),
-        cand, [],
+        measured, [],
     )  # fmt: skip
     assert another["fidelity.exact"] == 0
 

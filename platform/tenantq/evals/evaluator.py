@@ -359,11 +359,12 @@ class Evaluator:
             if self.fidelity_rows is not None:
                 bar.set_description("fidelity")
                 with _phase(timings, "fidelity", engine):
-                    cand = fidelity.compare(
+                    measured = fidelity.kl_against_baseline(
                         engine, self.fidelity_rows, base["fidelity"],
+                        resamples=self.suite.resamples, seed=self.suite.seed,
                         kv_tokens=self.fidelity_kv_tokens,
                     )  # fmt: skip
-                summary.update(self._fidelity_summary(base["fidelity"], cand, rows))
+                summary.update(self._fidelity_summary(base["fidelity"], measured, rows))
             bar.update(1)
             gens_base = base["generations"]
             n_needles = len(self.needle_items)
@@ -438,11 +439,10 @@ class Evaluator:
             base, cand, resamples=self.suite.resamples, seed=self.suite.seed, **kw
         )
 
-    def _fidelity_summary(self, base, cand, rows) -> dict[str, float]:
-        kl_seq = cand["kl"].mean(axis=1)
+    def _fidelity_summary(self, base, measured: fidelity.KLMeasurement, rows) -> dict[str, float]:
+        cand, kl_seq, kl = measured.per_token, measured.per_window, measured.ci
         agree_seq = cand["top1_agree"].mean(axis=1)
         nll_base, nll_cand = -base.target_logp.mean(axis=1), -cand["target_logp"].mean(axis=1)
-        kl = self._ci(np.zeros_like(kl_seq), kl_seq)
         agree = self._ci(np.ones_like(agree_seq), agree_seq)
         ppl = self._ci(nll_base, nll_cand, contrast=lambda c, b: np.exp(c - b))
         out = {

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tenantq.evals import data, fidelity, stats
+from tenantq.evals import data, fidelity
 from tenantq.evals.identity import cache_key, model_identity
 from tenantq.model.config import ModelConfig
 from tenantq.model.files import CACHE_DIR, atomic_path
@@ -229,15 +229,14 @@ def profile(
             on_unit(unit, device)
         with jax.default_device(device):
             engine = Engine(config, params_there, unit.plan, **options)
-            cand = fidelity.compare(engine, windows, base_there)
-        kl_seq = cand["kl"].mean(axis=1)
-        ci = stats.paired_bootstrap(np.zeros_like(kl_seq), kl_seq, resamples=resamples)
+            kl = fidelity.kl_against_baseline(engine, windows, base_there, resamples=resamples)
         bar.update(1)
         return {
-            "tensor": unit.tensor, "format": fmt, "kl_mean": ci.delta, "kl_ci_low": ci.ci_low,
-            "kl_ci_high": ci.ci_high, "top1_agree": float(cand["top1_agree"].mean()),
+            "tensor": unit.tensor, "format": fmt, "kl_mean": kl.ci.delta,
+            "kl_ci_low": kl.ci.ci_low, "kl_ci_high": kl.ci.ci_high,
+            "top1_agree": float(kl.per_token["top1_agree"].mean()),
             "layer": unit.layer, "tensor_class": unit.tensor_class, "kind": unit.kind,
-            "rows": int(kl_seq.size), "tokens": int(cand["kl"].size),
+            "rows": int(kl.per_window.size), "tokens": int(kl.per_token["kl"].size),
         }  # fmt: skip
 
     try:
