@@ -21,7 +21,7 @@ from scipy import stats as sps
 from tenantq.evals import evaluator as ev
 from tenantq.evals import stats
 from tenantq.evals.generation import Generated
-from tenantq.evals.retrieval import NeedleItem
+from tenantq.evals.needle_grid import NeedleItem
 from tenantq.evals.structured import StructuredItem
 from tenantq.evals.suite import FidelitySpec, GateSpec, NeedleSpec, StructuredSpec, Suite
 
@@ -408,7 +408,7 @@ def test_generations_run_needles_then_structured_items_in_one_list(monkeypatch) 
         return [Generated([k], []) for k in range(len(items))]
 
     monkeypatch.setattr(ev.structured, "run_items", run_items)
-    monkeypatch.setattr(ev.retrieval, "run_needles", run_needles)
+    monkeypatch.setattr(ev.needle_grid, "run_needles", run_needles)
 
     class Me:
         _needles = ev.Evaluator._needles
@@ -609,7 +609,7 @@ def test_an_evaluation_summarizes_every_task_and_its_gates(monkeypatch) -> None:
         return [Generated([ord(")")], [1.0]), Generated([ord(",")], [1.0])]
 
     monkeypatch.setattr(ev.fidelity, "compare", compare)
-    monkeypatch.setattr(ev.retrieval, "run_needles", run_needles)
+    monkeypatch.setattr(ev.needle_grid, "run_needles", run_needles)
     monkeypatch.setattr(ev.structured, "run_items", run_items)
     me = _EvalMe()
     plan = QuantPlan(rules=(Rule(".*", "int8"),))
@@ -679,7 +679,7 @@ def test_each_engine_phase_leaves_out_the_compile_seconds_counted_inside_it(monk
         return [Generated([ord(")")], [1.0])] * 2
 
     monkeypatch.setattr(ev.fidelity, "compare", compare)
-    monkeypatch.setattr(ev.retrieval, "run_needles", run_needles)
+    monkeypatch.setattr(ev.needle_grid, "run_needles", run_needles)
     monkeypatch.setattr(ev.structured, "run_items", run_items)
     from tenantq.quant.plan import QuantPlan
 
@@ -692,7 +692,7 @@ def test_each_engine_phase_leaves_out_the_compile_seconds_counted_inside_it(monk
 
 def test_an_evaluation_of_only_needles_reports_no_fidelity(monkeypatch) -> None:
     monkeypatch.setattr(
-        ev.retrieval, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * len(items)
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * len(items)
     )
     me = _EvalMe()
     me.fidelity_rows, me.structured_items = None, []
@@ -710,7 +710,7 @@ def test_an_evaluation_of_only_needles_reports_no_fidelity(monkeypatch) -> None:
 
 def test_an_evaluation_missing_a_needles_record_is_an_error(monkeypatch) -> None:
     monkeypatch.setattr(
-        ev.retrieval, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 3
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 3
     )
     me = _EvalMe()
     me.fidelity_rows, me.structured_items = None, []
@@ -723,7 +723,7 @@ def test_an_evaluation_missing_a_needles_record_is_an_error(monkeypatch) -> None
 
 def test_a_baseline_missing_a_needles_record_is_an_error(monkeypatch) -> None:
     monkeypatch.setattr(
-        ev.retrieval, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
     )
     me = _EvalMe()
     me.fidelity_rows, me.structured_items = None, []
@@ -739,7 +739,7 @@ def test_a_baseline_missing_a_needles_record_is_an_error(monkeypatch) -> None:
 def test_a_structured_record_missing_on_either_side_is_an_error(monkeypatch, short) -> None:
     # a lost record must not pair the remaining ones with the wrong items
     monkeypatch.setattr(
-        ev.retrieval, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
     )
     line_end = Generated([ord(")")], [1.0])
     n = 1 if short == "candidate" else 2
@@ -762,7 +762,7 @@ def test_an_evaluations_progress_names_each_task_and_counts_to_its_total(
         "kl": np.zeros((3, 7)), "top1_agree": np.ones((3, 7), bool),
         "target_logp": np.full((3, 7), -2.0)})  # fmt: skip
     monkeypatch.setattr(
-        ev.retrieval, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
     )
     monkeypatch.setattr(
         ev.structured, "run_items", lambda e, items, n: [Generated([ord(")")], [])] * 2

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tenantq.evals import data, fidelity, retrieval, stats, structured
+from tenantq.evals import data, fidelity, needle_grid, stats, structured
 from tenantq.evals.calibrated import CalibrationData, Calibrator
 from tenantq.evals.generation import Generated
 from tenantq.evals.identity import cache_key, model_identity
@@ -160,7 +160,7 @@ class Evaluator:
             hashed.append(self.fidelity_rows)
         self.needle_items = []
         for nspec in suite.needles:
-            self.needle_items += retrieval.build_needles(self.tokenizer, stream, nspec, seed)
+            self.needle_items += needle_grid.build_needles(self.tokenizer, stream, nspec, seed)
         context = self.config.max_position_embeddings
         for item in self.needle_items:
             if len(item.prompt) + len(item.answer) > context:
@@ -317,15 +317,15 @@ class Evaluator:
         return self._baseline
 
     def _generate(self, engine, items) -> list[Generated]:
-        needle_items = [i for i in items if isinstance(i, retrieval.NeedleItem)]
-        other = [i for i in items if not isinstance(i, retrieval.NeedleItem)]
+        needle_items = [i for i in items if isinstance(i, needle_grid.NeedleItem)]
+        other = [i for i in items if not isinstance(i, needle_grid.NeedleItem)]
         out = self._needles(engine, needle_items) if needle_items else []
         if other:
             out += structured.run_items(engine, other, self.suite.structured.max_new_tokens)
         return out
 
     def _needles(self, engine, items) -> list[Generated]:
-        return retrieval.run_needles(
+        return needle_grid.run_needles(
             engine, items, chunk_tokens=self.step_tokens, kv_tokens=self.kv_window_tokens
         )
 
@@ -373,10 +373,10 @@ class Evaluator:
                 with _phase(timings, "needles", engine):
                     gens = self._needles(engine, self.needle_items)
                 passes = [
-                    retrieval.score(i, g) for i, g in zip(self.needle_items, gens, strict=True)
+                    needle_grid.score(i, g) for i, g in zip(self.needle_items, gens, strict=True)
                 ]
                 base_pass = [
-                    retrieval.score(i, g)
+                    needle_grid.score(i, g)
                     for i, g in zip(self.needle_items, gens_base[:n_needles], strict=True)
                 ]
                 summary.update(
