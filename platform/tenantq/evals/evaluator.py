@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tenantq.evals import data, fidelity, needle_grid, stats, structured
+from tenantq.evals import data, fidelity, needle_grid, stats, structured, windows
 from tenantq.evals.calibrated import CalibrationData, Calibrator
 from tenantq.evals.generation import Generated
 from tenantq.evals.identity import cache_key, model_identity
@@ -146,16 +146,12 @@ class Evaluator:
             data.load_documents(source, spec.text_field if spec else "text"), suite.split
         )
         self.docs = docs
-        stream = data.token_stream(self.tokenizer, docs)
+        stream = windows.token_stream(self.tokenizer, docs)
         hashed = [stream[:0]]
         self.fidelity_rows = None
         if spec is not None:
-            bos = self.config.bos_token_id if self.config.bos_token_id is not None else 1
-            windows = data.token_windows(
-                stream, spec.rows, spec.row_tokens - 1, np.random.default_rng([seed, 0])
-            )
-            self.fidelity_rows = np.concatenate(
-                [np.full((spec.rows, 1), bos, np.int32), windows], axis=1
+            self.fidelity_rows = windows.bos_windows(
+                stream, self.config, spec.rows, spec.row_tokens, np.random.default_rng([seed, 0])
             )
             hashed.append(self.fidelity_rows)
         self.needle_items = []
@@ -247,18 +243,17 @@ class Evaluator:
         weights are quantized (after a plan's smoothquant/awq folds, which rescale v_proj's
         output and so the cached values): once per folded identity, in memory and on disk."""
         from tenantq.engine.sharding import on_every_host
-        from tenantq.evals.sensitivity import calibration_windows
         from tenantq.quant import kv_calibration as kvc
 
         if folded_id not in self._kv_scales:
-            windows, _ = calibration_windows(  # the weights' calibration text, if given
+            rows, _ = windows.calibration_windows(  # the weights' calibration text, if given
                 self.tokenizer, self.config, source=self.calibrator.data.data,
                 num_sequences=kvc.DEFAULT_KV_SEQUENCES,
                 seq_tokens=min(kvc.DEFAULT_KV_SEQ_TOKENS, self.config.max_position_embeddings),
             )  # fmt: skip
             self._kv_scales[folded_id] = kvc.kv_static_scales(
-                self.model_path, windows, model_id=folded_id,
-                data_hash=data.array_hash(windows), cache_dir=self.cache_dir / "calibration",
+                self.model_path, rows, model_id=folded_id,
+                data_hash=data.array_hash(rows), cache_dir=self.cache_dir / "calibration",
                 params=folded, agree=on_every_host,
             )  # fmt: skip
         return self._kv_scales[folded_id]

@@ -8,7 +8,7 @@ The result is an Arrow table (tensor, format, kl_mean, kl_ci_low, kl_ci_high, ..
 as Parquet by (model identity, format, dataset hash); the search's `sensitivity` space reads
 it to keep the k most sensitive tensors in bf16. With several local devices the units run
 in parallel, one per device at a time, each device holding its own copy of the model (the
-table is the serial run's, row for row). Also here: the calibration windows.
+table is the serial run's, row for row). Its windows come from `evals.windows`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tenantq.evals import data, fidelity
 from tenantq.evals.identity import cache_key, model_identity
+from tenantq.evals.windows import (
+    calibration_windows,  # noqa: F401 - see below
+    text_windows,
+)
 from tenantq.model.config import ModelConfig
 from tenantq.model.files import CACHE_DIR, atomic_path
 from tenantq.quant.plan import FORMAT_NAMES, KV_FORMAT_NAMES, KVPlan, QuantPlan, Rule
@@ -38,6 +41,8 @@ EXACT_VOCAB_LIMIT = 32768  # exact KL below this vocabulary (as the quality suit
 TOP_K = 64  # top-k + tail KL above it
 UNIT_KINDS = ("tensor", "block")
 CACHE_VERSION = 1
+# `calibration_windows` is imported above only for search/checks.py, which still reads it from
+# this module (search is another room's); its home is evals.windows.
 SCHEMA = pa.schema(
     [
         ("tensor", pa.string()),  # a tensor path, a block (layers/3/mlp), or kv/3 (a KV layer)
@@ -53,69 +58,6 @@ SCHEMA = pa.schema(
         ("tokens", pa.int64()),
     ]
 )
-
-
-# --- data --------------------------------------------------------------------------------
-
-
-def _texts(source: str | None) -> list[str]:
-    if source is None:  # the reference model's train split (calibration must not see test)
-        from tenantq.reference.corpus import load_corpus
-
-        return load_corpus().texts("train")
-    return data.load_documents(source)
-
-
-def text_windows(
-    tokenizer,
-    config: ModelConfig,
-    *,
-    source: str | None = None,
-    rows: int,
-    row_tokens: int,
-    seed: int = 0,
-) -> np.ndarray:
-    """int32 [rows, row_tokens]: BOS plus disjoint random windows of `source`'s token stream.
-
-    `source`: None for the reference train split, `data.REFERENCE_TEST`, or a user's
-    .txt/.jsonl/.parquet. Documents are tokenized only until the stream holds 4x what
-    is drawn (the slots still vary with the seed).
-    """
-    need = rows * (row_tokens - 1)
-    parts, held = [], 0
-    for doc in _texts(source):
-        ids = data.token_stream(tokenizer, [doc])
-        parts.append(ids)
-        held += len(ids)
-        if held >= 4 * need:
-            break
-    stream = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-    body = data.token_windows(
-        stream, rows, row_tokens - 1, np.random.default_rng([seed, 1]),
-        asker=f"{source or 'the train split'} has {{tokens}}: {{slots}} windows of "
-        f"{{window}} (+ BOS), {{rows}} asked for; give more text, or fewer or shorter windows",
-    )  # fmt: skip
-    bos = config.bos_token_id if config.bos_token_id is not None else 1
-    return np.concatenate([np.full((rows, 1), bos, np.int32), body], axis=1).astype(np.int32)
-
-
-def calibration_windows(
-    tokenizer,
-    config: ModelConfig,
-    *,
-    source: str | None = None,
-    num_sequences: int = 128,
-    seq_tokens: int = 512,
-    held_out: int = 0,
-    seed: int = 0,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(calibration windows, held-out windows): disjoint draws from one stream."""
-    rows = text_windows(
-        tokenizer, config, source=source, rows=num_sequences + held_out, row_tokens=seq_tokens,
-        seed=seed,
-    )  # fmt: skip
-    order = np.random.default_rng([seed, 2]).permutation(len(rows))
-    return rows[order[:num_sequences]], rows[order[num_sequences:]]
 
 
 # --- units ---------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from tenantq.engine import Engine
+from tenantq.model.tokenizer import token_stream
 from tenantq.reference import needles, reference_model_path
 from tenantq.reference.corpus import load_corpus
 
@@ -37,9 +38,7 @@ def needle_lengths(context_tokens: int) -> tuple[int, ...]:
 
 def split_ids(tokenizer, split: str) -> np.ndarray:
     """A corpus split tokenized as training saw it: files concatenated, EOS after each."""
-    eos = tokenizer.token_to_id("<|eos|>")
-    enc = tokenizer.encode_batch(load_corpus().texts(split))
-    return np.concatenate([np.r_[e.ids, eos] for e in enc]).astype(np.int32)
+    return token_stream(tokenizer, load_corpus().texts(split))
 
 
 def unigram_nll(train_ids: np.ndarray, eval_ids: np.ndarray, vocab: int) -> float:
