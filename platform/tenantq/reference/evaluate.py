@@ -72,11 +72,9 @@ def needle_grid(engine: Engine, tok, source_ids, lengths, count: int, seed: int 
     """
     out = {}
     for length in lengths:
-        rng = np.random.default_rng([seed, length])
-        depths = np.linspace(0.0, 1.0, count)
-        examples = [
-            needles.make_needle_example(tok, source_ids, length, float(d), rng) for d in depths
-        ]
+        cells = list(needles.needle_grid(tok, source_ids, (length,), count, (seed,)))
+        depths = np.array([c.example.depth_fraction for c in cells])
+        examples = [(c.example.prompt_ids, c.example.answer_ids) for c in cells]
         generated = engine.generate(
             [p.tolist() for p, _ in examples], needles.VALUE_DIGITS, stop_tokens=[]
         )
