@@ -24,6 +24,7 @@ from tenantq.evals.generation import Generated
 from tenantq.evals.needle_grid import NeedleItem
 from tenantq.evals.structured import StructuredItem
 from tenantq.evals.suite import FidelitySpec, GateSpec, NeedleSpec, StructuredSpec, Suite
+from tenantq.evals.tasks import FidelityTask, PassFailTask, flip
 
 
 def _needle(length: int, k: int, depth: float = 0.25) -> NeedleItem:
@@ -32,10 +33,6 @@ def _needle(length: int, k: int, depth: float = 0.25) -> NeedleItem:
 
 def _struct(task: str, k: int) -> StructuredItem:
     return StructuredItem(task, f"structured/{task}/{k}", [1] * (3 + k), "x", "")
-
-
-def _me() -> SimpleNamespace:
-    return SimpleNamespace(_baseline_passes={})
 
 
 # 12 needles at length 64 with 5 correct->wrong and 1 wrong->correct flip, 4 at length 128
@@ -50,10 +47,8 @@ def _needle_pass_fail():
     base_gens = [Generated([1, 2], [0.5 + k, 0.25 + k]) for k in range(16)]
     cand_gens = [Generated([3], [2.0 + k]) for k in range(16)]
     cand_gens[13] = Generated([], [])  # no recorded step: margin nan
-    me, rows = _me(), []
-    out = ev.Evaluator._pass_fail(
-        me, items, BASE_64 + BASE_128, CAND_64 + CAND_128, base_gens, cand_gens, rows, "len"
-    )
+    me, rows = PassFailTask("needles", items, "len", None, None), []
+    out = me.pair(BASE_64 + BASE_128, CAND_64 + CAND_128, base_gens, cand_gens, rows)
     return me, out, rows, items
 
 
@@ -79,7 +74,7 @@ def test_pass_fail_figures_per_length_are_the_paired_ones() -> None:
     assert out["needle.mcnemar_p.len128"] == 1.0  # nothing flipped
     assert out["needle.acc_delta.len128"] == 0.0 and out["needle.acc_base.len128"] == 0.75
     # each length is one group of the suite's baseline pass-rate bar: (bf16 passes, examples)
-    assert me._baseline_passes == {"needle.len64": (9, 12), "needle.len128": (3, 4)}
+    assert me.baseline_passes == {"needle.len64": (9, 12), "needle.len128": (3, 4)}
     # nothing else: 9 figures per length
     assert len(out) == 18
 
@@ -104,15 +99,15 @@ def test_every_needle_gets_one_row_with_its_flip_and_smallest_margin() -> None:
 def test_structured_tasks_are_scored_whole_and_per_task() -> None:
     items = [_struct("close_line", k) for k in range(3)] + [_struct("indent_block", 0)]
     gens = [Generated([5], [1.0]) for _ in items]
-    me, rows = _me(), []
-    out = ev.Evaluator._pass_fail(me, items, [1, 1, 0, 1], [1, 0, 0, 1], gens, gens, rows, "task")
+    me, rows = PassFailTask("structured", items, "task", None, None), []
+    out = me.pair([1, 1, 0, 1], [1, 0, 0, 1], gens, gens, rows)
     assert out["structured.acc_delta"] == pytest.approx(-0.25)
     assert out["structured.n"] == 4 and out["structured.n.close_line"] == 3
     assert out["structured.acc_delta.close_line"] == pytest.approx(-1 / 3)
     assert out["structured.acc_delta.indent_block"] == 0.0
     assert out["structured.flips.correct_to_wrong"] == 1
     # the pass-rate bar applies per task, not to the whole
-    assert me._baseline_passes == {
+    assert me.baseline_passes == {
         "structured.close_line": (2, 3),
         "structured.indent_block": (1, 1),
     }
@@ -122,23 +117,18 @@ def test_structured_tasks_are_scored_whole_and_per_task() -> None:
 
 
 def test_flip_words() -> None:
-    assert ev._flip(True, True) == "" and ev._flip(False, False) == ""
-    assert ev._flip(True, False) == "correct_to_wrong"
-    assert ev._flip(False, True) == "wrong_to_correct"
+    assert flip(True, True) == "" and flip(False, False) == ""
+    assert flip(True, False) == "correct_to_wrong"
+    assert flip(False, True) == "wrong_to_correct"
 
 
-class _FidelityMe:
-    """The two attributes `_fidelity_summary` reads, and the evaluator's own `_ci`."""
-
-    _ci = ev.Evaluator._ci
-
-    def __init__(self, resamples: int = 400, seed: int = 3):
-        self.suite = SimpleNamespace(resamples=resamples, seed=seed)
-        self.fidelity_rows = np.zeros((4, 9), np.int32)
+def _fidelity_task(resamples: int = 400, seed: int = 3) -> FidelityTask:
+    """A fidelity task on four 9-token windows with the suite's resamples and seed."""
+    return FidelityTask(np.zeros((4, 9), np.int32), None, resamples, seed)
 
 
 def test_fidelity_summary_is_per_window_means_and_their_ratios() -> None:
-    me = _FidelityMe()
+    me = _fidelity_task()
     rng = np.random.default_rng(0)
     kl = rng.exponential(0.02, size=(4, 8))
     agree = rng.random((4, 8)) < 0.9
@@ -149,7 +139,7 @@ def test_fidelity_summary_is_per_window_means_and_their_ratios() -> None:
     rows: list[dict] = []
     cand = {"kl": kl, "top1_agree": agree, "target_logp": cand_logp}
     measured = ev.fidelity.KLMeasurement.of(cand, resamples=400, seed=3)
-    out = ev.Evaluator._fidelity_summary(me, base, measured, rows)
+    out = me.summarize(base, measured, rows)
     assert out["fidelity.kl_mean"] == pytest.approx(kl.mean())
     assert (
         out["fidelity.kl_mean.ci_low"] <= kl.mean(axis=1).mean() <= out["fidelity.kl_mean.ci_high"]
@@ -190,8 +180,8 @@ def test_fidelity_summary_is_per_window_means_and_their_ratios() -> None:
     assert (
         r["baseline_tokens"] == [] and r["candidate_tokens"] == [] and r["baseline_margins"] == []
     )
-    another = ev.Evaluator._fidelity_summary(
-        _FidelityMe(seed=4), SimpleNamespace(target_logp=base_logp, margin=margin, exact=False),
+    another = _fidelity_task(seed=4).summarize(
+        SimpleNamespace(target_logp=base_logp, margin=margin, exact=False),
         measured, [],
     )  # fmt: skip
     assert another["fidelity.exact"] == 0
@@ -412,6 +402,7 @@ def test_generations_run_needles_then_structured_items_in_one_list(monkeypatch) 
 
     class Me:
         _needles = ev.Evaluator._needles
+        _structured = ev.Evaluator._structured
         step_tokens, kv_window_tokens = 128, 512
         suite = SimpleNamespace(structured=SimpleNamespace(max_new_tokens=7))
 
@@ -542,10 +533,9 @@ class _EvalMe:
     """An evaluator whose baseline, engine and generation paths are stand-ins."""
 
     _evaluate = ev.Evaluator._evaluate
-    _fidelity_summary = ev.Evaluator._fidelity_summary
-    _pass_fail = ev.Evaluator._pass_fail
-    _ci = ev.Evaluator._ci
+    tasks = ev.Evaluator.tasks
     _needles = ev.Evaluator._needles
+    _structured = ev.Evaluator._structured
     _gate_examples = ev.Evaluator._gate_examples
 
     def __init__(self):

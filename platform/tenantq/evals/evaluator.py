@@ -32,9 +32,9 @@ from tenantq.evals.suite import (
     baseline_pass_warnings,
     check_suite_for_model,
     load_suite,
-    pass_fail_key,
     unreachable_gate_warnings,
 )
+from tenantq.evals.tasks import FidelityTask, PassFailTask
 from tenantq.model.files import CACHE_DIR, atomic_path
 
 # Part of every cached baseline's key: bump it whenever the suite's numerics change (version 2:
@@ -315,9 +315,10 @@ class Evaluator:
         needle_items = [i for i in items if isinstance(i, needle_grid.NeedleItem)]
         other = [i for i in items if not isinstance(i, needle_grid.NeedleItem)]
         out = self._needles(engine, needle_items) if needle_items else []
-        if other:
-            out += structured.run_items(engine, other, self.suite.structured.max_new_tokens)
-        return out
+        return out + (self._structured(engine, other) if other else [])
+
+    def _structured(self, engine, items) -> list[Generated]:
+        return structured.run_items(engine, items, self.suite.structured.max_new_tokens)
 
     def _needles(self, engine, items) -> list[Generated]:
         return needle_grid.run_needles(
@@ -337,6 +338,28 @@ class Evaluator:
                 "the pool more bytes (engine_options pool_bytes / --pool-bytes)"
             ) from None
 
+    def tasks(self) -> list[FidelityTask | PassFailTask]:
+        """The suite's tasks over the drawn examples, in the baseline's order."""
+        out: list[FidelityTask | PassFailTask] = []
+        if self.fidelity_rows is not None:
+            out.append(FidelityTask(
+                self.fidelity_rows, self.fidelity_kv_tokens, self.suite.resamples,
+                self.suite.seed,
+            ))  # fmt: skip
+        if self.needle_items:
+            out.append(PassFailTask(
+                "needles", self.needle_items, "len", self._needles, needle_grid.score,
+                steps=len(self.suite.needles),
+            ))  # fmt: skip
+        if self.structured_items:
+            out.append(PassFailTask(
+                "structured", self.structured_items, "task",
+                self._structured,
+                lambda item, gen: structured.score(item, gen, self.tokenizer),
+                offset=len(self.needle_items),
+            ))  # fmt: skip
+        return out
+
     def _evaluate(self, plan) -> EvalResult:
         began = time.perf_counter()
         timings = dict.fromkeys(PHASES, 0.0)
@@ -349,62 +372,17 @@ class Evaluator:
         self._baseline_passes: dict[str, tuple[int, int]] = {}
         rows: list[dict[str, Any]] = []
         summary: dict[str, float | int | str] = {}
-        bar = _progress(self.progress, len(self.suite.needles) + 2)
+        todo = self.tasks()
+        bar = _progress(self.progress, sum(t.steps for t in todo))
         try:
-            if self.fidelity_rows is not None:
-                bar.set_description("fidelity")
-                with _phase(timings, "fidelity", engine):
-                    measured = fidelity.kl_against_baseline(
-                        engine, self.fidelity_rows, base["fidelity"],
-                        resamples=self.suite.resamples, seed=self.suite.seed,
-                        kv_tokens=self.fidelity_kv_tokens,
-                    )  # fmt: skip
-                summary.update(self._fidelity_summary(base["fidelity"], measured, rows))
-            bar.update(1)
-            gens_base = base["generations"]
-            n_needles = len(self.needle_items)
-            if n_needles:
-                bar.set_description("needles")
-                with _phase(timings, "needles", engine):
-                    gens = self._needles(engine, self.needle_items)
-                passes = [
-                    needle_grid.score(i, g) for i, g in zip(self.needle_items, gens, strict=True)
-                ]
-                base_pass = [
-                    needle_grid.score(i, g)
-                    for i, g in zip(self.needle_items, gens_base[:n_needles], strict=True)
-                ]
-                summary.update(
-                    self._pass_fail(
-                        self.needle_items,
-                        base_pass,
-                        passes,
-                        gens_base[:n_needles],
-                        gens,
-                        rows,
-                        "len",
-                    )  # fmt: skip
-                )
-            bar.update(len(self.suite.needles))
-            if self.structured_items:
-                bar.set_description("structured")
-                with _phase(timings, "structured", engine):
-                    gens = structured.run_items(
-                        engine, self.structured_items, self.suite.structured.max_new_tokens
-                    )
-                items = self.structured_items
-                passes = [
-                    structured.score(i, g, self.tokenizer) for i, g in zip(items, gens, strict=True)
-                ]
-                base_gens = gens_base[n_needles:]
-                base_pass = [
-                    structured.score(i, g, self.tokenizer)
-                    for i, g in zip(items, base_gens, strict=True)
-                ]
-                summary.update(
-                    self._pass_fail(items, base_pass, passes, base_gens, gens, rows, "task")
-                )
-            bar.update(1)
+            for task in todo:
+                bar.set_description(task.phase)
+                task_base = task.baseline_of(base)
+                with _phase(timings, task.phase, engine):
+                    measured = task.run(engine, task_base)
+                summary.update(task.summarize(task_base, measured, rows))
+                self._baseline_passes.update(getattr(task, "baseline_passes", {}))
+                bar.update(task.steps)
         finally:
             bar.close()
         timings["compile"] = engine.stats.compile_s
@@ -427,94 +405,6 @@ class Evaluator:
             timings_s={k: round(v, 4) for k, v in timings.items()},
             memory_report=memory,
         )  # fmt: skip
-
-    # ------------------------------------------------------------------ summaries
-    def _ci(self, base, cand, **kw) -> stats.PairedCI:
-        return stats.paired_bootstrap(
-            base, cand, resamples=self.suite.resamples, seed=self.suite.seed, **kw
-        )
-
-    def _fidelity_summary(self, base, measured: fidelity.KLMeasurement, rows) -> dict[str, float]:
-        cand, kl_seq, kl = measured.per_token, measured.per_window, measured.ci
-        agree_seq = cand["top1_agree"].mean(axis=1)
-        nll_base, nll_cand = -base.target_logp.mean(axis=1), -cand["target_logp"].mean(axis=1)
-        agree = self._ci(np.ones_like(agree_seq), agree_seq)
-        ppl = self._ci(nll_base, nll_cand, contrast=lambda c, b: np.exp(c - b))
-        out = {
-            "fidelity.kl_mean": kl.delta, "fidelity.kl_mean.ci_low": kl.ci_low,
-            "fidelity.kl_mean.ci_high": kl.ci_high,
-            "fidelity.kl_p99": float(np.quantile(cand["kl"], 0.99)),
-            "fidelity.kl_max": float(cand["kl"].max()),
-            "fidelity.top1_agree": agree.candidate,
-            "fidelity.top1_agree_delta": agree.delta,
-            "fidelity.top1_agree_delta.ci_low": agree.ci_low,
-            "fidelity.top1_agree_delta.ci_high": agree.ci_high,
-            "fidelity.ppl_base": float(np.exp(nll_base.mean())),
-            "fidelity.ppl_cand": float(np.exp(nll_cand.mean())),
-            "fidelity.ppl_ratio": ppl.delta, "fidelity.ppl_ratio.ci_low": ppl.ci_low,
-            "fidelity.ppl_ratio.ci_high": ppl.ci_high,
-            "fidelity.tokens": int(cand["kl"].size),
-            "fidelity.exact": int(base.exact),
-        }  # fmt: skip
-        for i in range(len(kl_seq)):
-            rows.append({
-                "task": "fidelity", "example_id": f"fidelity/{i}",
-                "length": int(self.fidelity_rows.shape[1]), "depth": float("nan"),
-                "baseline_score": float(nll_base[i]), "candidate_score": float(nll_cand[i]),
-                "kl": float(kl_seq[i]), "top1_agree": float(agree_seq[i]),
-                "margin": float(base.margin[i].mean()), "candidate_margin": float("nan"),
-                "flip": "", "baseline_tokens": [], "candidate_tokens": [],
-                "baseline_margins": [],
-            })  # fmt: skip
-        return out
-
-    def _pass_fail(self, items, base_pass, cand_pass, base_gens, cand_gens, rows, group):
-        out: dict[str, float | int] = {}
-        base_pass, cand_pass = np.asarray(base_pass, bool), np.asarray(cand_pass, bool)
-        # (name prefix, name suffix, examples): needle.acc_delta.len1019, structured.acc_delta,
-        # structured.acc_delta.close_line
-        groups: list[tuple[str, str, np.ndarray]] = []
-        task_of = np.array([i.task for i in items])
-        key_of = np.array([f"len{i.length}" if group == "len" else i.task_name for i in items])
-        for task in dict.fromkeys(task_of):
-            in_task = task_of == task
-            if group == "task":
-                groups.append((task, "", in_task))
-            for key in dict.fromkeys(key_of[in_task]):
-                groups.append((task, f".{key}", in_task & (key_of == key)))
-        for prefix, suffix, mask in groups:
-            b, c = base_pass[mask], cand_pass[mask]
-            ci = stats.paired_proportion_ci(b, c)  # Tango's score CI, not the bootstrap
-            c2w, w2c = stats.discordant_counts(b, c)
-            if suffix:  # one task or one length: the unit the suite's pass-rate bar applies to
-                self._baseline_passes[f"{prefix}{suffix}"] = (int(b.sum()), int(b.size))
-            figures = {
-                "acc_base": ci.baseline, "acc_cand": ci.candidate, "acc_delta": ci.delta,
-                "acc_delta.ci_low": ci.ci_low, "acc_delta.ci_high": ci.ci_high,
-                "flips.correct_to_wrong": c2w,
-                "flips.wrong_to_correct": w2c, "mcnemar_p": stats.mcnemar_exact(c2w, w2c),
-                "n": int(mask.sum()),
-            }  # fmt: skip
-            for m, v in figures.items():
-                out[pass_fail_key(prefix, m, suffix)] = v
-        for item, b, c, gb, gc in zip(
-            items, base_pass, cand_pass, base_gens, cand_gens, strict=True
-        ):
-            rows.append({
-                "task": item.task, "example_id": item.example_id,
-                "length": int(getattr(item, "length", len(item.prompt))),
-                "depth": float(getattr(item, "depth", float("nan"))),
-                "baseline_score": float(b), "candidate_score": float(c), "kl": float("nan"),
-                "top1_agree": float("nan"),
-                # min over the recorded steps: a teacher-forced needle that fails records
-                # them up to its first wrong token only (`generation.Generated`)
-                "margin": float(min(gb.margins)) if gb.margins else float("nan"),
-                "candidate_margin": float(min(gc.margins)) if gc.margins else float("nan"),
-                "flip": _flip(b, c),
-                "baseline_tokens": gb.tokens, "candidate_tokens": gc.tokens,
-                "baseline_margins": gb.margins,
-            })  # fmt: skip
-        return out
 
 
 def gates_for(suite: Suite, summary: dict[str, Any]) -> dict[str, Gate]:
@@ -549,12 +439,6 @@ def decision_words(gates: dict[str, Gate]) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------- helpers
-def _flip(baseline_pass: bool, candidate_pass: bool) -> str:
-    if baseline_pass == candidate_pass:
-        return ""
-    return "correct_to_wrong" if baseline_pass else "wrong_to_correct"
-
-
 @contextmanager
 def _phase(timings: dict[str, float], name: str, engine=None):
     """Wall seconds of a phase, less the compile seconds the engine counted inside it."""
