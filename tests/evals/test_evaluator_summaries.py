@@ -266,6 +266,24 @@ def test_a_result_passes_only_when_every_gate_is_within_tolerance(tmp_path) -> N
     assert json.loads(meta[b"tenantq.gates"])["g1"]["changed"] is False
 
 
+def test_a_gate_as_a_dict_keeps_every_field_in_plain_python_types() -> None:
+    # numpy scalars (as stats returns them) become Python's, so a trial's result crosses Ray
+    # and JSON as it is; higher_is_better travels with the rest
+    gate = ev.Gate(
+        "needle.acc_delta.len64", np.float64(-0.25), np.float64(-0.5), np.float64(0.1), 0.2,
+        np.bool_(True), "not shown non-inferior", np.float64(0.3), np.bool_(False),
+    )  # fmt: skip
+    plain = gate.as_dict()
+    assert plain == {
+        "metric": "needle.acc_delta.len64", "value": -0.25, "ci_low": -0.5, "ci_high": 0.1,
+        "tolerance": 0.2, "higher_is_better": True, "verdict": "not shown non-inferior",
+        "constraint": 0.3, "changed": False,
+    }  # fmt: skip
+    assert [type(v) for v in plain.values()] == [str, float, float, float, float, bool, str,
+                                                 float, bool]  # fmt: skip
+    assert json.loads(json.dumps(plain)) == plain
+
+
 def test_cached_generations_read_back_for_the_same_examples_only(tmp_path) -> None:
     items = [_needle(64, 0), _struct("close_line", 1)]
     gens = [Generated([3, 4], [0.5, 1.5]), Generated([], [])]

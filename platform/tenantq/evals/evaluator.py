@@ -64,6 +64,12 @@ class Gate:
     constraint: float  # <= 0: within tolerance (trial.set_constraint)
     changed: bool = False  # two-sided: exact McNemar p <= 0.05 (pass/fail), else CI excludes 0
 
+    def as_dict(self) -> dict[str, Any]:
+        """Every field as plain Python values (JSON, Ray, MLflow): what a trial's result and
+        the Parquet metadata carry, `higher_is_better` included."""
+        fields = dataclasses.asdict(self).items()
+        return {k: v.item() if isinstance(v, np.generic) else v for k, v in fields}
+
 
 @dataclasses.dataclass
 class EvalResult:
@@ -82,9 +88,7 @@ class EvalResult:
         path = Path(path)
         meta = {
             b"tenantq.summary": json.dumps(self.summary).encode(),
-            b"tenantq.gates": json.dumps(
-                {k: dataclasses.asdict(g) for k, g in self.gates.items()}
-            ).encode(),
+            b"tenantq.gates": json.dumps({k: g.as_dict() for k, g in self.gates.items()}).encode(),
             b"tenantq.timings_s": json.dumps(self.timings_s).encode(),
         }  # fmt: skip
         table = self.examples.replace_schema_metadata(
