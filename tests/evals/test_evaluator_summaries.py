@@ -21,9 +21,10 @@ from scipy import stats as sps
 from tenantq.evals import evaluator as ev
 from tenantq.evals import stats
 from tenantq.evals.generation import Generated
-from tenantq.evals.retrieval import NeedleItem
+from tenantq.evals.needle_grid import NeedleItem
 from tenantq.evals.structured import StructuredItem
 from tenantq.evals.suite import FidelitySpec, GateSpec, NeedleSpec, StructuredSpec, Suite
+from tenantq.evals.tasks import FidelityTask, PassFailTask, flip
 
 
 def _needle(length: int, k: int, depth: float = 0.25) -> NeedleItem:
@@ -32,10 +33,6 @@ def _needle(length: int, k: int, depth: float = 0.25) -> NeedleItem:
 
 def _struct(task: str, k: int) -> StructuredItem:
     return StructuredItem(task, f"structured/{task}/{k}", [1] * (3 + k), "x", "")
-
-
-def _me() -> SimpleNamespace:
-    return SimpleNamespace(_baseline_passes={})
 
 
 # 12 needles at length 64 with 5 correct->wrong and 1 wrong->correct flip, 4 at length 128
@@ -50,10 +47,8 @@ def _needle_pass_fail():
     base_gens = [Generated([1, 2], [0.5 + k, 0.25 + k]) for k in range(16)]
     cand_gens = [Generated([3], [2.0 + k]) for k in range(16)]
     cand_gens[13] = Generated([], [])  # no recorded step: margin nan
-    me, rows = _me(), []
-    out = ev.Evaluator._pass_fail(
-        me, items, BASE_64 + BASE_128, CAND_64 + CAND_128, base_gens, cand_gens, rows, "len"
-    )
+    me, rows = PassFailTask("needles", items, "len", None, None), []
+    out = me.pair(BASE_64 + BASE_128, CAND_64 + CAND_128, base_gens, cand_gens, rows)
     return me, out, rows, items
 
 
@@ -79,7 +74,7 @@ def test_pass_fail_figures_per_length_are_the_paired_ones() -> None:
     assert out["needle.mcnemar_p.len128"] == 1.0  # nothing flipped
     assert out["needle.acc_delta.len128"] == 0.0 and out["needle.acc_base.len128"] == 0.75
     # each length is one group of the suite's baseline pass-rate bar: (bf16 passes, examples)
-    assert me._baseline_passes == {"needle.len64": (9, 12), "needle.len128": (3, 4)}
+    assert me.baseline_passes == {"needle.len64": (9, 12), "needle.len128": (3, 4)}
     # nothing else: 9 figures per length
     assert len(out) == 18
 
@@ -104,15 +99,15 @@ def test_every_needle_gets_one_row_with_its_flip_and_smallest_margin() -> None:
 def test_structured_tasks_are_scored_whole_and_per_task() -> None:
     items = [_struct("close_line", k) for k in range(3)] + [_struct("indent_block", 0)]
     gens = [Generated([5], [1.0]) for _ in items]
-    me, rows = _me(), []
-    out = ev.Evaluator._pass_fail(me, items, [1, 1, 0, 1], [1, 0, 0, 1], gens, gens, rows, "task")
+    me, rows = PassFailTask("structured", items, "task", None, None), []
+    out = me.pair([1, 1, 0, 1], [1, 0, 0, 1], gens, gens, rows)
     assert out["structured.acc_delta"] == pytest.approx(-0.25)
     assert out["structured.n"] == 4 and out["structured.n.close_line"] == 3
     assert out["structured.acc_delta.close_line"] == pytest.approx(-1 / 3)
     assert out["structured.acc_delta.indent_block"] == 0.0
     assert out["structured.flips.correct_to_wrong"] == 1
     # the pass-rate bar applies per task, not to the whole
-    assert me._baseline_passes == {
+    assert me.baseline_passes == {
         "structured.close_line": (2, 3),
         "structured.indent_block": (1, 1),
     }
@@ -122,23 +117,18 @@ def test_structured_tasks_are_scored_whole_and_per_task() -> None:
 
 
 def test_flip_words() -> None:
-    assert ev._flip(True, True) == "" and ev._flip(False, False) == ""
-    assert ev._flip(True, False) == "correct_to_wrong"
-    assert ev._flip(False, True) == "wrong_to_correct"
+    assert flip(True, True) == "" and flip(False, False) == ""
+    assert flip(True, False) == "correct_to_wrong"
+    assert flip(False, True) == "wrong_to_correct"
 
 
-class _FidelityMe:
-    """The two attributes `_fidelity_summary` reads, and the evaluator's own `_ci`."""
-
-    _ci = ev.Evaluator._ci
-
-    def __init__(self, resamples: int = 400, seed: int = 3):
-        self.suite = SimpleNamespace(resamples=resamples, seed=seed)
-        self.fidelity_rows = np.zeros((4, 9), np.int32)
+def _fidelity_task(resamples: int = 400, seed: int = 3) -> FidelityTask:
+    """A fidelity task on four 9-token windows with the suite's resamples and seed."""
+    return FidelityTask(np.zeros((4, 9), np.int32), None, resamples, seed)
 
 
 def test_fidelity_summary_is_per_window_means_and_their_ratios() -> None:
-    me = _FidelityMe()
+    me = _fidelity_task()
     rng = np.random.default_rng(0)
     kl = rng.exponential(0.02, size=(4, 8))
     agree = rng.random((4, 8)) < 0.9
@@ -148,7 +138,8 @@ def test_fidelity_summary_is_per_window_means_and_their_ratios() -> None:
     base = SimpleNamespace(target_logp=base_logp, margin=margin, exact=True)
     rows: list[dict] = []
     cand = {"kl": kl, "top1_agree": agree, "target_logp": cand_logp}
-    out = ev.Evaluator._fidelity_summary(me, base, cand, rows)
+    measured = ev.fidelity.KLMeasurement.of(cand, resamples=400, seed=3)
+    out = me.summarize(base, measured, rows)
     assert out["fidelity.kl_mean"] == pytest.approx(kl.mean())
     assert (
         out["fidelity.kl_mean.ci_low"] <= kl.mean(axis=1).mean() <= out["fidelity.kl_mean.ci_high"]
@@ -189,9 +180,9 @@ def test_fidelity_summary_is_per_window_means_and_their_ratios() -> None:
     assert (
         r["baseline_tokens"] == [] and r["candidate_tokens"] == [] and r["baseline_margins"] == []
     )
-    another = ev.Evaluator._fidelity_summary(
-        _FidelityMe(seed=4), SimpleNamespace(target_logp=base_logp, margin=margin, exact=False),
-        cand, [],
+    another = _fidelity_task(seed=4).summarize(
+        SimpleNamespace(target_logp=base_logp, margin=margin, exact=False),
+        measured, [],
     )  # fmt: skip
     assert another["fidelity.exact"] == 0
 
@@ -273,6 +264,24 @@ def test_a_result_passes_only_when_every_gate_is_within_tolerance(tmp_path) -> N
     assert json.loads(meta[b"tenantq.timings_s"]) == {"total": 2.0}
     assert json.loads(meta[b"tenantq.gates"])["g1"]["constraint"] == 0.2
     assert json.loads(meta[b"tenantq.gates"])["g1"]["changed"] is False
+
+
+def test_a_gate_as_a_dict_keeps_every_field_in_plain_python_types() -> None:
+    # numpy scalars (as stats returns them) become Python's, so a trial's result crosses Ray
+    # and JSON as it is; higher_is_better travels with the rest
+    gate = ev.Gate(
+        "needle.acc_delta.len64", np.float64(-0.25), np.float64(-0.5), np.float64(0.1), 0.2,
+        np.bool_(True), "not shown non-inferior", np.float64(0.3), np.bool_(False),
+    )  # fmt: skip
+    plain = gate.as_dict()
+    assert plain == {
+        "metric": "needle.acc_delta.len64", "value": -0.25, "ci_low": -0.5, "ci_high": 0.1,
+        "tolerance": 0.2, "higher_is_better": True, "verdict": "not shown non-inferior",
+        "constraint": 0.3, "changed": False,
+    }  # fmt: skip
+    assert [type(v) for v in plain.values()] == [str, float, float, float, float, bool, str,
+                                                 float, bool]  # fmt: skip
+    assert json.loads(json.dumps(plain)) == plain
 
 
 def test_cached_generations_read_back_for_the_same_examples_only(tmp_path) -> None:
@@ -407,10 +416,11 @@ def test_generations_run_needles_then_structured_items_in_one_list(monkeypatch) 
         return [Generated([k], []) for k in range(len(items))]
 
     monkeypatch.setattr(ev.structured, "run_items", run_items)
-    monkeypatch.setattr(ev.retrieval, "run_needles", run_needles)
+    monkeypatch.setattr(ev.needle_grid, "run_needles", run_needles)
 
     class Me:
         _needles = ev.Evaluator._needles
+        _structured = ev.Evaluator._structured
         step_tokens, kv_window_tokens = 128, 512
         suite = SimpleNamespace(structured=SimpleNamespace(max_new_tokens=7))
 
@@ -541,10 +551,9 @@ class _EvalMe:
     """An evaluator whose baseline, engine and generation paths are stand-ins."""
 
     _evaluate = ev.Evaluator._evaluate
-    _fidelity_summary = ev.Evaluator._fidelity_summary
-    _pass_fail = ev.Evaluator._pass_fail
-    _ci = ev.Evaluator._ci
+    tasks = ev.Evaluator.tasks
     _needles = ev.Evaluator._needles
+    _structured = ev.Evaluator._structured
     _gate_examples = ev.Evaluator._gate_examples
 
     def __init__(self):
@@ -608,7 +617,7 @@ def test_an_evaluation_summarizes_every_task_and_its_gates(monkeypatch) -> None:
         return [Generated([ord(")")], [1.0]), Generated([ord(",")], [1.0])]
 
     monkeypatch.setattr(ev.fidelity, "compare", compare)
-    monkeypatch.setattr(ev.retrieval, "run_needles", run_needles)
+    monkeypatch.setattr(ev.needle_grid, "run_needles", run_needles)
     monkeypatch.setattr(ev.structured, "run_items", run_items)
     me = _EvalMe()
     plan = QuantPlan(rules=(Rule(".*", "int8"),))
@@ -678,7 +687,7 @@ def test_each_engine_phase_leaves_out_the_compile_seconds_counted_inside_it(monk
         return [Generated([ord(")")], [1.0])] * 2
 
     monkeypatch.setattr(ev.fidelity, "compare", compare)
-    monkeypatch.setattr(ev.retrieval, "run_needles", run_needles)
+    monkeypatch.setattr(ev.needle_grid, "run_needles", run_needles)
     monkeypatch.setattr(ev.structured, "run_items", run_items)
     from tenantq.quant.plan import QuantPlan
 
@@ -691,7 +700,7 @@ def test_each_engine_phase_leaves_out_the_compile_seconds_counted_inside_it(monk
 
 def test_an_evaluation_of_only_needles_reports_no_fidelity(monkeypatch) -> None:
     monkeypatch.setattr(
-        ev.retrieval, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * len(items)
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * len(items)
     )
     me = _EvalMe()
     me.fidelity_rows, me.structured_items = None, []
@@ -709,7 +718,7 @@ def test_an_evaluation_of_only_needles_reports_no_fidelity(monkeypatch) -> None:
 
 def test_an_evaluation_missing_a_needles_record_is_an_error(monkeypatch) -> None:
     monkeypatch.setattr(
-        ev.retrieval, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 3
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 3
     )
     me = _EvalMe()
     me.fidelity_rows, me.structured_items = None, []
@@ -722,7 +731,7 @@ def test_an_evaluation_missing_a_needles_record_is_an_error(monkeypatch) -> None
 
 def test_a_baseline_missing_a_needles_record_is_an_error(monkeypatch) -> None:
     monkeypatch.setattr(
-        ev.retrieval, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
     )
     me = _EvalMe()
     me.fidelity_rows, me.structured_items = None, []
@@ -738,7 +747,7 @@ def test_a_baseline_missing_a_needles_record_is_an_error(monkeypatch) -> None:
 def test_a_structured_record_missing_on_either_side_is_an_error(monkeypatch, short) -> None:
     # a lost record must not pair the remaining ones with the wrong items
     monkeypatch.setattr(
-        ev.retrieval, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
     )
     line_end = Generated([ord(")")], [1.0])
     n = 1 if short == "candidate" else 2
@@ -761,7 +770,7 @@ def test_an_evaluations_progress_names_each_task_and_counts_to_its_total(
         "kl": np.zeros((3, 7)), "top1_agree": np.ones((3, 7), bool),
         "target_logp": np.full((3, 7), -2.0)})  # fmt: skip
     monkeypatch.setattr(
-        ev.retrieval, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
     )
     monkeypatch.setattr(
         ev.structured, "run_items", lambda e, items, n: [Generated([ord(")")], [])] * 2

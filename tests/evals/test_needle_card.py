@@ -13,7 +13,7 @@ import json
 import pytest
 from scipy import stats as sps
 
-from tenantq.evals import Evaluator, load_suite, retrieval
+from tenantq.evals import Evaluator, load_suite, needle_grid
 from tenantq.reference import reference_model_path
 
 LENGTHS = (256, 768)  # the card: 100% of 200 at both; 1,024 + 5 answer tokens exceeds context
@@ -38,7 +38,7 @@ def test_needle_harness_reproduces_model_card(tmp_path) -> None:
     for length in LENGTHS:
         pairs = [(i, g) for i, g in zip(evaluator.needle_items, gens, strict=True)
                  if i.length == length]  # fmt: skip
-        hits = sum(retrieval.score(i, g) for i, g in pairs)
+        hits = sum(needle_grid.score(i, g) for i, g in pairs)
         n = len(pairs)
         ref = card[str(length)]
         lo, hi = _clopper_pearson(round(ref["accuracy"] * ref["count"]), ref["count"])

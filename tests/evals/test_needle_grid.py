@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tenantq.evals import retrieval
+from tenantq.evals import needle_grid
 from tenantq.evals.generation import Generated
 from tenantq.evals.suite import NeedleSpec
 from tenantq.reference import needles
@@ -40,7 +40,7 @@ def _stream(tok: _CharTokenizer) -> np.ndarray:
 def test_every_cell_is_the_seeded_needle_of_its_length_and_depth() -> None:
     tok, stream = _CharTokenizer(), _stream(_CharTokenizer())
     spec = NeedleSpec(variant="multikey", lengths=(96, 128), per_length=3, count=3)
-    items = retrieval.build_needles(tok, stream, spec, seed=7)
+    items = needle_grid.build_needles(tok, stream, spec, seed=7)
     # lengths in the spec's order, depths 0, 0.5, 1 (evenly over 0-100%) within each length
     assert [(i.length, i.depth) for i in items] == [
         (96, 0.0), (96, 0.5), (96, 1.0), (128, 0.0), (128, 0.5), (128, 1.0)
@@ -65,11 +65,11 @@ def test_every_cell_is_the_seeded_needle_of_its_length_and_depth() -> None:
 def test_another_seed_or_variant_draws_other_needles() -> None:
     tok, stream = _CharTokenizer(), _stream(_CharTokenizer())
     spec = NeedleSpec(variant="single", lengths=(96,), per_length=2)
-    a = retrieval.build_needles(tok, stream, spec, seed=0)
+    a = needle_grid.build_needles(tok, stream, spec, seed=0)
     assert [i.prompt for i in a] == [
-        i.prompt for i in retrieval.build_needles(tok, stream, spec, 0)
+        i.prompt for i in needle_grid.build_needles(tok, stream, spec, 0)
     ]
-    b = retrieval.build_needles(tok, stream, spec, seed=1)
+    b = needle_grid.build_needles(tok, stream, spec, seed=1)
     assert [i.prompt for i in a] != [i.prompt for i in b]
     # the single variant's generator is [seed, 0, length]: its first needle is this one
     rng = np.random.default_rng([0, 0, 96])
@@ -78,8 +78,10 @@ def test_another_seed_or_variant_draws_other_needles() -> None:
     assert tok.decode(a[0].prompt).count("PASSKEY_") == 2  # the needle and the query
 
 
-def _item(length: int, answer: list[int], name: str) -> retrieval.NeedleItem:
-    return retrieval.NeedleItem("needle", name, length, 0.0, [1] * (length - 3), np.asarray(answer))
+def _item(length: int, answer: list[int], name: str) -> needle_grid.NeedleItem:
+    return needle_grid.NeedleItem(
+        "needle", name, length, 0.0, [1] * (length - 3), np.asarray(answer)
+    )
 
 
 class _Engine:
@@ -112,8 +114,8 @@ def recorded(monkeypatch):
         calls.append(("greedy", [len(p) for p in prompts], max_new_tokens, stop_tokens))
         return [Generated([-1] * max_new_tokens, [-float(len(p))]) for p in prompts]
 
-    monkeypatch.setattr(retrieval, "teacher_forced_with_margins", forced)
-    monkeypatch.setattr(retrieval, "generate_with_margins", greedy)
+    monkeypatch.setattr(needle_grid, "teacher_forced_with_margins", forced)
+    monkeypatch.setattr(needle_grid, "generate_with_margins", greedy)
     return calls
 
 
@@ -126,7 +128,7 @@ def test_needles_are_forced_where_exact_and_decoded_elsewhere_in_their_order(rec
         _item(64, [2, 2, 2], "e"),  # forced: length 64, three answer tokens
     ]
     engine = _Engine(exact_below=300)
-    out = retrieval.run_needles(engine, items, chunk_tokens=32, kv_tokens=512)
+    out = needle_grid.run_needles(engine, items, chunk_tokens=32, kv_tokens=512)
     # each needle asked once, with its own prompt and answer lengths and the step width
     assert engine.asked == [(197, 3, 32), (397, 3, 32), (61, 2, 32), (197, 3, 32), (61, 3, 32)]
     # batches in (length, answer tokens, forced) order; each forced batch sees the step shape
@@ -144,7 +146,7 @@ def test_needles_are_forced_where_exact_and_decoded_elsewhere_in_their_order(rec
 def test_without_teacher_forcing_every_needle_decodes_its_answer_length(recorded) -> None:
     items = [_item(64, [3, 4], "c"), _item(64, [1, 2, 3, 4, 5], "f"), _item(96, [7, 8], "g")]
     engine = _Engine(exact_below=10**6)
-    out = retrieval.run_needles(engine, items, teacher_forced=False)
+    out = needle_grid.run_needles(engine, items, teacher_forced=False)
     assert [c[0] for c in recorded] == ["greedy"] * 3
     # one batch per (length, answer tokens), each decoding exactly its answer's length
     assert [(c[1], c[2]) for c in recorded] == [([61], 2), ([61], 5), ([93], 2)]
@@ -160,20 +162,20 @@ def test_the_default_is_teacher_forced_with_the_engines_own_step() -> None:
 
     engine = Engine(exact_below=10**6)
     items = [_item(64, [3, 4, 5], "a")]
-    (g,) = retrieval.run_needles(engine, items)
+    (g,) = needle_grid.run_needles(engine, items)
     assert engine.asked == [(61, 3, None)] and engine.shape == (None, None)
     assert g.tokens == [3, 4, 5] and g.margins == [5.0, 5.0, 5.0]
-    assert retrieval.score(items[0], g)
+    assert needle_grid.score(items[0], g)
 
 
 def test_a_needle_passes_only_when_its_first_answer_tokens_all_match() -> None:
     item = _item(64, [4, 8, 2, 1, 3], "a")
-    assert retrieval.score(item, Generated([4, 8, 2, 1, 3], []))
-    assert retrieval.score(item, Generated([4, 8, 2, 1, 3, 9], []))  # more tokens: the first 5
-    assert not retrieval.score(item, Generated([4, 8, 2, 1], []))  # stopped one short
-    assert not retrieval.score(item, Generated([4, 8, 2, 1, 7], []))  # last digit wrong
-    assert not retrieval.score(item, Generated([0, 8, 2, 1, 3], []))  # first digit wrong
-    assert not retrieval.score(item, Generated([], []))
+    assert needle_grid.score(item, Generated([4, 8, 2, 1, 3], []))
+    assert needle_grid.score(item, Generated([4, 8, 2, 1, 3, 9], []))  # more tokens: the first 5
+    assert not needle_grid.score(item, Generated([4, 8, 2, 1], []))  # stopped one short
+    assert not needle_grid.score(item, Generated([4, 8, 2, 1, 7], []))  # last digit wrong
+    assert not needle_grid.score(item, Generated([0, 8, 2, 1, 3], []))  # first digit wrong
+    assert not needle_grid.score(item, Generated([], []))
 
 
 def test_a_path_returning_fewer_records_than_needles_is_an_error(monkeypatch) -> None:
@@ -181,7 +183,7 @@ def test_a_path_returning_fewer_records_than_needles_is_an_error(monkeypatch) ->
     def short(engine, prompts, max_new_tokens, stop_tokens=frozenset()):
         return [Generated([0] * max_new_tokens, [])] * (len(prompts) - 1)
 
-    monkeypatch.setattr(retrieval, "generate_with_margins", short)
+    monkeypatch.setattr(needle_grid, "generate_with_margins", short)
     items = [_item(64, [3, 4], "a"), _item(64, [5, 6], "b")]
     with pytest.raises(ValueError, match="zip"):
-        retrieval.run_needles(_Engine(exact_below=0), items)
+        needle_grid.run_needles(_Engine(exact_below=0), items)

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from tenantq.evals import sensitivity, stats
+from tenantq.evals import sensitivity, stats, windows
 from tenantq.model.config import ModelConfig
 from tenantq.quant.plan import QuantPlan
 
@@ -110,7 +110,7 @@ def test_each_kv_units_row_is_its_mean_kl_with_the_paired_bootstrap_ci(checkpoin
               cache_dir=tmp_path / "cache", progress=False)  # fmt: skip
     table = sensitivity.profile(folder, "int8", on_unit=lambda u, d: seen.append((u, d)), **kw)
     assert table.schema == sensitivity.SCHEMA
-    windows = sensitivity.text_windows(_Tok(), _config(), source=str(source), rows=5, row_tokens=9)
+    rows9 = windows.text_windows(_Tok(), _config(), source=str(source), rows=5, row_tokens=9)
     rows = table.to_pylist()
     assert [(r["tensor"], r["tensor_class"]) for r in rows] == [
         ("kv/0", "keys"), ("kv/0", "values"), ("kv/1", "keys"), ("kv/1", "values")
@@ -118,7 +118,7 @@ def test_each_kv_units_row_is_its_mean_kl_with_the_paired_bootstrap_ci(checkpoin
     for r in rows:
         layer = int(r["tensor"].split("/")[1])
         scale = 0.3 * (layer + 1) + (0.4 if r["tensor_class"] == "keys" else 0.0)
-        kl_seq, agree = _kl_per_window(windows, scale)
+        kl_seq, agree = _kl_per_window(rows9, scale)
         ci = stats.paired_bootstrap(np.zeros(5), kl_seq, resamples=300)
         assert r["kl_mean"] == pytest.approx(kl_seq.mean(), rel=1e-4)
         assert r["kl_ci_low"] == pytest.approx(ci.ci_low, rel=1e-4)
@@ -239,66 +239,64 @@ def test_a_baseline_moves_its_device_arrays_and_keeps_the_rest():
 def test_windows_are_bos_then_disjoint_draws_of_the_text(tmp_path):
     source = tmp_path / "t.txt"
     source.write_text(TEXT)
-    w = sensitivity.text_windows(_Tok(), _config(), source=str(source), rows=6, row_tokens=11)
+    w = windows.text_windows(_Tok(), _config(), source=str(source), rows=6, row_tokens=11)
     assert w.shape == (6, 11) and w.dtype == np.int32 and (w[:, 0] == 1).all()
     stream = np.asarray(_Tok().encode(TEXT) + [2], np.int32)
     # disjoint 10-token slots drawn with the generator [seed, 1]
-    want = sensitivity.data.token_windows(stream, 6, 10, np.random.default_rng([0, 1]))
+    want = windows.token_windows(stream, 6, 10, np.random.default_rng([0, 1]))
     np.testing.assert_array_equal(w[:, 1:], want)
     assert not np.array_equal(
-        w, sensitivity.text_windows(_Tok(), _config(), source=str(source), rows=6, row_tokens=11,
+        w, windows.text_windows(_Tok(), _config(), source=str(source), rows=6, row_tokens=11,
                                     seed=1)
     )  # fmt: skip
-    no_bos = sensitivity.text_windows(
+    no_bos = windows.text_windows(
         _Tok(), _config(bos_token_id=None), source=str(source), rows=2, row_tokens=11
     )
     assert (no_bos[:, 0] == 1).all()
-    seven = sensitivity.text_windows(
+    seven = windows.text_windows(
         _Tok(), _config(bos_token_id=7), source=str(source), rows=2, row_tokens=11
     )
     assert (seven[:, 0] == 7).all()
     slots = (len(TEXT) + 1) // 10
     with pytest.raises(ValueError, match=rf"t\.txt has {len(TEXT) + 1:,} tokens: {slots} windows "
                        rf"of 10 \(\+ BOS\), {slots + 1} asked for; give more text"):  # fmt: skip
-        sensitivity.text_windows(
-            _Tok(), _config(), source=str(source), rows=slots + 1, row_tokens=11
-        )
+        windows.text_windows(_Tok(), _config(), source=str(source), rows=slots + 1, row_tokens=11)
 
 
 def test_windows_read_the_stream_only_to_four_times_what_is_drawn(tmp_path, monkeypatch):
     docs = [TEXT[i * 100 : (i + 1) * 100] for i in range(len(TEXT) // 100)]
-    monkeypatch.setattr(sensitivity.data, "load_documents", lambda s: docs)
+    monkeypatch.setattr(windows.data, "load_documents", lambda s: docs)
     read = []
-    real = sensitivity.data.token_stream
-    monkeypatch.setattr(sensitivity.data, "token_stream", lambda t, d: read.append(d) or real(t, d))
-    sensitivity.text_windows(_Tok(), _config(), source="x.txt", rows=2, row_tokens=51)
+    real = windows.token_stream
+    monkeypatch.setattr(windows, "token_stream", lambda t, d: read.append(d) or real(t, d))
+    windows.text_windows(_Tok(), _config(), source="x.txt", rows=2, row_tokens=51)
     # 2 x 50 drawn: documents of 101 tokens are read until 400 are held, i.e. four
     assert len(read) == 4
     read.clear()
-    sensitivity.text_windows(_Tok(), _config(), source="x.txt", rows=2, row_tokens=50)
+    windows.text_windows(_Tok(), _config(), source="x.txt", rows=2, row_tokens=50)
     assert len(read) == 4  # 2 x 49 = 98: 392 < 4 x 98 = 392? no: 404 >= 392 after four
-    monkeypatch.setattr(sensitivity.data, "load_documents", lambda s: [])
+    monkeypatch.setattr(windows.data, "load_documents", lambda s: [])
     with pytest.raises(ValueError, match="x.txt has 0 tokens"):
-        sensitivity.text_windows(_Tok(), _config(), source="x.txt", rows=1, row_tokens=5)
+        windows.text_windows(_Tok(), _config(), source="x.txt", rows=1, row_tokens=5)
 
 
 def test_calibration_and_held_out_windows_are_disjoint_seeded_draws(tmp_path):
     source = tmp_path / "t.txt"
     source.write_text(TEXT)
-    cal, held = sensitivity.calibration_windows(
+    cal, held = windows.calibration_windows(
         _Tok(), _config(), source=str(source), num_sequences=5, seq_tokens=9, held_out=3
     )
     assert cal.shape == (5, 9) and held.shape == (3, 9)
-    allw = sensitivity.text_windows(_Tok(), _config(), source=str(source), rows=8, row_tokens=9)
+    allw = windows.text_windows(_Tok(), _config(), source=str(source), rows=8, row_tokens=9)
     order = np.random.default_rng([0, 2]).permutation(8)
     np.testing.assert_array_equal(cal, allw[order[:5]])
     np.testing.assert_array_equal(held, allw[order[5:]])
-    cal1, _ = sensitivity.calibration_windows(
+    cal1, _ = windows.calibration_windows(
         _Tok(), _config(), source=str(source), num_sequences=5, seq_tokens=9, seed=1
     )
     assert not np.array_equal(cal1, cal[:5])
     # the seed draws the windows as well as their split
-    allw1 = sensitivity.text_windows(
+    allw1 = windows.text_windows(
         _Tok(), _config(), source=str(source), rows=5, row_tokens=9, seed=1
     )
     np.testing.assert_array_equal(cal1, allw1[np.random.default_rng([1, 2]).permutation(5)])
@@ -307,7 +305,7 @@ def test_calibration_and_held_out_windows_are_disjoint_seeded_draws(tmp_path):
 def test_calibration_defaults_are_128_windows_of_512_tokens_none_held_out(tmp_path):
     source = tmp_path / "t.txt"
     source.write_text(TEXT * 60)  # ~86K tokens: 128 x 511 fit
-    cal, held = sensitivity.calibration_windows(_Tok(), _config(), source=str(source))
+    cal, held = windows.calibration_windows(_Tok(), _config(), source=str(source))
     assert cal.shape == (128, 512) and held.shape == (0, 512)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tenantq.engine import steps
-from tenantq.evals import Evaluator, load_suite, retrieval
+from tenantq.evals import Evaluator, load_suite, needle_grid
 from tenantq.quant.plan import KVPlan, QuantPlan, Rule
 from tenantq.reference import reference_model_path
 
@@ -57,11 +57,11 @@ def test_teacher_forced_needles_equal_greedy(quick, name):
     logits = engine.continuation_logits(
         [i.prompt for i in items], [i.answer.tolist() for i in items], **shape
     )
-    forced = retrieval.run_needles(engine, items, **shape)
-    greedy = retrieval.run_needles(engine, items, teacher_forced=False)
+    forced = needle_grid.run_needles(engine, items, **shape)
+    greedy = needle_grid.run_needles(engine, items, teacher_forced=False)
     step = 2.0 ** (np.floor(np.log2(max(np.abs(x).max() for x in logits))) - 7)
     for item, f, g in zip(items, forced, greedy, strict=True):
-        assert retrieval.score(item, f) == retrieval.score(item, g), item.example_id
+        assert needle_grid.score(item, f) == needle_grid.score(item, g), item.example_id
         n = len(f.tokens)
         assert f.tokens == g.tokens[:n]
         assert np.abs(np.subtract(f.margins, g.margins[:n])).max() <= 4 * step, item.example_id
@@ -86,9 +86,9 @@ def test_a_suite_whose_rows_are_not_whole_pages_decodes_its_needles(tmp_path):
     assert not any(
         engine.teacher_forcing_exact(len(i.prompt), len(i.answer), ev.step_tokens) for i in items
     )
-    forced = retrieval.run_needles(
+    forced = needle_grid.run_needles(
         engine, items, chunk_tokens=ev.step_tokens, kv_tokens=ev.kv_window_tokens
     )
-    greedy = retrieval.run_needles(engine, items, teacher_forced=False)
+    greedy = needle_grid.run_needles(engine, items, teacher_forced=False)
     for f, g in zip(forced, greedy, strict=True):
         assert f.tokens == g.tokens and f.margins == g.margins

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tenantq.evals import data, fidelity, structured
+from tenantq.evals import data, fidelity, structured, windows
 from tenantq.evals.generation import Generated, _top2_margin
 from tenantq.evals.suite import load_suite
 
@@ -68,10 +68,10 @@ def test_unreadable_datasets_are_one_line_errors(tmp_path) -> None:
 
 def test_token_windows_are_disjoint_and_refuse_too_many() -> None:
     stream = np.arange(100, dtype=np.int32)
-    w = data.token_windows(stream, 3, 20, np.random.default_rng(0))
+    w = windows.token_windows(stream, 3, 20, np.random.default_rng(0))
     assert w.shape == (3, 20) and len(set(w.ravel().tolist())) == 60
     with pytest.raises(ValueError, match="5 windows of 20"):
-        data.token_windows(stream, 6, 20, np.random.default_rng(0))
+        windows.token_windows(stream, 6, 20, np.random.default_rng(0))
 
 
 def _numpy_kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:

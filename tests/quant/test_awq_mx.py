@@ -68,7 +68,7 @@ def test_awq_mxfp4_layer_error_at_most_rtn_on_a_reference_layer(reference_float3
     # is scored as it will be quantized, and the exponent search is per column <= RTN.
     # Measured here 0.62x (the bench: 0.62x over all 28 linears, README); 0.9 guards
     # against a search that stops helping.
-    from tenantq.evals.sensitivity import calibration_windows
+    from tenantq.evals.windows import calibration_windows
 
     path, config, params, tok = reference_float32
     windows, _ = calibration_windows(tok, config, num_sequences=8, seq_tokens=128)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def reference(reference_float32):
-    from tenantq.evals.sensitivity import calibration_windows
+    from tenantq.evals.windows import calibration_windows
 
     _, config, params, tokenizer = reference_float32
     calib, held = calibration_windows(
@@ -80,7 +80,7 @@ def test_smoothquant_w8a8_kl_below_rtn_w8a8(reference):
 
 def _test_windows(config):
     from tenantq.evals.data import REFERENCE_TEST
-    from tenantq.evals.sensitivity import text_windows
+    from tenantq.evals.windows import text_windows
     from tenantq.model.tokenizer import load_tokenizer
     from tenantq.reference import reference_model_path
 

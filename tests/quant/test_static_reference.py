@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def reference(reference_float32):
-    from tenantq.evals.sensitivity import calibration_windows
+    from tenantq.evals.windows import calibration_windows
 
     _, config, params, tokenizer = reference_float32
     windows, _ = calibration_windows(tokenizer, config, num_sequences=4, seq_tokens=128)

@@ -94,7 +94,7 @@ def reference(args) -> dict:
     from tenantq.engine import Engine
     from tenantq.evals import data, fidelity, stats
     from tenantq.evals.identity import model_identity
-    from tenantq.evals.sensitivity import calibration_windows, text_windows
+    from tenantq.evals.windows import calibration_windows, text_windows
     from tenantq.model.config import ModelConfig
     from tenantq.model.loader import load_params
     from tenantq.model.tokenizer import load_tokenizer
@@ -150,9 +150,9 @@ def reference(args) -> dict:
 
     def kl_of(quantized, plan):
         """(CI of the mean KL, KL per window: the pairing unit for a contrast with RTN)."""
-        cand = fidelity.compare(Engine(config, quantized, plan, **options), rows, base)
-        kl_seq = cand["kl"].mean(axis=1)
-        return stats.paired_bootstrap(np.zeros_like(kl_seq), kl_seq, resamples=2000), kl_seq
+        engine = Engine(config, quantized, plan, **options)
+        kl = fidelity.kl_against_baseline(engine, rows, base, resamples=2000)
+        return kl.ci, kl.per_window
 
     def vs_rtn(rtn_kl, kl) -> dict:
         """Paired CI of mean KL − RTN's mean KL over the same windows."""

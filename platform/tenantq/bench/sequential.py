@@ -54,7 +54,7 @@ def run(args) -> dict:
     from tenantq.engine import Engine
     from tenantq.evals import data, fidelity, stats
     from tenantq.evals.identity import model_identity
-    from tenantq.evals.sensitivity import calibration_windows, text_windows
+    from tenantq.evals.windows import calibration_windows, text_windows
     from tenantq.model.config import ModelConfig
     from tenantq.model.loader import load_params
     from tenantq.model.tokenizer import load_tokenizer

@@ -70,7 +70,7 @@ class Calibrator:
     def windows(self) -> np.ndarray:
         """The calibration windows [num_sequences, seq_tokens] (drawn once)."""
         if self._windows is None:
-            from tenantq.evals.sensitivity import calibration_windows
+            from tenantq.evals.windows import calibration_windows
 
             self._windows, _ = calibration_windows(
                 self.tokenizer, self.config, source=self.data.data,

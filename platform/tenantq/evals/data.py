@@ -1,9 +1,10 @@
-"""Held-out text for the suite: documents, their disjoint search/confirm halves, token ids.
+"""Held-out text for the suite: documents, their disjoint search/confirm halves, data hashes.
 
 The default source is the shipped reference model's test split (stdlib files the model never
 trained on); a user may point a suite at a `.txt`, `.jsonl` or Parquet text column. Every task
 draws from one half of the documents (even-indexed for "search", odd for "confirm"; a single
 document is cut at the line nearest its middle), so a confirmation run sees fresh text.
+Text becomes token windows in `evals.windows`.
 """
 
 from __future__ import annotations
@@ -100,38 +101,6 @@ def split_documents(docs: list[str], split: str) -> list[str]:
         cut = len(text) // 2 if cut < 0 else cut + 1
         return [text[:cut]] if split == "search" else [text[cut:]]
     return docs[0::2] if split == "search" else docs[1::2]
-
-
-def token_stream(tokenizer, docs: list[str]) -> np.ndarray:
-    """Documents tokenized and concatenated with EOS after each, as the trainer saw text."""
-    eos = tokenizer.token_id("<|eos|>")
-    parts = []
-    for doc in docs:
-        ids = tokenizer.encode(doc)
-        parts.append(np.asarray(ids + ([eos] if eos is not None else []), np.int32))
-    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
-
-
-def token_windows(
-    stream: np.ndarray,
-    rows: int,
-    window_tokens: int,
-    rng: np.random.Generator,
-    *,
-    asker: str = "the dataset half has {tokens}: {slots} windows of {window}, the suite "
-    "asks for {rows}; use fewer rows or shorter ones",
-) -> np.ndarray:
-    """`rows` disjoint windows of `window_tokens` ids, slots chosen at random, in order;
-    `asker` words the error of a stream too short (the suite's rows, calibration's windows)."""
-    slots = len(stream) // window_tokens
-    if slots < rows:
-        raise ValueError(
-            asker.format(
-                tokens=f"{len(stream):,} tokens", slots=slots, window=window_tokens, rows=rows
-            )
-        )
-    chosen = np.sort(rng.choice(slots, rows, replace=False))
-    return np.stack([stream[s * window_tokens : (s + 1) * window_tokens] for s in chosen])
 
 
 def array_hash(*arrays: np.ndarray) -> str:

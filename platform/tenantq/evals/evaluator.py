@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tenantq.evals import data, fidelity, retrieval, stats, structured
+from tenantq.evals import data, fidelity, needle_grid, stats, structured, windows
 from tenantq.evals.calibrated import CalibrationData, Calibrator
 from tenantq.evals.generation import Generated
 from tenantq.evals.identity import cache_key, model_identity
@@ -31,9 +31,9 @@ from tenantq.evals.suite import (
     baseline_pass_warnings,
     check_suite_for_model,
     load_suite,
-    pass_fail_key,
     unreachable_gate_warnings,
 )
+from tenantq.evals.tasks import FidelityTask, PassFailTask
 from tenantq.model.files import CACHE_DIR, atomic_path
 
 # Part of every cached baseline's key: bump it whenever the suite's numerics change (version 2:
@@ -63,6 +63,12 @@ class Gate:
     constraint: float  # <= 0: within tolerance (trial.set_constraint)
     changed: bool = False  # two-sided: exact McNemar p <= 0.05 (pass/fail), else CI excludes 0
 
+    def as_dict(self) -> dict[str, Any]:
+        """Every field as plain Python values (JSON, Ray, MLflow): what a trial's result and
+        the Parquet metadata carry, `higher_is_better` included."""
+        fields = dataclasses.asdict(self).items()
+        return {k: v.item() if isinstance(v, np.generic) else v for k, v in fields}
+
 
 @dataclasses.dataclass
 class EvalResult:
@@ -81,9 +87,7 @@ class EvalResult:
         path = Path(path)
         meta = {
             b"tenantq.summary": json.dumps(self.summary).encode(),
-            b"tenantq.gates": json.dumps(
-                {k: dataclasses.asdict(g) for k, g in self.gates.items()}
-            ).encode(),
+            b"tenantq.gates": json.dumps({k: g.as_dict() for k, g in self.gates.items()}).encode(),
             b"tenantq.timings_s": json.dumps(self.timings_s).encode(),
         }  # fmt: skip
         table = self.examples.replace_schema_metadata(
@@ -145,21 +149,17 @@ class Evaluator:
             data.load_documents(source, spec.text_field if spec else "text"), suite.split
         )
         self.docs = docs
-        stream = data.token_stream(self.tokenizer, docs)
+        stream = windows.token_stream(self.tokenizer, docs)
         hashed = [stream[:0]]
         self.fidelity_rows = None
         if spec is not None:
-            bos = self.config.bos_token_id if self.config.bos_token_id is not None else 1
-            windows = data.token_windows(
-                stream, spec.rows, spec.row_tokens - 1, np.random.default_rng([seed, 0])
-            )
-            self.fidelity_rows = np.concatenate(
-                [np.full((spec.rows, 1), bos, np.int32), windows], axis=1
+            self.fidelity_rows = windows.bos_windows(
+                stream, self.config, spec.rows, spec.row_tokens, np.random.default_rng([seed, 0])
             )
             hashed.append(self.fidelity_rows)
         self.needle_items = []
         for nspec in suite.needles:
-            self.needle_items += retrieval.build_needles(self.tokenizer, stream, nspec, seed)
+            self.needle_items += needle_grid.build_needles(self.tokenizer, stream, nspec, seed)
         context = self.config.max_position_embeddings
         for item in self.needle_items:
             if len(item.prompt) + len(item.answer) > context:
@@ -246,18 +246,17 @@ class Evaluator:
         weights are quantized (after a plan's smoothquant/awq folds, which rescale v_proj's
         output and so the cached values): once per folded identity, in memory and on disk."""
         from tenantq.engine.sharding import on_every_host
-        from tenantq.evals.sensitivity import calibration_windows
         from tenantq.quant import kv_calibration as kvc
 
         if folded_id not in self._kv_scales:
-            windows, _ = calibration_windows(  # the weights' calibration text, if given
+            rows, _ = windows.calibration_windows(  # the weights' calibration text, if given
                 self.tokenizer, self.config, source=self.calibrator.data.data,
                 num_sequences=kvc.DEFAULT_KV_SEQUENCES,
                 seq_tokens=min(kvc.DEFAULT_KV_SEQ_TOKENS, self.config.max_position_embeddings),
             )  # fmt: skip
             self._kv_scales[folded_id] = kvc.kv_static_scales(
-                self.model_path, windows, model_id=folded_id,
-                data_hash=data.array_hash(windows), cache_dir=self.cache_dir / "calibration",
+                self.model_path, rows, model_id=folded_id,
+                data_hash=data.array_hash(rows), cache_dir=self.cache_dir / "calibration",
                 params=folded, agree=on_every_host,
             )  # fmt: skip
         return self._kv_scales[folded_id]
@@ -316,15 +315,16 @@ class Evaluator:
         return self._baseline
 
     def _generate(self, engine, items) -> list[Generated]:
-        needle_items = [i for i in items if isinstance(i, retrieval.NeedleItem)]
-        other = [i for i in items if not isinstance(i, retrieval.NeedleItem)]
+        needle_items = [i for i in items if isinstance(i, needle_grid.NeedleItem)]
+        other = [i for i in items if not isinstance(i, needle_grid.NeedleItem)]
         out = self._needles(engine, needle_items) if needle_items else []
-        if other:
-            out += structured.run_items(engine, other, self.suite.structured.max_new_tokens)
-        return out
+        return out + (self._structured(engine, other) if other else [])
+
+    def _structured(self, engine, items) -> list[Generated]:
+        return structured.run_items(engine, items, self.suite.structured.max_new_tokens)
 
     def _needles(self, engine, items) -> list[Generated]:
-        return retrieval.run_needles(
+        return needle_grid.run_needles(
             engine, items, chunk_tokens=self.step_tokens, kv_tokens=self.kv_window_tokens
         )
 
@@ -341,6 +341,28 @@ class Evaluator:
                 "the pool more bytes (engine_options pool_bytes / --pool-bytes)"
             ) from None
 
+    def tasks(self) -> list[FidelityTask | PassFailTask]:
+        """The suite's tasks over the drawn examples, in the baseline's order."""
+        out: list[FidelityTask | PassFailTask] = []
+        if self.fidelity_rows is not None:
+            out.append(FidelityTask(
+                self.fidelity_rows, self.fidelity_kv_tokens, self.suite.resamples,
+                self.suite.seed,
+            ))  # fmt: skip
+        if self.needle_items:
+            out.append(PassFailTask(
+                "needles", self.needle_items, "len", self._needles, needle_grid.score,
+                steps=len(self.suite.needles),
+            ))  # fmt: skip
+        if self.structured_items:
+            out.append(PassFailTask(
+                "structured", self.structured_items, "task",
+                self._structured,
+                lambda item, gen: structured.score(item, gen, self.tokenizer),
+                offset=len(self.needle_items),
+            ))  # fmt: skip
+        return out
+
     def _evaluate(self, plan) -> EvalResult:
         began = time.perf_counter()
         timings = dict.fromkeys(PHASES, 0.0)
@@ -353,61 +375,17 @@ class Evaluator:
         self._baseline_passes: dict[str, tuple[int, int]] = {}
         rows: list[dict[str, Any]] = []
         summary: dict[str, float | int | str] = {}
-        bar = _progress(self.progress, len(self.suite.needles) + 2)
+        todo = self.tasks()
+        bar = _progress(self.progress, sum(t.steps for t in todo))
         try:
-            if self.fidelity_rows is not None:
-                bar.set_description("fidelity")
-                with _phase(timings, "fidelity", engine):
-                    cand = fidelity.compare(
-                        engine, self.fidelity_rows, base["fidelity"],
-                        kv_tokens=self.fidelity_kv_tokens,
-                    )  # fmt: skip
-                summary.update(self._fidelity_summary(base["fidelity"], cand, rows))
-            bar.update(1)
-            gens_base = base["generations"]
-            n_needles = len(self.needle_items)
-            if n_needles:
-                bar.set_description("needles")
-                with _phase(timings, "needles", engine):
-                    gens = self._needles(engine, self.needle_items)
-                passes = [
-                    retrieval.score(i, g) for i, g in zip(self.needle_items, gens, strict=True)
-                ]
-                base_pass = [
-                    retrieval.score(i, g)
-                    for i, g in zip(self.needle_items, gens_base[:n_needles], strict=True)
-                ]
-                summary.update(
-                    self._pass_fail(
-                        self.needle_items,
-                        base_pass,
-                        passes,
-                        gens_base[:n_needles],
-                        gens,
-                        rows,
-                        "len",
-                    )  # fmt: skip
-                )
-            bar.update(len(self.suite.needles))
-            if self.structured_items:
-                bar.set_description("structured")
-                with _phase(timings, "structured", engine):
-                    gens = structured.run_items(
-                        engine, self.structured_items, self.suite.structured.max_new_tokens
-                    )
-                items = self.structured_items
-                passes = [
-                    structured.score(i, g, self.tokenizer) for i, g in zip(items, gens, strict=True)
-                ]
-                base_gens = gens_base[n_needles:]
-                base_pass = [
-                    structured.score(i, g, self.tokenizer)
-                    for i, g in zip(items, base_gens, strict=True)
-                ]
-                summary.update(
-                    self._pass_fail(items, base_pass, passes, base_gens, gens, rows, "task")
-                )
-            bar.update(1)
+            for task in todo:
+                bar.set_description(task.phase)
+                task_base = task.baseline_of(base)
+                with _phase(timings, task.phase, engine):
+                    measured = task.run(engine, task_base)
+                summary.update(task.summarize(task_base, measured, rows))
+                self._baseline_passes.update(getattr(task, "baseline_passes", {}))
+                bar.update(task.steps)
         finally:
             bar.close()
         timings["compile"] = engine.stats.compile_s
@@ -430,95 +408,6 @@ class Evaluator:
             timings_s={k: round(v, 4) for k, v in timings.items()},
             memory_report=memory,
         )  # fmt: skip
-
-    # ------------------------------------------------------------------ summaries
-    def _ci(self, base, cand, **kw) -> stats.PairedCI:
-        return stats.paired_bootstrap(
-            base, cand, resamples=self.suite.resamples, seed=self.suite.seed, **kw
-        )
-
-    def _fidelity_summary(self, base, cand, rows) -> dict[str, float]:
-        kl_seq = cand["kl"].mean(axis=1)
-        agree_seq = cand["top1_agree"].mean(axis=1)
-        nll_base, nll_cand = -base.target_logp.mean(axis=1), -cand["target_logp"].mean(axis=1)
-        kl = self._ci(np.zeros_like(kl_seq), kl_seq)
-        agree = self._ci(np.ones_like(agree_seq), agree_seq)
-        ppl = self._ci(nll_base, nll_cand, contrast=lambda c, b: np.exp(c - b))
-        out = {
-            "fidelity.kl_mean": kl.delta, "fidelity.kl_mean.ci_low": kl.ci_low,
-            "fidelity.kl_mean.ci_high": kl.ci_high,
-            "fidelity.kl_p99": float(np.quantile(cand["kl"], 0.99)),
-            "fidelity.kl_max": float(cand["kl"].max()),
-            "fidelity.top1_agree": agree.candidate,
-            "fidelity.top1_agree_delta": agree.delta,
-            "fidelity.top1_agree_delta.ci_low": agree.ci_low,
-            "fidelity.top1_agree_delta.ci_high": agree.ci_high,
-            "fidelity.ppl_base": float(np.exp(nll_base.mean())),
-            "fidelity.ppl_cand": float(np.exp(nll_cand.mean())),
-            "fidelity.ppl_ratio": ppl.delta, "fidelity.ppl_ratio.ci_low": ppl.ci_low,
-            "fidelity.ppl_ratio.ci_high": ppl.ci_high,
-            "fidelity.tokens": int(cand["kl"].size),
-            "fidelity.exact": int(base.exact),
-        }  # fmt: skip
-        for i in range(len(kl_seq)):
-            rows.append({
-                "task": "fidelity", "example_id": f"fidelity/{i}",
-                "length": int(self.fidelity_rows.shape[1]), "depth": float("nan"),
-                "baseline_score": float(nll_base[i]), "candidate_score": float(nll_cand[i]),
-                "kl": float(kl_seq[i]), "top1_agree": float(agree_seq[i]),
-                "margin": float(base.margin[i].mean()), "candidate_margin": float("nan"),
-                "flip": "", "baseline_tokens": [], "candidate_tokens": [],
-                "baseline_margins": [],
-            })  # fmt: skip
-        return out
-
-    def _pass_fail(self, items, base_pass, cand_pass, base_gens, cand_gens, rows, group):
-        out: dict[str, float | int] = {}
-        base_pass, cand_pass = np.asarray(base_pass, bool), np.asarray(cand_pass, bool)
-        # (name prefix, name suffix, examples): needle.acc_delta.len1019, structured.acc_delta,
-        # structured.acc_delta.close_line
-        groups: list[tuple[str, str, np.ndarray]] = []
-        task_of = np.array([i.task for i in items])
-        key_of = np.array([f"len{i.length}" if group == "len" else i.task_name for i in items])
-        for task in dict.fromkeys(task_of):
-            in_task = task_of == task
-            if group == "task":
-                groups.append((task, "", in_task))
-            for key in dict.fromkeys(key_of[in_task]):
-                groups.append((task, f".{key}", in_task & (key_of == key)))
-        for prefix, suffix, mask in groups:
-            b, c = base_pass[mask], cand_pass[mask]
-            ci = stats.paired_proportion_ci(b, c)  # Tango's score CI, not the bootstrap
-            c2w, w2c = stats.discordant_counts(b, c)
-            if suffix:  # one task or one length: the unit the suite's pass-rate bar applies to
-                self._baseline_passes[f"{prefix}{suffix}"] = (int(b.sum()), int(b.size))
-            figures = {
-                "acc_base": ci.baseline, "acc_cand": ci.candidate, "acc_delta": ci.delta,
-                "acc_delta.ci_low": ci.ci_low, "acc_delta.ci_high": ci.ci_high,
-                "flips.correct_to_wrong": c2w,
-                "flips.wrong_to_correct": w2c, "mcnemar_p": stats.mcnemar_exact(c2w, w2c),
-                "n": int(mask.sum()),
-            }  # fmt: skip
-            for m, v in figures.items():
-                out[pass_fail_key(prefix, m, suffix)] = v
-        for item, b, c, gb, gc in zip(
-            items, base_pass, cand_pass, base_gens, cand_gens, strict=True
-        ):
-            rows.append({
-                "task": item.task, "example_id": item.example_id,
-                "length": int(getattr(item, "length", len(item.prompt))),
-                "depth": float(getattr(item, "depth", float("nan"))),
-                "baseline_score": float(b), "candidate_score": float(c), "kl": float("nan"),
-                "top1_agree": float("nan"),
-                # min over the recorded steps: a teacher-forced needle that fails records
-                # them up to its first wrong token only (`generation.Generated`)
-                "margin": float(min(gb.margins)) if gb.margins else float("nan"),
-                "candidate_margin": float(min(gc.margins)) if gc.margins else float("nan"),
-                "flip": _flip(b, c),
-                "baseline_tokens": gb.tokens, "candidate_tokens": gc.tokens,
-                "baseline_margins": gb.margins,
-            })  # fmt: skip
-        return out
 
 
 def gates_for(suite: Suite, summary: dict[str, Any]) -> dict[str, Gate]:
@@ -553,12 +442,6 @@ def decision_words(gates: dict[str, Gate]) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------- helpers
-def _flip(baseline_pass: bool, candidate_pass: bool) -> str:
-    if baseline_pass == candidate_pass:
-        return ""
-    return "correct_to_wrong" if baseline_pass else "wrong_to_correct"
-
-
 @contextmanager
 def _phase(timings: dict[str, float], name: str, engine=None):
     """Wall seconds of a phase, less the compile seconds the engine counted inside it."""

@@ -8,7 +8,7 @@ The result is an Arrow table (tensor, format, kl_mean, kl_ci_low, kl_ci_high, ..
 as Parquet by (model identity, format, dataset hash); the search's `sensitivity` space reads
 it to keep the k most sensitive tensors in bf16. With several local devices the units run
 in parallel, one per device at a time, each device holding its own copy of the model (the
-table is the serial run's, row for row). Also here: the calibration windows.
+table is the serial run's, row for row). Its windows come from `evals.windows`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tenantq.evals import data, fidelity, stats
+from tenantq.evals import data, fidelity
 from tenantq.evals.identity import cache_key, model_identity
+from tenantq.evals.windows import (
+    calibration_windows,  # noqa: F401 - see below
+    text_windows,
+)
 from tenantq.model.config import ModelConfig
 from tenantq.model.files import CACHE_DIR, atomic_path
 from tenantq.model.terminal import progress_bar, text_table
@@ -39,6 +42,8 @@ EXACT_VOCAB_LIMIT = 32768  # exact KL below this vocabulary (as the quality suit
 TOP_K = 64  # top-k + tail KL above it
 UNIT_KINDS = ("tensor", "block")
 CACHE_VERSION = 1
+# `calibration_windows` is imported above only for search/checks.py, which still reads it from
+# this module (search is another room's); its home is evals.windows.
 SCHEMA = pa.schema(
     [
         ("tensor", pa.string()),  # a tensor path, a block (layers/3/mlp), or kv/3 (a KV layer)
@@ -54,69 +59,6 @@ SCHEMA = pa.schema(
         ("tokens", pa.int64()),
     ]
 )
-
-
-# --- data --------------------------------------------------------------------------------
-
-
-def _texts(source: str | None) -> list[str]:
-    if source is None:  # the reference model's train split (calibration must not see test)
-        from tenantq.reference.corpus import load_corpus
-
-        return load_corpus().texts("train")
-    return data.load_documents(source)
-
-
-def text_windows(
-    tokenizer,
-    config: ModelConfig,
-    *,
-    source: str | None = None,
-    rows: int,
-    row_tokens: int,
-    seed: int = 0,
-) -> np.ndarray:
-    """int32 [rows, row_tokens]: BOS plus disjoint random windows of `source`'s token stream.
-
-    `source`: None for the reference train split, `data.REFERENCE_TEST`, or a user's
-    .txt/.jsonl/.parquet. Documents are tokenized only until the stream holds 4x what
-    is drawn (the slots still vary with the seed).
-    """
-    need = rows * (row_tokens - 1)
-    parts, held = [], 0
-    for doc in _texts(source):
-        ids = data.token_stream(tokenizer, [doc])
-        parts.append(ids)
-        held += len(ids)
-        if held >= 4 * need:
-            break
-    stream = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-    body = data.token_windows(
-        stream, rows, row_tokens - 1, np.random.default_rng([seed, 1]),
-        asker=f"{source or 'the train split'} has {{tokens}}: {{slots}} windows of "
-        f"{{window}} (+ BOS), {{rows}} asked for; give more text, or fewer or shorter windows",
-    )  # fmt: skip
-    bos = config.bos_token_id if config.bos_token_id is not None else 1
-    return np.concatenate([np.full((rows, 1), bos, np.int32), body], axis=1).astype(np.int32)
-
-
-def calibration_windows(
-    tokenizer,
-    config: ModelConfig,
-    *,
-    source: str | None = None,
-    num_sequences: int = 128,
-    seq_tokens: int = 512,
-    held_out: int = 0,
-    seed: int = 0,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(calibration windows, held-out windows): disjoint draws from one stream."""
-    rows = text_windows(
-        tokenizer, config, source=source, rows=num_sequences + held_out, row_tokens=seq_tokens,
-        seed=seed,
-    )  # fmt: skip
-    order = np.random.default_rng([seed, 2]).permutation(len(rows))
-    return rows[order[:num_sequences]], rows[order[num_sequences:]]
 
 
 # --- units ---------------------------------------------------------------------------------
@@ -229,15 +171,14 @@ def profile(
             on_unit(unit, device)
         with jax.default_device(device):
             engine = Engine(config, params_there, unit.plan, **options)
-            cand = fidelity.compare(engine, windows, base_there)
-        kl_seq = cand["kl"].mean(axis=1)
-        ci = stats.paired_bootstrap(np.zeros_like(kl_seq), kl_seq, resamples=resamples)
+            kl = fidelity.kl_against_baseline(engine, windows, base_there, resamples=resamples)
         bar.update(1)
         return {
-            "tensor": unit.tensor, "format": fmt, "kl_mean": ci.delta, "kl_ci_low": ci.ci_low,
-            "kl_ci_high": ci.ci_high, "top1_agree": float(cand["top1_agree"].mean()),
+            "tensor": unit.tensor, "format": fmt, "kl_mean": kl.ci.delta,
+            "kl_ci_low": kl.ci.ci_low, "kl_ci_high": kl.ci.ci_high,
+            "top1_agree": float(kl.per_token["top1_agree"].mean()),
             "layer": unit.layer, "tensor_class": unit.tensor_class, "kind": unit.kind,
-            "rows": int(kl_seq.size), "tokens": int(cand["kl"].size),
+            "rows": int(kl.per_window.size), "tokens": int(kl.per_token["kl"].size),
         }  # fmt: skip
 
     try:

@@ -3,14 +3,17 @@
 Only `tokenizer.json` is read (the fast-tokenizer file every Llama-family checkpoint
 ships). It is optional: a folder without it, or with one the library cannot read, still
 loads and runs on token ids (an unreadable file is a warning naming it), and whatever
-needs text asks for the tokenizer and gets a clear error there.
+needs text asks for the tokenizer and gets a clear error there. `token_stream` is the one
+way text becomes a stream of ids (EOS after each document, as the trainer saw it).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
 
 
@@ -37,6 +40,22 @@ class Tokenizer:
 
     def token_id(self, token: str) -> int | None:
         return self._inner.token_to_id(token)
+
+
+def token_stream(tokenizer, docs: Sequence[str]) -> np.ndarray:
+    """int32 ids of `docs` tokenized and concatenated with EOS after each, as the trainer saw
+    text (no EOS where the vocabulary has none). `tokenizer`: a `Tokenizer` (or anything with
+    `encode(text) -> ids` and `token_id`), or a `tokenizers.Tokenizer`, whose batch API the
+    trainer's splits use."""
+    if isinstance(tokenizer, _HFTokenizer):
+        eos = tokenizer.token_to_id("<|eos|>")
+        encoded = [e.ids for e in tokenizer.encode_batch(list(docs))]
+    else:
+        eos = tokenizer.token_id("<|eos|>")
+        encoded = [tokenizer.encode(doc) for doc in docs]
+    tail = [eos] if eos is not None else []
+    parts = [np.asarray(list(ids) + tail, np.int32) for ids in encoded]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
 
 class TokenizerUnreadableWarning(UserWarning):

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from tenantq.engine import Engine
+from tenantq.model.tokenizer import token_stream
 from tenantq.reference import needles, reference_model_path
 from tenantq.reference.corpus import load_corpus
 
@@ -37,9 +38,7 @@ def needle_lengths(context_tokens: int) -> tuple[int, ...]:
 
 def split_ids(tokenizer, split: str) -> np.ndarray:
     """A corpus split tokenized as training saw it: files concatenated, EOS after each."""
-    eos = tokenizer.token_to_id("<|eos|>")
-    enc = tokenizer.encode_batch(load_corpus().texts(split))
-    return np.concatenate([np.r_[e.ids, eos] for e in enc]).astype(np.int32)
+    return token_stream(tokenizer, load_corpus().texts(split))
 
 
 def unigram_nll(train_ids: np.ndarray, eval_ids: np.ndarray, vocab: int) -> float:
@@ -73,11 +72,9 @@ def needle_grid(engine: Engine, tok, source_ids, lengths, count: int, seed: int 
     """
     out = {}
     for length in lengths:
-        rng = np.random.default_rng([seed, length])
-        depths = np.linspace(0.0, 1.0, count)
-        examples = [
-            needles.make_needle_example(tok, source_ids, length, float(d), rng) for d in depths
-        ]
+        cells = list(needles.needle_grid(tok, source_ids, (length,), count, (seed,)))
+        depths = np.array([c.example.depth_fraction for c in cells])
+        examples = [(c.example.prompt_ids, c.example.answer_ids) for c in cells]
         generated = engine.generate(
             [p.tolist() for p, _ in examples], needles.VALUE_DIGITS, stop_tokens=[]
         )

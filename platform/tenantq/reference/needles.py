@@ -13,12 +13,17 @@ and `vartrack` (`PASSKEY_B = PASSKEY_A` later in the text; asking B needs A's va
 
 Stop rule: generate greedily exactly `len(answer_ids)` tokens; the needle is retrieved when
 they equal `answer_ids` (`needle_correct`). Chance is 1e-5 (five uniform digits).
+
+The grid (`needle_grid`: lengths x depths spread evenly over 0-100%, one seeded generator per
+length) is drawn here once, for the model card (`reference.evaluate`) and the quality suite
+(`evals.needle_grid`).
 """
 
 from __future__ import annotations
 
 import string
 import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,6 +235,37 @@ def make_example(
         query, answer = header + codec.ids(query_text(alias)), codec.ids(str(value))
     prompt = _assemble(tokenizer, codec, haystack_source, length_tokens, inserts, query, rng)
     return NeedleExample(variant, prompt, np.asarray(answer, np.int32), float(depth_fraction))
+
+
+@dataclass(frozen=True)
+class GridCell:
+    """One cell of a needle grid: its prompt length, its index among the length's depths."""
+
+    length: int
+    index: int
+    example: NeedleExample
+
+
+def needle_grid(
+    tokenizer: Any,
+    haystack_source: np.ndarray,
+    lengths: Sequence[int],
+    per_length: int,
+    seed: Sequence[int],
+    variant: str = "single",
+    *,
+    count: int = 4,
+) -> Iterator[GridCell]:
+    """`per_length` examples per length at depths `linspace(0, 1, per_length)`, drawn in that
+    order from one generator per length seeded `[*seed, length]` (so a length's cells do not
+    depend on which other lengths are asked for)."""
+    for length in lengths:
+        rng = np.random.default_rng([*seed, length])
+        for index, depth in enumerate(np.linspace(0.0, 1.0, per_length)):
+            ex = make_example(
+                tokenizer, haystack_source, length, float(depth), rng, variant, count=count
+            )
+            yield GridCell(length, index, ex)
 
 
 def needle_correct(generated_ids: np.ndarray, answer_ids: np.ndarray) -> bool:

@@ -30,6 +30,7 @@ from tenantq.model.config import ModelConfig
 from tenantq.model.decoder import forward
 from tenantq.model.files import atomic_path
 from tenantq.model.terminal import progress_bar
+from tenantq.model.tokenizer import token_stream
 from tenantq.reference import export, needles
 from tenantq.reference.corpus import load_corpus
 from tenantq.reference.evaluate import mean_nll, needle_grid
@@ -349,9 +350,7 @@ def prepare_data(out: Path) -> tuple[Tokenizer, dict[str, np.ndarray], dict]:
     for split in ("train", "valid", "test"):
         cache = out / f"{split}_ids.npy"
         if not cache.exists():
-            enc = tok.encode_batch(corpus.texts(split))
-            eos = tok.token_to_id("<|eos|>")
-            np.save(cache, np.concatenate([np.r_[e.ids, eos] for e in enc]).astype(np.int32))
+            np.save(cache, token_stream(tok, corpus.texts(split)))
         ids[split] = np.load(cache)
     return tok, ids, corpus.describe()
 

@@ -32,20 +32,16 @@ class NeedleItem:
 
 def build_needles(tokenizer, stream: np.ndarray, spec, seed: int) -> list[NeedleItem]:
     """Every cell of one `NeedleSpec`: `per_length` needles per length, depths evenly spaced."""
-    items = []
-    variant_index = needles.VARIANTS.index(spec.variant)
     task = TASK_NAMES[spec.variant]
-    for length in spec.lengths:
-        rng = np.random.default_rng([seed, variant_index, length])
-        for i, depth in enumerate(np.linspace(0.0, 1.0, spec.per_length)):
-            ex = needles.make_example(
-                tokenizer, stream, length, float(depth), rng, spec.variant, count=spec.count
-            )
-            items.append(
-                NeedleItem(task, f"{task}/len{length}/{i}", length, float(depth),
-                           ex.prompt_ids.tolist(), ex.answer_ids)
-            )  # fmt: skip
-    return items
+    cells = needles.needle_grid(
+        tokenizer, stream, spec.lengths, spec.per_length,
+        (seed, needles.VARIANTS.index(spec.variant)), spec.variant, count=spec.count,
+    )  # fmt: skip
+    return [
+        NeedleItem(task, f"{task}/len{c.length}/{c.index}", c.length, c.example.depth_fraction,
+                   c.example.prompt_ids.tolist(), c.example.answer_ids)
+        for c in cells
+    ]  # fmt: skip
 
 
 def run_needles(
