@@ -263,3 +263,37 @@ def test_trainer_loss_falls_in_a_few_steps(tmp_path, tokenizer, valid_ids):
     assert (tmp_path / "checkpoint.npz").exists()
     # Resuming a finished run does nothing more.
     assert train.train(s, tokenizer, ids, config, curriculum=curriculum, progress=False) == []
+
+
+def test_a_tokenized_split_killed_while_written_leaves_no_cache(tmp_path, monkeypatch):
+    """prepare_data's caches are written whole or not at all: a writer that dies mid-file
+    leaves nothing at the cache's name, and the next run tokenizes again (a half-written
+    train_ids.npy used to be read back as the corpus)."""
+    from tenantq.model.tokenizer import token_stream
+    from tenantq.reference import train
+
+    class Tiny:
+        def texts(self, split):
+            return [f"def {split}_{i}(x):\n    return x + {i}\n" for i in range(3)]
+
+        def describe(self):
+            return {"files": 3}
+
+    monkeypatch.setattr(train, "load_corpus", Tiny)
+    tok = Tokenizer.from_file(str(reference_model_path() / "tokenizer.json"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+
+    def dies_halfway(f, array):
+        f.write(b"\x93NUMPY partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train.np, "save", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        train.prepare_data(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json"]
+    monkeypatch.undo()
+    monkeypatch.setattr(train, "load_corpus", Tiny)
+    _, ids, _ = train.prepare_data(tmp_path)
+    for split in ("train", "valid", "test"):
+        assert np.array_equal(ids[split], token_stream(tok, Tiny().texts(split)))
+        assert np.array_equal(np.load(tmp_path / f"{split}_ids.npy"), ids[split])

@@ -345,12 +345,15 @@ def prepare_data(out: Path) -> tuple[Tokenizer, dict[str, np.ndarray], dict]:
         tok = Tokenizer.from_file(str(tok_path))
     else:
         tok = train_tokenizer(corpus.texts("train"))
-        tok.save(str(tok_path))
+        with atomic_path(tok_path) as tmp:  # a killed run leaves no half-written tokenizer
+            tok.save(str(tmp))
     ids = {}
     for split in ("train", "valid", "test"):
         cache = out / f"{split}_ids.npy"
         if not cache.exists():
-            np.save(cache, token_stream(tok, corpus.texts(split)))
+            stream = token_stream(tok, corpus.texts(split))
+            with atomic_path(cache) as tmp, tmp.open("wb") as f:  # np.save adds no suffix
+                np.save(f, stream)
         ids[split] = np.load(cache)
     return tok, ids, corpus.describe()
 
