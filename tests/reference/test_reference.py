@@ -284,7 +284,10 @@ def test_a_tokenized_split_killed_while_written_leaves_no_cache(tmp_path, monkey
     tok.save(str(tmp_path / "tokenizer.json"))
 
     def dies_halfway(f, array):
+        if not hasattr(f, "write"):  # np.save(path, ...): it opens the file itself
+            f = open(f, "wb")  # noqa: SIM115 (left open, as a killed process leaves it)
         f.write(b"\x93NUMPY partial")
+        f.flush()
         raise KeyboardInterrupt
 
     monkeypatch.setattr(train.np, "save", dies_halfway)
