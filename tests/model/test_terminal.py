@@ -17,3 +17,11 @@ def test_fixed_widths_pad_like_an_f_string_and_keep_a_wider_cell_whole():
     lines = text_table(None, [["a", "1234567"], ["bb", "1"]], widths=[3, 6], right=True, sep=" ")
     assert lines == [f"{'a':>3} {'1234567':>6}", f"{'bb':>3} {'1':>6}"]
     assert text_table(["x"], [["y"]], indent="  ") == ["  x", "  y"]
+
+
+def test_a_table_without_head_or_rows_is_no_lines():
+    # A caller with nothing to show (no head, no rows) gets no lines, not an IndexError; a
+    # head alone is its own line (and its rule), as the old per-command renderers printed it.
+    assert text_table(None, []) == []
+    assert text_table(None, [], widths=[3]) == []
+    assert text_table(["a", "bb"], [], rule=True) == ["a  bb", "-----"]
