@@ -205,6 +205,38 @@ def test_shard_scope_refuses_a_scale_that_spans_shards():
     check_shard_scales({path: quantize(w, "int8", axis=None)}, CONFIG, 1)  # one shard: fine
 
 
+def test_shard_scope_refusal_names_the_way_that_works():
+    # Scales with no per-shard form (quantize_per_shard refuses them: nvfp4's tensor scale,
+    # the embedding's per-tensor scale, a static W8A8 weight over split rows) cannot be
+    # "quantized per shard": the one-line refusal says scale_scope='global' instead. Scales
+    # that have one keep the per-shard advice (and name 'global' as the other way).
+    from tenantq.engine.sharding import check_shard_scales
+    from tenantq.model.layers import StaticActQArray
+
+    w = RNG.standard_normal((128, 64)).astype(np.float32)
+    no_per_shard = {
+        "layers/0/attn/q_proj": quantize(w.T, "nvfp4", axis=0, group_size=16),
+        "embed": quantize(w, "int8", axis=None),
+        "layers/0/attn/o_proj": StaticActQArray.wrap(quantize(w, "int8", axis=0), 0.02),
+    }
+    for path, q in no_per_shard.items():
+        with pytest.raises(ValueError, match=f"{path}.*use scale_scope='global'") as e:
+            check_shard_scales({path: q}, CONFIG, 2)
+        assert "apply_plan with shard_axes" not in str(e.value), path
+        assert "\n" not in str(e.value)
+        with pytest.raises(ValueError):  # indeed no per-shard form
+            quantize_per_shard(
+                w.T if path.endswith("q_proj") else w,
+                TensorQuant(path, q.fmt, q.axis, q.group_size, True, "rtn",
+                            "int8" if isinstance(q, StaticActQArray) else None),
+                split_axis(path, CONFIG, 2), 2,
+            )  # fmt: skip
+    with pytest.raises(
+        ValueError, match="apply_plan with shard_axes and tp=2.*scale_scope='global'"
+    ):
+        check_shard_scales({"layers/0/attn/o_proj": quantize(w, "int8", axis=0)}, CONFIG, 2)
+
+
 # ---------------------------------------------------------------- 4 CPU devices
 
 
