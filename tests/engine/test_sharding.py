@@ -368,3 +368,18 @@ def test_capacity_equals_what_each_of_four_devices_holds(check):
             assert per_device == [row["total_bytes"]] * 4, (case, layer)
         if int(vocab) % 4:  # replicated whole: every device holds the whole embedding
             assert planned["embed"] == tensor_bytes(config, plan, tp=1)[0].bytes_per_chip
+
+
+@pytest.mark.slow
+def test_quantized_params_under_shard_scope_are_placed_or_refused(check):
+    # Scales inside a shard: placed as they are, logits within test_sharded_logits_equal_
+    # unsharded's bound of the unsharded engine on the same params. A scale over all rows
+    # (int8 per channel on o_proj/down_proj) or nvfp4's tensor scale: one line, no engine.
+    given = check["given_quantized"]
+    assert set(given["parity"]) == {"int4_g16_asym", "fp8_per_shard"}
+    for case, d in given["parity"].items():
+        assert d["max_abs"] <= LOGITS_ATOL + LOGITS_RTOL * d["max_ref"], (case, d)
+    for case, message in given["refused"].items():
+        assert message is not None and message.startswith("scale_scope='shard': "), case
+        assert "spans its 4 shards" in message and "\n" not in message, case
+    assert "use scale_scope='global'" in given["refused"]["nvfp4"]
