@@ -202,6 +202,11 @@ def test_shard_scope_refuses_a_scale_that_spans_shards():
         check_shard_scales({path: per_shard}, CONFIG, 2)
     grouped = quantize(w, "int4", axis=0, group_size=16)  # groups of 16 inside shards of 64
     check_shard_scales({path: grouped}, CONFIG, 2)
+    # Groups of 64 divide the tensor's 128 rows and 2 shards of 64, not 4 shards of 32.
+    halves = quantize(w, "int4", axis=0, group_size=64)
+    check_shard_scales({path: halves}, CONFIG, 2)
+    with pytest.raises(ValueError, match="groups of 64 along axis 0, which spans its 4 shards"):
+        check_shard_scales({path: halves}, CONFIG, 4)
     check_shard_scales({path: quantize(w, "int8", axis=None)}, CONFIG, 1)  # one shard: fine
 
 

@@ -25,3 +25,13 @@ def test_a_table_without_head_or_rows_is_no_lines():
     assert text_table(None, []) == []
     assert text_table(None, [], widths=[3]) == []
     assert text_table(["a", "bb"], [], rule=True) == ["a  bb", "-----"]
+
+
+def test_a_left_aligned_last_column_leaves_no_trailing_spaces():
+    # The front table's last column (kv) is left-aligned: padding a short cell to the column
+    # width must not leave spaces at the end of its line (the old renderer's rstrip).
+    assert text_table(["plan", "kv"], [["a", "int8"], ["bb", "-"]], indent="  ") == [
+        "  plan  kv",
+        "  a     int8",
+        "  bb    -",
+    ]
