@@ -22,7 +22,7 @@ from tenantq.engine.sharding import device_bytes, make_mesh, shard_params
 from tenantq.model.config import ModelConfig
 from tenantq.model.decoder import init_params
 from tenantq.numerics import QArray, dequantize
-from tenantq.quant.apply import quantize_per_shard, quantize_tensor
+from tenantq.quant.apply import apply_plan, quantize_per_shard, quantize_tensor
 from tenantq.quant.kv_calibration import KVScales
 from tenantq.quant.plan import QuantPlan
 from tenantq.storage.tp import tp_split_axis as split_axis
@@ -308,6 +308,33 @@ def main() -> None:
                 "num_pages": eng.cache.num_pages,
             }
     out["capacity_tp4"] = capacity
+
+    # (6) params quantized beforehand (a calibrator's, apply_plan's) under scale_scope="shard":
+    # placed as they are when every scale stays inside a shard (asymmetric groups of 16 in
+    # shards of 32 rows; per-shard fp8 scales), so the logits are the unsharded engine's on
+    # the same params; refused in one line when a scale spans shards.
+    asym = QuantPlan.from_dict(
+        {"rules": [{"pattern": ".*", "format": "int4", "group_size": 16, "symmetric": False}]}
+    )
+    fp8 = QuantPlan.from_dict({"rules": [{"pattern": "layers/.*", "format": "fp8_e4m3"}]})
+    axes = {p: split_axis(p, CONFIG, 4) for p in params}
+    given = {}
+    for name, plan, quantized in (
+        ("int4_g16_asym", asym, apply_plan(params, asym, CONFIG)),
+        ("fp8_per_shard", fp8, apply_plan(params, fp8, CONFIG, shard_axes=axes, tp=4)),
+    ):
+        want = engine(quantized, plan).logits(tokens)
+        placed = engine(quantized, plan, tp=4, scale_scope="shard")
+        given[name] = diff(placed.logits(tokens), want)
+    refused = {}
+    nvfp4 = QuantPlan.from_dict({"rules": [{"pattern": "layers/.*", "format": "nvfp4"}]})
+    for name, plan in (("int8_over_rows", PLANS["int8"]), ("nvfp4", nvfp4)):
+        try:
+            engine(apply_plan(params, plan, CONFIG), plan, tp=4, scale_scope="shard")
+            refused[name] = None
+        except ValueError as err:
+            refused[name] = str(err)
+    out["given_quantized"] = {"parity": given, "refused": refused}
 
     # (5) bad tp values are ValueErrors that name the valid ones.
     errors = {}

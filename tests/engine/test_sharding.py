@@ -202,7 +202,44 @@ def test_shard_scope_refuses_a_scale_that_spans_shards():
         check_shard_scales({path: per_shard}, CONFIG, 2)
     grouped = quantize(w, "int4", axis=0, group_size=16)  # groups of 16 inside shards of 64
     check_shard_scales({path: grouped}, CONFIG, 2)
+    # Groups of 64 divide the tensor's 128 rows and 2 shards of 64, not 4 shards of 32.
+    halves = quantize(w, "int4", axis=0, group_size=64)
+    check_shard_scales({path: halves}, CONFIG, 2)
+    with pytest.raises(ValueError, match="groups of 64 along axis 0, which spans its 4 shards"):
+        check_shard_scales({path: halves}, CONFIG, 4)
     check_shard_scales({path: quantize(w, "int8", axis=None)}, CONFIG, 1)  # one shard: fine
+
+
+def test_shard_scope_refusal_names_the_way_that_works():
+    # Scales with no per-shard form (quantize_per_shard refuses them: nvfp4's tensor scale,
+    # the embedding's per-tensor scale, a static W8A8 weight over split rows) cannot be
+    # "quantized per shard": the one-line refusal says scale_scope='global' instead. Scales
+    # that have one keep the per-shard advice (and name 'global' as the other way).
+    from tenantq.engine.sharding import check_shard_scales
+    from tenantq.model.layers import StaticActQArray
+
+    w = RNG.standard_normal((128, 64)).astype(np.float32)
+    no_per_shard = {
+        "layers/0/attn/q_proj": quantize(w.T, "nvfp4", axis=0, group_size=16),
+        "embed": quantize(w, "int8", axis=None),
+        "layers/0/attn/o_proj": StaticActQArray.wrap(quantize(w, "int8", axis=0), 0.02),
+    }
+    for path, q in no_per_shard.items():
+        with pytest.raises(ValueError, match=f"{path}.*use scale_scope='global'") as e:
+            check_shard_scales({path: q}, CONFIG, 2)
+        assert "apply_plan with shard_axes" not in str(e.value), path
+        assert "\n" not in str(e.value)
+        with pytest.raises(ValueError):  # indeed no per-shard form
+            quantize_per_shard(
+                w.T if path.endswith("q_proj") else w,
+                TensorQuant(path, q.fmt, q.axis, q.group_size, True, "rtn",
+                            "int8" if isinstance(q, StaticActQArray) else None),
+                split_axis(path, CONFIG, 2), 2,
+            )  # fmt: skip
+    with pytest.raises(
+        ValueError, match="apply_plan with shard_axes and tp=2.*scale_scope='global'"
+    ):
+        check_shard_scales({"layers/0/attn/o_proj": quantize(w, "int8", axis=0)}, CONFIG, 2)
 
 
 # ---------------------------------------------------------------- 4 CPU devices
@@ -336,3 +373,18 @@ def test_capacity_equals_what_each_of_four_devices_holds(check):
             assert per_device == [row["total_bytes"]] * 4, (case, layer)
         if int(vocab) % 4:  # replicated whole: every device holds the whole embedding
             assert planned["embed"] == tensor_bytes(config, plan, tp=1)[0].bytes_per_chip
+
+
+@pytest.mark.slow
+def test_quantized_params_under_shard_scope_are_placed_or_refused(check):
+    # Scales inside a shard: placed as they are, logits within test_sharded_logits_equal_
+    # unsharded's bound of the unsharded engine on the same params. A scale over all rows
+    # (int8 per channel on o_proj/down_proj) or nvfp4's tensor scale: one line, no engine.
+    given = check["given_quantized"]
+    assert set(given["parity"]) == {"int4_g16_asym", "fp8_per_shard"}
+    for case, d in given["parity"].items():
+        assert d["max_abs"] <= LOGITS_ATOL + LOGITS_RTOL * d["max_ref"], (case, d)
+    for case, message in given["refused"].items():
+        assert message is not None and message.startswith("scale_scope='shard': "), case
+        assert "spans its 4 shards" in message and "\n" not in message, case
+    assert "use scale_scope='global'" in given["refused"]["nvfp4"]

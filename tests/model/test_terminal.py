@@ -17,3 +17,21 @@ def test_fixed_widths_pad_like_an_f_string_and_keep_a_wider_cell_whole():
     lines = text_table(None, [["a", "1234567"], ["bb", "1"]], widths=[3, 6], right=True, sep=" ")
     assert lines == [f"{'a':>3} {'1234567':>6}", f"{'bb':>3} {'1':>6}"]
     assert text_table(["x"], [["y"]], indent="  ") == ["  x", "  y"]
+
+
+def test_a_table_without_head_or_rows_is_no_lines():
+    # A caller with nothing to show (no head, no rows) gets no lines, not an IndexError; a
+    # head alone is its own line (and its rule), as the old per-command renderers printed it.
+    assert text_table(None, []) == []
+    assert text_table(None, [], widths=[3]) == []
+    assert text_table(["a", "bb"], [], rule=True) == ["a  bb", "-----"]
+
+
+def test_a_left_aligned_last_column_leaves_no_trailing_spaces():
+    # The front table's last column (kv) is left-aligned: padding a short cell to the column
+    # width must not leave spaces at the end of its line (the old renderer's rstrip).
+    assert text_table(["plan", "kv"], [["a", "int8"], ["bb", "-"]], indent="  ") == [
+        "  plan  kv",
+        "  a     int8",
+        "  bb    -",
+    ]

@@ -123,7 +123,7 @@ def test_a_profile_that_is_not_a_table_names_the_file_and_the_format(suffix, tmp
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_an_out_folder_that_is_a_file_is_refused_before_any_figure(studies, tmp_path):
-    # The CLI refuses it before reading MLflow (tests/test_cli_outputs.py); `write_report`,
+    # The CLI refuses it before reading MLflow (tests/cli/test_cli_outputs.py); `write_report`,
     # called as a library, refuses it before building a figure.
     (tmp_path / "report").write_text("not a folder")
     study = load_study(studies.tracking_uri, "single")

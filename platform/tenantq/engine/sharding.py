@@ -161,10 +161,18 @@ def check_shard_scales(params: Mapping[str, Any], config: ModelConfig, tp: int) 
             spans = f"groups of {q.group_size or q.shape[axis]} along axis {axis}"
         else:
             continue
+        # quantize_per_shard has no per-shard form for these: only whole-tensor scales work.
+        static = isinstance(q, StaticActQArray) and q.act_scale is not None and q.axis == axis
+        if q.tensor_scale is not None or static or (path == "embed" and q.axis is None):
+            remedy = "it has no per-shard form: use scale_scope='global'"
+        else:
+            remedy = (
+                f"quantize it per shard (apply_plan with shard_axes and tp={tp}), pass "
+                "full-precision params, or use scale_scope='global'"
+            )
         raise ValueError(
             f"scale_scope='shard': {path} has {spans}, which spans its {tp} shards of {shard} "
-            f"along axis {axis}; quantize it per shard (apply_plan with shard_axes and tp={tp}) "
-            "or pass full-precision params"
+            f"along axis {axis}; {remedy}"
         )
 
 

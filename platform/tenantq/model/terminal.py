@@ -26,8 +26,10 @@ def text_table(
     """The lines of a table: column i padded to `widths[i]` (default: its widest cell, head
     included), right-aligned where `right` holds i (True: every column), else left; trailing
     spaces stripped. `rule` puts a line of '-' as wide as the head under it. A cell wider than
-    its width is kept whole, as an f-string pads it."""
+    its width is kept whole, as an f-string pads it. No head and no rows: no lines."""
     lines = ([list(head)] if head is not None else []) + [list(r) for r in rows]
+    if not lines:
+        return []
     if widths is None:
         widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
 
