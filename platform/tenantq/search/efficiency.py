@@ -918,6 +918,7 @@ def quickstart_hypervolume(
     rows = truth.read_table(table, model=evaluator.identity, dataset=evaluator.dataset_hash)
     commit = truth.code_commit()
     runs = []
+    new_plans = 0  # measured by this call: the compiled executables are dropped every 25
     for kind in samplers:
         for seed in seeds:
             chosen = spec.sampler.model_copy(update={"kind": kind, "seed": seed})
@@ -932,6 +933,9 @@ def quickstart_hypervolume(
                 plan, b = context.plan_and_budget(params)
                 fp = plan.fingerprint()
                 if fp not in rows:
+                    if new_plans and new_plans % truth.RELEASE_EVERY == 0:  # see ground_truth
+                        truth.release_compiled()
+                    new_plans += 1
                     began = time.perf_counter()
                     result = evaluator.evaluate(plan)
                     point = SpacePoint(tuple(f"{k}={v}" for k, v in sorted(params.items())),
