@@ -7,8 +7,9 @@ plan's quality once and caches it on disk by plan fingerprint (one JSON file per
 written atomically, so a killed pass resumes); samplers are then compared on the cache alone,
 by front coverage (issue 12's definition) and Optuna's hypervolume, through the driver's own
 `make_sampler` and the same ask/tell rule (a plan already measured is not counted again).
-The capacity-aware sampler runs on the space's knapsack form (`landscape_problem`), and
-`ask_cost` times it on a real-size per-tensor space built from a capacity preset.
+The capacity-aware sampler runs on the space's knapsack form (`landscape_problem`, built for
+any finite space of named axes: the 3-axis space or the per-layer one), and `ask_cost` times it
+on a real-size per-tensor space built from a capacity preset.
 """
 
 from __future__ import annotations
