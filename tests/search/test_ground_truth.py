@@ -193,3 +193,81 @@ def test_a_plan_twice_in_the_table_is_refused_naming_both_lines(tmp_path):
     table.write_text("".join(json.dumps(r) + "\n" for r in (row, other)))
     with pytest.raises(ValueError, match=r"truth.jsonl:2: plan a is also on line 1"):
         read_table(table)
+
+
+class _CompilingEvaluator(_Evaluator):
+    """Compiles a new executable per plan (a jit at a new shape, and an entry in the engine's
+    executable LRU, as `engine.steps._compiled` makes one per layout) and records, at each
+    evaluation, how many of each the process holds."""
+
+    def __init__(self, fail: set[int] = frozenset()):
+        import jax
+
+        super().__init__()
+        self.fail = set(fail)  # evaluation numbers (1-based) that raise, as a failed compile
+        self.jitted = jax.jit(lambda x: x * 2)
+        self.held: list[tuple[int, int]] = []
+        self.tries = 0
+
+    def evaluate(self, plan):
+        import numpy as np
+
+        from tenantq.engine import steps
+
+        self.tries += 1
+        self.held.append((self.jitted._cache_size(), steps.compiled_count()))
+        if self.tries in self.fail:
+            raise RuntimeError("INTERNAL: LLVM compilation error: Cannot allocate memory\nmore")
+        self.jitted(np.ones(len(self.calls) + 1, np.float32))
+        steps._EXECUTABLES[("test", plan.fingerprint())] = object()
+        return super().evaluate(plan)
+
+
+def test_the_pass_drops_compiled_executables_every_release_every_plans(tmp_path):
+    # Bound: with release_every=2 the process never holds more than 2 plans' executables at an
+    # evaluation's start (1 from the plan before, after a release 0); without the release the
+    # 5th plan would see 4 of each. One jit cache and the engine's LRU are both checked.
+    from tenantq.engine import steps
+
+    steps._EXECUTABLES.clear()
+    ev = _CompilingEvaluator()
+    measure(_points(5), tmp_path, tmp_path / "t.jsonl", suite=None, release_every=2,
+            evaluator=ev, log=lambda s: None)  # fmt: skip
+    assert ev.held == [(0, 0), (1, 1), (0, 0), (1, 1), (0, 0)]
+    steps._EXECUTABLES.clear()
+
+
+def test_a_plan_whose_compile_fails_is_a_failed_row_measured_again_next_pass(tmp_path):
+    from tenantq.engine import steps
+
+    steps._EXECUTABLES.clear()
+    points, table = _points(4), tmp_path / "t.jsonl"
+    # plan 2 fails twice (its first try and the retry after a release): a failed row, the pass
+    # goes on to plans 3 and 4
+    ev = _CompilingEvaluator(fail={2, 3})
+    measure(points, tmp_path, table, suite=None, evaluator=ev, log=lambda s: None)
+    rows = read_table(table)
+    assert rows[points[1].fingerprint]["error"] == (
+        "RuntimeError: INTERNAL: LLVM compilation error: Cannot allocate memory"
+    )
+    assert rows[points[1].fingerprint]["metrics"] == {}
+    assert ev.held[2] == (0, 0)  # the retry came after a release
+    assert all("error" not in rows[p.fingerprint] for p in (points[0], *points[2:]))
+    again = _Evaluator()
+    measure(points, tmp_path, table, suite=None, evaluator=again, log=lambda s: None)
+    assert again.calls == [points[1].fingerprint]  # only the failed plan, now measured
+    assert "error" not in read_table(table)[points[1].fingerprint]
+    steps._EXECUTABLES.clear()
+
+
+def test_plans_failing_in_a_row_stop_the_pass_with_their_rows_written(tmp_path):
+    from tenantq.search.ground_truth import MAX_FAILED_IN_A_ROW, TruthTableError
+
+    class Broken(_Evaluator):
+        def evaluate(self, plan):
+            raise ValueError("the evaluator is broken")
+
+    points, table = _points(MAX_FAILED_IN_A_ROW + 2), tmp_path / "t.jsonl"
+    with pytest.raises(TruthTableError, match="failed in a row"):
+        measure(points, tmp_path, table, suite=None, evaluator=Broken(), log=lambda s: None)
+    assert len(read_table(table)) == MAX_FAILED_IN_A_ROW  # not every plan of the space

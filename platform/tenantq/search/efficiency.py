@@ -7,8 +7,9 @@ plan's quality once and caches it on disk by plan fingerprint (one JSON file per
 written atomically, so a killed pass resumes); samplers are then compared on the cache alone,
 by front coverage (issue 12's definition) and Optuna's hypervolume, through the driver's own
 `make_sampler` and the same ask/tell rule (a plan already measured is not counted again).
-The capacity-aware sampler runs on the space's knapsack form (`landscape_problem`), and
-`ask_cost` times it on a real-size per-tensor space built from a capacity preset.
+The capacity-aware sampler runs on the space's knapsack form (`landscape_problem`, built for
+any finite space of named axes: the 3-axis space or the per-layer one), and `ask_cost` times it
+on a real-size per-tensor space built from a capacity preset.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,17 @@ def build_layer_points(spec_path: str | Path = DEFAULT_SPEC) -> tuple[list[Space
     return points, prep
 
 
+def layer_axes(layers: int) -> dict[str, tuple[str, ...]]:
+    """The per-layer space's axes, in its points' choice order: mlp_0.., then kv_0.."""
+    return {**{f"mlp_{i}": LAYER_MLP_FORMATS for i in range(layers)},
+            **{f"kv_{i}": LAYER_KV_FORMATS for i in range(layers)}}  # fmt: skip
+
+
+def space_axes(name: str, config) -> dict[str, tuple[str, ...]]:
+    """The axes of the space called `name` on a model of `config`'s shape."""
+    return dict(AXES) if name == "mlp-attn-kv" else layer_axes(config.num_layers)
+
+
 def space_points(name: str, spec_path: str | Path = DEFAULT_SPEC):
     """(points, prepared spec) of the space called `name` (SPACE_NAMES)."""
     if name == "mlp-attn-kv":
@@ -314,10 +326,17 @@ class Landscape:
 
     points: tuple[SpacePoint, ...]
     loss: dict[str, float]  # fingerprint -> QUALITY_METRIC
+    # axis name -> its values, in the order of each point's `choice`; the first value of every
+    # axis is the reference (bf16). Axes named "kv" or "kv_<i>" are the KV side.
+    axes: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(AXES))
 
     @classmethod
     def from_cache(
-        cls, points: list[SpacePoint], cache: dict[str, dict], metric: str = QUALITY_METRIC
+        cls,
+        points: list[SpacePoint],
+        cache: dict[str, dict],
+        metric: str = QUALITY_METRIC,
+        axes: dict[str, tuple[str, ...]] | None = None,
     ) -> Landscape:
         """Losses from the cached summaries; `metric` is a lower-is-better summary key, or
         '-KEY' for a higher-is-better one (e.g. '-fidelity.top1_agree_delta')."""
@@ -339,15 +358,20 @@ class Landscape:
                     f"it again (remove its row or record, then --measure)"
                 )
         return cls(tuple(points), {p.fingerprint: sign * cache[p.fingerprint]["summary"][key]
-                                   for p in points})  # fmt: skip
+                                   for p in points}, dict(axes or AXES))  # fmt: skip
 
     def all_points(self) -> list[tuple[int, float]]:
         unique = {p.fingerprint: (p.tenants, self.loss[p.fingerprint]) for p in self.points}
         return list(unique.values())
 
 
-def axis_params(choice: tuple[str, str, str]) -> dict[str, str]:
-    return dict(zip(AXES, choice, strict=True))
+def axis_params(choice: tuple[str, ...], axes=AXES) -> dict[str, str]:
+    return dict(zip(axes, choice, strict=True))
+
+
+def is_kv_axis(name: str) -> bool:
+    """The KV side of a landscape's axes: "kv" (the 3-axis space) or "kv_<layer>"."""
+    return name == "kv" or name.startswith("kv_")
 
 
 def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: ExperimentSpec):
@@ -362,7 +386,8 @@ def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: Ex
         from tenantq.search.capacity_aware import Candidate, CapacityAwareSampler
 
         candidates = [
-            Candidate(axis_params(p.choice), p.tenants, p.fingerprint) for p in landscape.points
+            Candidate(axis_params(p.choice, landscape.axes), p.tenants, p.fingerprint)
+            for p in landscape.points
         ]
         return CapacityAwareSampler(candidates, quality_index=1, seed=seed)
     if kind == "gp":  # Optuna 5's GP sampler (logEHVI for two objectives), its defaults
@@ -370,11 +395,13 @@ def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: Ex
 
         return optuna.samplers.GPSampler(seed=seed)
     if kind == "modelopt":
-        return OneShotSampler(modelopt_order(landscape), seed=seed)
+        return OneShotSampler(modelopt_order(landscape), seed=seed, axes=landscape.axes)
     if kind == "modelopt_counted":  # its scores paid for: the single-group plans measured first
         order = modelopt_order(landscape)
-        singles = [c for c in order if sum(x == "bf16" for x in c) >= 2]
-        return OneShotSampler(singles + [c for c in order if c not in set(singles)], seed=seed)
+        ref = reference_choice(landscape)
+        singles = [c for c in order if sum(x != r for x, r in zip(c, ref, strict=True)) <= 1]
+        rest = [c for c in order if c not in set(singles)]
+        return OneShotSampler(singles + rest, seed=seed, axes=landscape.axes)
     update: dict[str, Any] = {"kind": kind, "seed": seed}
     if kind == "nsga2":  # the population the quickstart spec had while it named NSGA-II
         update["population_size"] = spec.sampler.population_size or NSGA2_POPULATION
@@ -382,54 +409,89 @@ def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: Ex
     return make_sampler(spec.model_copy(update={"sampler": sampler}))
 
 
-_PROBLEMS: dict[str, Any] = {}
+_PROBLEMS: dict[tuple, Any] = {}
 
 
-def landscape_problem(spec: ExperimentSpec):
-    """The finite space as the knapsack sampler sees it: groups mlp and attn (weight bytes of
-    their tensors per format, from `capacity.budget`), one KV option per KV choice; on the
-    spec's deployment. Cached per spec (the comparison builds one sampler per run)."""
+def reference_choice(landscape: Landscape) -> tuple[str, ...]:
+    """The all-reference plan's choice: every axis at its first value (bf16)."""
+    return tuple(values[0] for values in landscape.axes.values())
+
+
+def landscape_problem(landscape: Landscape, spec: ExperimentSpec):
+    """The landscape's space as the knapsack sampler sees it, for any space whose points vary
+    one axis at a time from the reference: one weight group per weight axis (its options' bytes
+    = the weight bytes `capacity.budget` counts for the plan that changes that axis alone),
+    one KV option per combination of the KV axes (`is_kv_axis`; static and per-tenant bytes of
+    that plan's KV), on the spec's deployment. Refused, naming the axis or plan, when an axis
+    changes both sides or when the sum does not give a plan's tenants (the space is then not
+    additive in bytes). Cached per (spec, space)."""
+    import itertools
+
     from tenantq.capacity import budget
+    from tenantq.quant.plan import QuantPlan
     from tenantq.search import knapsack
     from tenantq.search.capacity_aware import _kv_bytes
     from tenantq.search.context import prepare
-    from tenantq.search.space import plan_from_params
 
-    key = spec.model_dump_json()
+    axes = landscape.axes
+    key = (spec.model_dump_json(), tuple(axes.items()), len(landscape.points),
+           landscape.points[0].fingerprint)  # fmt: skip
     if key in _PROBLEMS:
         return _PROBLEMS[key]
-    espec = spec.model_copy(update={"space": efficiency_space(spec)})
-    prep = prepare(espec, "")
+    prep = prepare(spec, "")
+    by_choice = {p.choice: p for p in landscape.points}
+    ref = reference_choice(landscape)
+    names = list(axes)
 
-    def lines(choice):
-        plan = plan_from_params(
-            espec.space, space_params(choice, prep.config), prep.config,
-            algorithm=espec.calibration.algorithm,
-        )  # fmt: skip
-        b = budget(prep.capacity_config, plan, prep.deployment, espec.deployment.context_tokens)
-        out: dict[str, int] = {}
-        for t in b.tensors:
-            out[t.line] = out.get(t.line, 0) + t.bytes_per_chip
-        return out, plan
+    def point(changes: dict[str, str]) -> SpacePoint:
+        choice = tuple(changes.get(n, r) for n, r in zip(names, ref, strict=True))
+        if choice not in by_choice:
+            raise ValueError(f"landscape: no plan for {'/'.join(choice)}; the space must hold "
+                             f"every combination of its axes' values")  # fmt: skip
+        return by_choice[choice]
 
-    base, _ = lines(("bf16", "bf16", "bf16"))
-    mlp = tuple(
-        knapsack.Option({"mlp": f}, lines((f, "bf16", "bf16"))[0]["mlp"]) for f in MLP_FORMATS
-    )
-    attn = tuple(
-        knapsack.Option({"attn": f}, lines(("bf16", f, "bf16"))[0]["attention"])
-        for f in ATTN_FORMATS
-    )
-    const = sum(v for k, v in base.items() if k not in ("mlp", "attention"))
-    kv = tuple(
-        knapsack.KVOption({"kv": c}, *_kv_bytes(prep, lines(("bf16", "bf16", c))[1]))
-        for c in KV_CHOICES
-    )
+    def sides(p: SpacePoint) -> tuple[int, tuple[int, int]]:
+        plan = QuantPlan.from_json(p.plan_json)
+        b = budget(prep.capacity_config, plan, prep.deployment, spec.deployment.context_tokens)
+        return sum(t.bytes_per_chip for t in b.tensors), _kv_bytes(prep, plan)
+
+    base_w, base_kv = sides(point({}))
+    groups = []
+    for n in names:
+        if is_kv_axis(n):
+            continue
+        opts = []
+        for v in axes[n]:
+            w, kv = sides(point({n: v}))
+            if kv != base_kv:
+                raise ValueError(f"landscape axis {n!r}: value {v!r} changes the KV bytes; name "
+                                 f"a KV axis 'kv' or 'kv_<i>'")  # fmt: skip
+            opts.append(knapsack.Option({n: v}, w - base_w))
+        groups.append(tuple(opts))
+    kv_names = [n for n in names if is_kv_axis(n)]
+    kvs = []
+    for values in itertools.product(*(axes[n] for n in kv_names)):
+        params = dict(zip(kv_names, values, strict=True))
+        w, kv = sides(point(params))
+        if w != base_w:
+            raise ValueError(f"landscape KV axes {params}: change the weight bytes")
+        kvs.append(knapsack.KVOption(params, *kv))
     dep = prep.deployment
     problem = knapsack.Problem(
-        (knapsack.Section({}, const, (mlp, attn)),), kv, dep.hardware.hbm_bytes,
+        (knapsack.Section({}, base_w, tuple(groups)),), tuple(kvs), dep.hardware.hbm_bytes,
         dep.reserve_bytes_per_chip,
     )  # fmt: skip
+    # every plan's tenants from the sum, as `capacity.budget` counts them (the sampler's claim)
+    option = {next(iter(o.params.items())): o.bytes for g in groups for o in g}
+    kv_of = {tuple(sorted(k.params.items())): k for k in kvs}
+    for p in landscape.points:
+        params = axis_params(p.choice, axes)
+        w = base_w + sum(option[(n, v)] for n, v in params.items() if not is_kv_axis(n))
+        k = kv_of[tuple(sorted((n, v) for n, v in params.items() if is_kv_axis(n)))]
+        if problem.tenants(w, k) != p.tenants:
+            raise ValueError(f"landscape plan {'/'.join(p.choice)}: {p.tenants} tenants by "
+                             f"budget, {problem.tenants(w, k)} by the sum of its axes' bytes; "
+                             f"the space is not additive in bytes")  # fmt: skip
     _PROBLEMS[key] = problem
     return problem
 
@@ -440,18 +502,18 @@ def landscape_sampler(landscape: Landscape, spec: ExperimentSpec, seed: int = 0)
 
     from tenantq.search.capacity_aware import KnapsackSampler
 
-    by_choice = {axis_params(p.choice)["mlp"] + "|" + axis_params(p.choice)["attn"] + "|"
-                 + p.choice[2]: p for p in landscape.points}  # fmt: skip
+    by_choice = {p.choice: p for p in landscape.points}
+    names = list(landscape.axes)
 
     def locate(params):
-        p = by_choice[f"{params['mlp']}|{params['attn']}|{params['kv']}"]
+        p = by_choice[tuple(params[n] for n in names)]
         return p.fingerprint, p.tenants
 
     return KnapsackSampler(
-        landscape_problem(spec),
+        landscape_problem(landscape, spec),
         quality=[(1, 1.0)],
         locate=locate,
-        distributions={a: CategoricalDistribution(list(v)) for a, v in AXES.items()},
+        distributions={a: CategoricalDistribution(list(v)) for a, v in landscape.axes.items()},
         seed=seed,
     )
 
@@ -477,46 +539,52 @@ def _spread(n: int) -> list[int]:
     return order + [i for i in range(n) if i not in seen]
 
 
-def modelopt_order(landscape: Landscape) -> list[tuple[str, str, str]]:
+def modelopt_order(landscape: Landscape) -> list[tuple[str, ...]]:
     """The plans a one-shot, ModelOpt auto_quantize-style search measures, in order.
 
-    Sensitivity is scored once per (group, format) and never updated: the loss of the plan
-    that quantizes that group alone (the rest bf16, the KV bf16), read from the landscape free
-    of charge, as a sensitivity profile computed before a study is. Weights are chosen first
-    (for each weight-byte level the (mlp, attn) pair of least summed score: a knapsack over
-    two groups), KV separately after (each KV choice on its own score-vs-bytes front); a plan
-    is a front weight choice with a front KV choice, predicted loss = the sum of the scores.
-    The plans on the predicted (tenants, loss) front are measured spread over the tenant range
-    (ends, middle, quarters, ...), then the other plans by predicted loss; no measurement
-    changes the order."""
+    Sensitivity is scored once per (axis, value) and never updated: the loss of the plan that
+    changes that axis alone (the rest at the reference, bf16), read from the landscape free of
+    charge, as a sensitivity profile computed before a study is. Weights are chosen first (for
+    each weight-byte level the weight axes' values of least summed score: a knapsack over the
+    weight axes, KV at the reference), KV separately after (the KV axes' values on their own
+    score-vs-tenants front, weights at the reference); a plan is a front weight choice with a
+    front KV choice, predicted loss = the sum of the scores. The plans on the predicted
+    (tenants, loss) front are measured spread over the tenant range (ends, middle, quarters,
+    ...), then the other plans by predicted loss; no measurement changes the order."""
+    import itertools
+
     by_choice = {p.choice: p for p in landscape.points}
-    bf = ("bf16", "bf16", "bf16")
-    base = landscape.loss[by_choice[bf].fingerprint]
+    names = list(landscape.axes)
+    ref = reference_choice(landscape)
+    base = landscape.loss[by_choice[ref].fingerprint]
 
-    def score(choice):
-        return landscape.loss[by_choice[choice].fingerprint] - base
+    def with_(changes: dict[int, str]) -> tuple[str, ...]:
+        return tuple(changes.get(i, r) for i, r in enumerate(ref))
 
-    s_mlp = {m: score((m, "bf16", "bf16")) for m in MLP_FORMATS}
-    s_attn = {a: score(("bf16", a, "bf16")) for a in ATTN_FORMATS}
-    s_kv = {k: score(("bf16", "bf16", k)) for k in KV_CHOICES}
+    score = {(i, v): landscape.loss[by_choice[with_({i: v})].fingerprint] - base
+             for i, n in enumerate(names) for v in landscape.axes[n]}  # fmt: skip
 
-    weights = pareto_front_keys([((m, a), by_choice[(m, a, "bf16")].tenants, s_mlp[m] + s_attn[a])
-                        for m in MLP_FORMATS for a in ATTN_FORMATS])  # fmt: skip
-    kvs = pareto_front_keys(
-        [(k, by_choice[("bf16", "bf16", k)].tenants, s_kv[k]) for k in KV_CHOICES]
-    )
-    plans = [(m, a, k) for m, a in weights for k in kvs]
-    predicted = {c: s_mlp[c[0]] + s_attn[c[1]] + s_kv[c[2]] for c in plans}
+    def predicted(choice) -> float:
+        return sum(score[(i, v)] for i, v in enumerate(choice))
+
+    w_idx = [i for i, n in enumerate(names) if not is_kv_axis(n)]
+    k_idx = [i for i, n in enumerate(names) if is_kv_axis(n)]
+
+    def side_front(idx):
+        values = itertools.product(*(landscape.axes[names[i]] for i in idx))
+        combos = [with_(dict(zip(idx, vals, strict=True))) for vals in values]
+        return pareto_front_keys([(c, by_choice[c].tenants, predicted(c)) for c in combos])
+
+    weights, kvs = side_front(w_idx), side_front(k_idx)
+    plans = [tuple(k[i] if i in k_idx else w[i] for i in range(len(ref)))
+             for w in weights for k in kvs]  # fmt: skip
     front = sorted(
-        pareto_front_keys([(c, by_choice[c].tenants, predicted[c]) for c in plans]),
+        pareto_front_keys([(c, by_choice[c].tenants, predicted(c)) for c in plans]),
         key=lambda c: by_choice[c].tenants,
     )
     order = [front[i] for i in _spread(len(front))]
     chosen = set(order)
-    rest = sorted(
-        (c for c in by_choice if c not in chosen),
-        key=lambda c: (s_mlp[c[0]] + s_attn[c[1]] + s_kv[c[2]], c),
-    )
+    rest = sorted((c for c in by_choice if c not in chosen), key=lambda c: (predicted(c), c))
     return order + rest
 
 
@@ -534,7 +602,7 @@ class OneShotSampler:
     """Proposes a fixed list of plans in order (the next one the study does not hold), never
     learning from a measurement: the one-shot baseline as an Optuna sampler."""
 
-    def __new__(cls, order, seed=None):
+    def __new__(cls, order, seed=None, axes=AXES):
         from optuna.distributions import CategoricalDistribution
         from optuna.samplers import BaseSampler, RandomSampler
 
@@ -542,18 +610,18 @@ class OneShotSampler:
             def __init__(self):
                 self.order = list(order)
                 self._fallback = RandomSampler(seed=seed)
-                self._space = {a: CategoricalDistribution(list(v)) for a, v in AXES.items()}
+                self._space = {a: CategoricalDistribution(list(v)) for a, v in axes.items()}
 
             def infer_relative_search_space(self, study, trial):
                 return dict(self._space)
 
             def sample_relative(self, study, trial, search_space):
                 held = {
-                    tuple(t.params.get(a) for a in AXES) for t in study.get_trials(deepcopy=False)
+                    tuple(t.params.get(a) for a in axes) for t in study.get_trials(deepcopy=False)
                 }
                 for c in self.order:
                     if c not in held:
-                        return axis_params(c)
+                        return axis_params(c, axes)
                 return {}
 
             def sample_independent(self, study, trial, name, dist):
@@ -562,38 +630,79 @@ class OneShotSampler:
         return _OneShot()
 
 
-# The driver's baselines (space.baseline_params) as this space's choices: all bf16; fp8 weights
-# with fp8 KV (keys per channel); int4 weights with bf16 KV.
-BASELINES = (
+# The driver's baselines (space.baseline_params): all bf16; fp8 weights with fp8 KV (keys per
+# channel); int4 weights with bf16 KV. A baseline the space cannot express is left out, as
+# the driver leaves it out.
+DRIVER_BASELINES = (("bf16", "bf16"), ("fp8_e4m3", "fp8_e4m3"), ("int4", "bf16"))
+BASELINES = (  # the 3-axis space's
     ("bf16", "bf16", "bf16"),
     ("fp8_e4m3", "fp8_e4m3", "fp8_e4m3/channel"),
     ("int4", "int4", "bf16"),
 )
 
 
+def baseline_choices(axes: dict[str, tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """`DRIVER_BASELINES` as choices of a space with these axes: every weight axis at the
+    weights' format, every KV axis at the KV format (keys per channel where the value names an
+    axis); the ones some axis cannot take are left out."""
+    out = []
+    for weights, kv in DRIVER_BASELINES:
+        choice = []
+        for n, values in axes.items():
+            want = (kv, f"{kv}/channel") if is_kv_axis(n) else (weights,)
+            hit = [v for v in want if v in values]
+            if not hit:
+                break
+            choice.append(hit[0])
+        else:
+            out.append(tuple(choice))
+    return out
+
+
 def run_sampler(
-    sampler, landscape: Landscape, budget: int, *, baselines: bool = False
-) -> tuple[list[tuple[int, float]], int]:
+    sampler, landscape: Landscape, budget: int, *, baselines: bool = False, trace: bool = False
+):
     """Ask/tell until `budget` distinct plans are measured; a plan already measured is answered
-    from the study without counting (as the driver does). With `baselines`, the driver's three
-    baselines are enqueued first and count toward the budget. Returns (found points, asks)."""
+    from the study without counting (as the driver does). With `baselines`, the driver's
+    baselines the space can express (`baseline_choices`) are enqueued first and count toward
+    the budget. Returns (found points in the order measured, asks); with `trace`, also the
+    number of asks made when each found point was measured (so one run to the largest budget
+    answers every smaller one: a sampler's picks do not depend on the budget)."""
     import optuna
 
+    axes = landscape.axes
     by_choice = {p.choice: p for p in landscape.points}
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
-    for choice in BASELINES if baselines else ():
-        study.enqueue_trial(axis_params(choice))
+    for choice in baseline_choices(axes) if baselines else ():
+        study.enqueue_trial(axis_params(choice, axes))
     measured: dict[str, tuple[int, float]] = {}
+    asked_at: list[int] = []
     asks = 0
     while len(measured) < budget and asks < MAX_ASKS_PER_EVALUATION * budget:
         trial = study.ask()
         asks += 1
-        choice = tuple(trial.suggest_categorical(a, list(v)) for a, v in AXES.items())
+        choice = tuple(trial.suggest_categorical(a, list(v)) for a, v in axes.items())
         p = by_choice[choice]
         value = (p.tenants, landscape.loss[p.fingerprint])
-        measured.setdefault(p.fingerprint, value)
+        if p.fingerprint not in measured:
+            measured[p.fingerprint] = value
+            asked_at.append(asks)
         study.tell(trial, list(value))
+    if trace:
+        return list(measured.values()), asks, asked_at
     return list(measured.values()), asks
+
+
+def prefix(found, asked_at, budget: int) -> tuple[list[tuple[int, float]], int]:
+    """What a run stopped at `budget` would have returned, from a longer run's trace: the first
+    `budget` plans measured within its ask cap, and the asks it made."""
+    cap = MAX_ASKS_PER_EVALUATION * budget
+    n = 0
+    while n < min(budget, len(found)) and asked_at[n] <= cap:
+        n += 1
+    if n == budget:
+        return found[:n], asked_at[n - 1]
+    return found[:n], cap  # it would have run out of asks first
 
 
 def compare(
@@ -615,14 +724,17 @@ def compare(
     hv_all = hypervolume(everything, ref)
     rows = []
     for kind in samplers:
-        for budget in budgets:
-            for seed in seeds:
-                sampler = make_comparison_sampler(kind, seed, landscape, spec)
-                found, asks = run_sampler(sampler, landscape, budget, baselines=baselines)
+        for seed in seeds:  # one run to the largest budget; each smaller one is its prefix
+            sampler = make_comparison_sampler(kind, seed, landscape, spec)
+            found, _, asked_at = run_sampler(
+                sampler, landscape, max(budgets), baselines=baselines, trace=True
+            )
+            for budget in budgets:
+                got, asks = prefix(found, asked_at, budget)
                 rows.append({
-                    "sampler": kind, "budget": budget, "seed": seed, "evaluated": len(found),
-                    "asks": asks, "coverage": front_coverage(found, front),
-                    "hv_ratio": hypervolume(found, ref) / hv_all,
+                    "sampler": kind, "budget": budget, "seed": seed, "evaluated": len(got),
+                    "asks": asks, "coverage": front_coverage(got, front),
+                    "hv_ratio": hypervolume(got, ref) / hv_all,
                 })  # fmt: skip
     return rows
 
@@ -807,6 +919,7 @@ def quickstart_hypervolume(
     rows = truth.read_table(table, model=evaluator.identity, dataset=evaluator.dataset_hash)
     commit = truth.code_commit()
     runs = []
+    new_plans = 0  # measured by this call: the compiled executables are dropped every 25
     for kind in samplers:
         for seed in seeds:
             chosen = spec.sampler.model_copy(update={"kind": kind, "seed": seed})
@@ -821,6 +934,9 @@ def quickstart_hypervolume(
                 plan, b = context.plan_and_budget(params)
                 fp = plan.fingerprint()
                 if fp not in rows:
+                    if new_plans and new_plans % truth.RELEASE_EVERY == 0:  # see ground_truth
+                        truth.release_compiled()
+                    new_plans += 1
                     began = time.perf_counter()
                     result = evaluator.evaluate(plan)
                     point = SpacePoint(tuple(f"{k}={v}" for k, v in sorted(params.items())),

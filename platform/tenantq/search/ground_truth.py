@@ -25,6 +25,12 @@ TRUTH_DIR = Path(__file__).resolve().parents[3] / "experiments" / "ground-truth"
 BATCH_PLANS = 10  # plans per atomic rewrite of the table
 BATCH_S = 300.0  # ... or seconds, whichever comes first
 METRIC_PREFIXES = ("fidelity.", "examples.", "passed")  # the summary keys a row keeps
+# Every plan compiles its own executables; a pass that keeps them all ran out of memory maps
+# after ~326 plans (XLA "LLVM compilation error: Cannot allocate memory": each compiled
+# executable holds mappings, and vm.max_map_count is 65,530 by default). So every
+# RELEASE_EVERY plans the pass drops them (`release_compiled`); a plan is measured afresh.
+RELEASE_EVERY = 25
+MAX_FAILED_IN_A_ROW = 3  # consecutive plans that fail: a fault of the pass, not of the plans
 
 
 class TruthTableError(ValueError):
@@ -162,6 +168,33 @@ def rows_from_cache(cache: dict[str, dict[str, Any]], points) -> list[dict[str, 
     return out
 
 
+def release_compiled() -> int:
+    """Drop every compiled executable this process holds: the engine's own LRU of step
+    executables (`tenantq.engine.steps`) and JAX's jit and staging caches
+    (`jax.clear_caches`). Returns how many engine executables were dropped."""
+    import gc
+
+    import jax
+
+    from tenantq.engine import steps
+
+    dropped = steps.compiled_count()
+    steps._EXECUTABLES.clear()  # the engine's LRU: it offers no public release
+    jax.clear_caches()
+    gc.collect()  # the executables' mappings go with their last reference
+    return dropped
+
+
+def failed_row(point, error: BaseException, model: str, dataset: str, commit: str,
+               seconds: float) -> dict[str, Any]:  # fmt: skip
+    """A plan whose evaluation raised: no metrics, the error's first line (a later pass
+    measures it again; `efficiency.Landscape` refuses it by name until then)."""
+    row = row_for(point, {}, model, dataset, commit, seconds)
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    row["error"] = f"{type(error).__name__}: {first_line}"
+    return row
+
+
 def measure(
     points,
     model_path: Path,
@@ -171,14 +204,19 @@ def measure(
     limit: int | None = None,
     batch_plans: int = BATCH_PLANS,
     batch_s: float = BATCH_S,
+    release_every: int = RELEASE_EVERY,
     shuffle_seed: int | None = None,
     log: Callable[[str], None] = print,
     evaluator=None,
 ) -> dict[str, dict[str, Any]]:
     """Measure the distinct plans of `points` that `path` lacks (at most `limit` of them; in a
     seeded random order with `shuffle_seed`, so a partial table samples the whole space),
-    rewriting the table after every `batch_plans` plans or `batch_s` seconds. Refuses a table
-    measured on another model or dataset before measuring anything."""
+    rewriting the table after every `batch_plans` plans or `batch_s` seconds, and dropping the
+    compiled executables every `release_every` plans (`release_compiled`). A plan whose
+    evaluation raises (its compile failing, say) is tried once more after a release, then
+    written as a failed row (`failed_row`) and the pass goes on; a later pass measures it
+    again; MAX_FAILED_IN_A_ROW plans failing in a row stop the pass (after writing what it has).
+    Refuses a table measured on another model or dataset before measuring anything."""
     from tenantq.quant.plan import QuantPlan
 
     if evaluator is None:
@@ -196,7 +234,7 @@ def measure(
         )
     todo: dict[str, Any] = {}
     for p in points:
-        if p.fingerprint not in rows:
+        if p.fingerprint not in rows or "error" in rows[p.fingerprint]:
             todo.setdefault(p.fingerprint, p)
     todo_list = list(todo.values())
     if shuffle_seed is not None:
@@ -206,9 +244,33 @@ def measure(
     commit = code_commit()
     pending: dict[str, dict[str, Any]] = {}
     last_write = began_all = time.perf_counter()
+    failed_in_a_row = 0
     for i, p in enumerate(todo_list, 1):
+        if release_every and i > 1 and (i - 1) % release_every == 0:
+            log(f"released {release_compiled()} compiled executables after {i - 1} plans")
         began = time.perf_counter()
-        result = evaluator.evaluate(QuantPlan.from_json(p.plan_json))
+        plan = QuantPlan.from_json(p.plan_json)
+        try:
+            try:
+                result = evaluator.evaluate(plan)
+            except Exception as first:  # e.g. XLA out of memory maps: release, try once more
+                log(f"[{i}/{len(todo_list)}] {'/'.join(p.choice)} failed ({first!r}); "
+                    f"released {release_compiled()} executables, trying once more")  # fmt: skip
+                result = evaluator.evaluate(plan)
+        except Exception as e:
+            seconds = time.perf_counter() - began
+            pending[p.fingerprint] = failed_row(p, e, model, dataset, commit, seconds)
+            failed_in_a_row += 1
+            why = pending[p.fingerprint]["error"]
+            log(f"[{i}/{len(todo_list)}] {'/'.join(p.choice)} FAILED: {why}")
+            if failed_in_a_row >= MAX_FAILED_IN_A_ROW:
+                merge_into_table(path, pending, model=model, dataset=dataset)
+                raise TruthTableError(
+                    f"{path}: {failed_in_a_row} plans failed in a row (last: "
+                    f"{pending[p.fingerprint]['error']}); the pass stopped, their rows written"
+                ) from e
+            continue
+        failed_in_a_row = 0
         seconds = time.perf_counter() - began
         pending[p.fingerprint] = row_for(p, result.summary, model, dataset, commit, seconds)
         kl = result.summary.get("fidelity.kl_mean", float("nan"))
