@@ -60,3 +60,11 @@ def test_an_unnamed_weights_errors_name_it_weight():
     with pytest.raises(ValueError) as err:
         gptq_quantize(np.ones((4, 2), np.float32), h, "int8")
     assert str(err.value) == "weight: the calibration Hessian has non-finite entries"
+
+
+def test_a_hessian_of_another_size_is_refused_naming_both_shapes():
+    with pytest.raises(ValueError) as err:
+        gptq_quantize(np.ones((4, 2), np.float32), np.eye(3), "int8")
+    assert str(err.value) == (
+        "GPTQ needs weight [in, out] and hessian [in, in]; got (4, 2) and (3, 3)"
+    )
