@@ -84,3 +84,16 @@ def test_a_non_finite_hessian_is_refused_naming_the_tensor():
     with pytest.raises(ValueError) as err:  # unnamed, it is "weight"
         damped_inverse_factor(h)
     assert str(err.value) == "weight: the calibration Hessian has non-finite entries"
+
+
+def test_a_hessian_no_damping_makes_definite_is_refused_saying_what_to_do():
+    # -5·I: H + λI with λ = damp · mean diag H = -5·damp stays negative at any damping, so
+    # every retry fails up to MAX_DAMP (0.01 -> 0.1 -> 1 -> 10) and the error names the last
+    # damping tried and the two ways out, in one line.
+    with pytest.raises(ValueError) as err:
+        damped_inverse_factor(-5.0 * np.eye(4, dtype=np.float32), name="layers/2/mlp/down_proj")
+    assert str(err.value) == (
+        "layers/2/mlp/down_proj: GPTQ's Cholesky of H + λI failed up to damp=10 (λ = damp · "
+        "mean diag H); the Hessian is far from positive semi-definite: recollect the "
+        "calibration statistics or use rtn for this tensor"
+    )

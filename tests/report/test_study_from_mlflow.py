@@ -281,3 +281,54 @@ def test_a_study_of_more_trials_than_mlflows_default_page_is_read_whole(monkeypa
     study = load_study("http://127.0.0.1:1", "big")
     assert len(study.trials) == 1501 and study.trials[-1].number == 1499
     assert (study.trials[0].number, study.trials[0].run_id) == (-1, "t-")
+
+
+def _stand_in_run(run_id: str, tags: dict, start_time=1, params=None, run_name=""):
+    import types
+
+    info = types.SimpleNamespace(
+        run_id=run_id, status="FINISHED", start_time=start_time, run_name=run_name
+    )
+    data = types.SimpleNamespace(tags=tags, params=params or {}, metrics={})
+    return types.SimpleNamespace(info=info, data=data)
+
+
+def _stand_in_store(monkeypatch, parent, trials) -> None:
+    """MLflow's client replaced by one holding `parent` (the study run) and `trials`."""
+    import types
+
+    import mlflow
+
+    class Stored:
+        def __init__(self, uri: str) -> None:
+            pass
+
+        def get_experiment_by_name(self, name: str):
+            return types.SimpleNamespace(experiment_id="1")
+
+        def search_runs(self, ids, filter_string="", order_by=None, max_results=1000):
+            return [parent] if "'study'" in filter_string else trials
+
+    monkeypatch.setattr(mlflow, "MlflowClient", Stored)
+
+
+def test_a_trial_run_without_a_start_time_is_logged_at_the_epoch(monkeypatch) -> None:
+    # The timeline places each trial at `logged_ms` (the run's start time). A run whose store
+    # gave no start time (MLflow's RunInfo allows None) sits at 0 ms, not at a made-up 1 ms.
+    trial = {"tenantq.kind": "trial", "mlflow.parentRunId": "p"}
+    trials = [
+        _stand_in_run("t0", trial | {"tenantq.trial": "0"}, start_time=None),
+        _stand_in_run("t1", trial | {"tenantq.trial": "1"}, start_time=1_700_000_000_123),
+    ]
+    parent = _stand_in_run("p", {"tenantq.kind": "study"}, params={"study.name": "s"})
+    _stand_in_store(monkeypatch, parent, trials)
+    study = load_study("http://127.0.0.1:1", "e")
+    assert [t.logged_ms for t in study.trials] == [0, 1_700_000_000_123]
+
+
+def test_a_study_run_with_neither_a_name_param_nor_a_run_name_is_named_empty(monkeypatch) -> None:
+    # The name falls back to the run's name, and to "" (no made-up name) when MLflow has none.
+    parent = _stand_in_run("p", {"tenantq.kind": "study"}, run_name=None)
+    _stand_in_store(monkeypatch, parent, [])
+    study = load_study("http://127.0.0.1:1", "e")
+    assert (study.name, study.parent_run_id, study.trials) == ("", "p", [])
