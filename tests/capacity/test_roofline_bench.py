@@ -77,3 +77,32 @@ def test_shape_classes_are_the_models_matmul_shapes_largest_first() -> None:
 
     got = weight_shapes(ModelConfig(model_type="llama", **MODEL))
     assert got == [(1024, 2816), (2816, 1024), (1024, 1024), (1024, 8192), (1024, 256)]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--plans", ","], "--plans"),
+        (["--plans", "bf16,garbage"], "--plans"),
+        (["--batches", "abc"], "--batches"),
+        (["--batches", "4,0"], "--batches"),
+        (["--batches", "-1"], "--batches"),
+        (["--repeats", "0"], "--repeats"),
+        (["--steps", "0"], "--steps"),
+        (["--profile", "twice"], "--profile"),
+    ],
+)
+def test_bad_bench_flags_stop_before_any_measurement_with_one_line_naming_the_flag(
+    argv, flag, capsys, monkeypatch
+):
+    # Each of these once ran the profile and then crashed mid-way (IndexError on no plans,
+    # ZeroDivisionError on 0 steps or repeats, a JAX shape error on a negative batch, a
+    # traceback on a non-integer batch). `--clock wall`: the test process is never pinned.
+    from tenantq.bench.roofline import main
+
+    monkeypatch.setenv("TENANTQ_BENCH_SMOKE", "1")
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--clock", "wall"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert flag in err[-1] and "error" in err[-1]
