@@ -397,18 +397,50 @@ def render(result: dict) -> str:
     return "\n".join(out)
 
 
+def _positive(text: str) -> int:
+    """An integer >= 1 (argparse names the flag when this raises)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give one >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _batches(text: str) -> list[int]:
+    """Comma-separated batch sizes, each >= 1, e.g. 1,4,16,64."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("no batch sizes; give e.g. 1,4,16,64")
+    return [_positive(p) for p in parts]
+
+
+def _plans(text: str) -> list[str]:
+    """Comma-separated plan names of `PLANS`, at least one."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in PLANS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"{'unknown ' + ', '.join(bad) if bad else 'no plans'}; valid: {', '.join(PLANS)}"
+        )
+    return names
+
+
 def main(argv: list[str]) -> int:
     smoke = os.environ.get(SMOKE_ENV, "") not in ("", "0")
     parser = argparse.ArgumentParser(prog="python -m tenantq.bench roofline", description=__doc__)
-    parser.add_argument("--batches", default="1,2,4" if smoke else "1,4,16,64")
-    parser.add_argument("--plans", default=",".join(PLANS), help=f"of {', '.join(PLANS)}")
-    parser.add_argument("--prompt", type=int, default=8 if smoke else 32)
-    parser.add_argument("--steps", type=int, default=2 if smoke else 6, help="timed steps")
-    parser.add_argument("--repeats", type=int, default=1 if smoke else 2)
-    parser.add_argument("--stream-bytes", type=int, default=2**20 if smoke else 2**29)
-    parser.add_argument("--matmul-size", type=int, default=128 if smoke else 2048)
+    parser.add_argument("--batches", type=_batches, default="1,2,4" if smoke else "1,4,16,64")
     parser.add_argument(
-        "--convert-copies", type=int, default=2 if smoke else 8,
+        "--plans", type=_plans, default=",".join(PLANS), help=f"of {', '.join(PLANS)}"
+    )
+    parser.add_argument("--prompt", type=_positive, default=8 if smoke else 32)
+    parser.add_argument("--steps", type=_positive, default=2 if smoke else 6, help="timed steps")
+    parser.add_argument("--repeats", type=_positive, default=1 if smoke else 2)
+    parser.add_argument("--stream-bytes", type=_positive, default=2**20 if smoke else 2**29)
+    parser.add_argument("--matmul-size", type=_positive, default=128 if smoke else 2048)
+    parser.add_argument(
+        "--convert-copies", type=_positive, default=2 if smoke else 8,
         help="elements each shape class's pass benchmarks cover, in weights of the model's MLP "
         "shape (a [1024, 256] class takes ~11 weights per MLP weight)",
     )  # fmt: skip
@@ -430,12 +462,6 @@ def main(argv: list[str]) -> int:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         _clock = time.process_time
     args.smoke = smoke
-    args.batches = [int(b) for b in args.batches.split(",")]
-    args.plans = [p.strip() for p in args.plans.split(",") if p.strip()]
-    bad = [p for p in args.plans if p not in PLANS]
-    if bad:
-        print(f"--plans: unknown {', '.join(bad)}; valid: {', '.join(PLANS)}", file=sys.stderr)
-        return 2
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
