@@ -106,3 +106,33 @@ def test_bad_bench_flags_stop_before_any_measurement_with_one_line_naming_the_fl
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert flag in err[-1] and "error" in err[-1]
+
+
+def test_profile_states_its_timing_noise_and_each_rate_its_noise_floored(monkeypatch) -> None:
+    # The profile's rates come from differences of timings (the grouped product: t(64) -
+    # t(2); the unpack: t less its read and products), so noise moves them most; a difference
+    # at or under 10% of its timing is floored there (a rate, not a division by ~0). Both
+    # must be stated: the spread of each timing's repeats (best of them is used) and which
+    # rates hit the floor. Fake clock: repeats of 1.0 s and 1.5 s -> spread 50%.
+    from tenantq.bench import roofline as rb
+
+    ticks = iter([0.0, 1.0, 1.0, 2.5])
+    monkeypatch.setattr(rb, "_clock", lambda: next(ticks))
+    monkeypatch.setattr(rb, "_TIMINGS", [])
+    assert rb._best_s(lambda: None, 2) == 1.0
+    assert rb._timing_spread() == pytest.approx(0.5)
+    floored: list[str] = []
+    assert rb._net_rate(10.0, 5.0, 20.0, "grouped", floored) == 2.0  # 5 s > 10% of 20 s
+    assert floored == []
+    assert rb._net_rate(10.0, -1.0, 20.0, "grouped", floored) == 5.0  # floored at 2 s
+    assert floored == ["grouped"]
+    rates = {"copies": 1, "convert": {"int8": 1e9}, "convert_b1": {"bf16": 1e9}, "pack": 1e9,
+             "unpack": 1e9, "unpack_b1": 1e9, "grouped": 5e10, "floored": ["grouped"]}  # fmt: skip
+    profile = {"plan": "all", "bandwidth_bytes_per_s": 2e10, "peak_per_s": {"bf16": 1e11},
+               "step_overhead_s": 1e-3, "by_shape": {"64x128": rates},
+               "repeats": 2, "timing_spread": 0.5}  # fmt: skip
+    text = rb._profile_line(profile)
+    assert "best of 2 repeats, spread up to 50%" in text
+    assert "at the 10% floor: grouped" in text
+    one = rb._profile_line(dict(profile, repeats=1, timing_spread=None))
+    assert "one repeat each: noise not measured" in one
