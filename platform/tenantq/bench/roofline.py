@@ -37,14 +37,37 @@ TARGET_ERROR = 0.30  # the issue's target, where the measured step is >= 1 ms
 _clock = time.perf_counter  # time.process_time under --clock cpu (set in main)
 
 
+# (best, worst, repeats) of each `_best_s` since the profile began: its noise, stated.
+_TIMINGS: list[tuple[float, float, int]] = []
+
+
 def _best_s(fn, repeats: int) -> float:
+    """Best of `repeats` timed calls after one untimed (compile and warm); the spread of the
+    repeats is kept in `_TIMINGS` for `_timing_spread`."""
     fn()  # compile and warm
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t = _clock()
         fn()
-        best = min(best, _clock() - t)
-    return best
+        times.append(_clock() - t)
+    _TIMINGS.append((min(times), max(times), len(times)))
+    return min(times)
+
+
+def _timing_spread() -> float | None:
+    """The largest (worst - best) / best of the timings since `_TIMINGS` was cleared; None
+    where none had two repeats (the noise was not measured)."""
+    spreads = [(hi - lo) / lo for lo, hi, k in _TIMINGS if k > 1 and lo > 0]
+    return max(spreads) if spreads else None
+
+
+def _net_rate(amount: float, net_s: float, whole_s: float, what: str, floored: list) -> float:
+    """`amount` / `net_s`, a time left after subtracting other terms from a `whole_s`
+    timing; at most 10% of the whole it is noise, floored there and `what` is noted."""
+    if net_s < 0.1 * whole_s:
+        floored.append(what)
+        net_s = 0.1 * whole_s
+    return amount / net_s
 
 
 def measure_bandwidth(nbytes: int, repeats: int) -> float:
@@ -55,8 +78,9 @@ def measure_bandwidth(nbytes: int, repeats: int) -> float:
 
 
 def measure_convert(
-    rows: int, cols: int, copies: int, bandwidth: float, wide: int, repeats: int
-) -> tuple[dict, dict, float, float, float]:
+    rows: int, cols: int, copies: int, bandwidth: float, wide: int, repeats: int,
+    floored: list | None = None,
+) -> tuple[dict, dict, float, float, float]:  # fmt: skip
     """Weight elements/s of the passes the engine's matmul runs before its dot on XLA:CPU,
     for `copies` distinct [rows, cols] weights (one shape class of the model), timed where
     the engine pays them: inside the engine's own `matmul`, whose converted copy is a
@@ -93,12 +117,24 @@ def measure_convert(
         x = jnp.ones((m, rows), jnp.bfloat16)
         qs = stored["int4"]
         t["w4a8", m] = _best_s(lambda x=x, qs=qs: jax.block_until_ready(w4a8(x, qs)), repeats)
-    out = {fmt: n / max(t[fmt, 2] - t["bf16", 2], 0.1 * t[fmt, 2]) for fmt in ("int8", "int4")}
+    fl = [] if floored is None else floored  # names of the rates floored (`_net_rate`)
+    out = {
+        fmt: _net_rate(n, t[fmt, 2] - t["bf16", 2], t[fmt, 2], f"to bf16 {fmt}", fl)
+        for fmt in ("int8", "int4")
+    }
     read_s = 4 * n / bandwidth
-    out_b1 = {fmt: n / max(t[fmt, 1] - read_s, 0.1 * t[fmt, 1]) for fmt in stored}
-    grouped = 2 * (wide - 2) * n / max(t["w4a8", wide] - t["w4a8", 2], 0.1 * t["w4a8", wide])
+    out_b1 = {fmt: _net_rate(n, t[fmt, 1] - read_s, t[fmt, 1], f"to f32 {fmt}", fl)
+              for fmt in stored}  # fmt: skip
+    tw = t["w4a8", wide]
+    grouped = _net_rate(2 * (wide - 2) * n, tw - t["w4a8", 2], tw, "grouped", fl)
     unpack = {
-        m: n / max(t["w4a8", m] - n / bandwidth - 2 * m * n / grouped, 0.1 * t["w4a8", m])
+        m: _net_rate(
+            n,
+            t["w4a8", m] - n / bandwidth - 2 * m * n / grouped,
+            t["w4a8", m],
+            "unpack" if m == 2 else "unpack 1 row",
+            fl,
+        )  # fmt: skip
         for m in (1, 2)
     }
     return out, out_b1, unpack[2], unpack[1], grouped
@@ -235,10 +271,12 @@ def cpu_profile(args) -> tuple[object, dict]:
     peaks = measure_matmul(max(args.batches), args.matmul_size, args.repeats)
     budget = args.convert_copies * shape["hidden_size"] * shape["intermediate_size"]
     per_shape, rates = {}, []
+    _TIMINGS.clear()
     for i, (rows, cols) in enumerate(weight_shapes(config)):
         copies = max(1, round(budget / (rows * cols)))
+        floored: list[str] = []
         convert, convert_b1, unpack, unpack_b1, grouped = measure_convert(
-            rows, cols, copies, bw, max(max(args.batches), 4), args.repeats
+            rows, cols, copies, bw, max(max(args.batches), 4), args.repeats, floored
         )
         pack, bf16_peak = measure_bf16_dot(
             rows, cols, copies, max(max(args.batches), 4), bw, args.repeats
@@ -246,7 +284,7 @@ def cpu_profile(args) -> tuple[object, dict]:
         per_shape[f"{rows}x{cols}"] = {
             "copies": copies, "convert": convert, "convert_b1": convert_b1,
             "pack": pack, "unpack": unpack, "unpack_b1": unpack_b1, "grouped": grouped,
-            "bf16_peak": bf16_peak,
+            "bf16_peak": bf16_peak, "floored": floored,
         }  # fmt: skip
         for key in ((rows, cols), ()) if i == 0 else ((rows, cols),):
             rates += [("convert", f, key, r) for f, r in convert.items()]
@@ -266,7 +304,8 @@ def cpu_profile(args) -> tuple[object, dict]:
         peak_fp8_flops_per_s=int(peaks["fp8"]), shape_rates=tuple(rates),
     )  # fmt: skip
     figures = {"bandwidth_bytes_per_s": bw, "peak_per_s": peaks, "step_overhead_s": overhead,
-               "by_shape": per_shape}  # fmt: skip
+               "by_shape": per_shape, "repeats": args.repeats,
+               "timing_spread": _timing_spread()}  # fmt: skip
     return profile, figures
 
 
@@ -344,7 +383,13 @@ def _profile_line(p: dict) -> str:
     peaks = ", ".join(f"{k} {v / 1e9:.1f} G/s" for k, v in p["peak_per_s"].items())
     lines = [
         f"{p.get('plan', '')}: stream {p['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; matmul "
-        f"{peaks}; step overhead {p['step_overhead_s'] * 1e3:.2f} ms; passes, G elements/s:"
+        f"{peaks}; step overhead {p['step_overhead_s'] * 1e3:.2f} ms; timings: "
+        + (
+            "one repeat each: noise not measured"
+            if p.get("timing_spread") is None
+            else f"best of {p['repeats']} repeats, spread up to {p['timing_spread']:.0%}"
+        )
+        + "; passes, G elements/s:"
     ]
     for shape, r in p["by_shape"].items():
         conv = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in r["convert"].items())
@@ -354,6 +399,7 @@ def _profile_line(p: dict) -> str:
             f"bf16 packing {r['pack'] / 1e9:.2f}; W4A8 unpack {r['unpack'] / 1e9:.2f}, "
             f"1 row {r['unpack_b1'] / 1e9:.2f}; W4A8 grouped product "
             f"{r.get('grouped', float('nan')) / 1e9:.1f} GFLOP/s"
+            + (f"; at the 10% floor: {', '.join(r['floored'])}" if r.get("floored") else "")
         )
     return "\n".join(lines)
 
