@@ -136,3 +136,25 @@ def test_profile_states_its_timing_noise_and_each_rate_its_noise_floored(monkeyp
     assert "at the 10% floor: grouped" in text
     one = rb._profile_line(dict(profile, repeats=1, timing_spread=None))
     assert "one repeat each: noise not measured" in one
+
+
+def test_each_class_gives_its_own_rates_and_only_the_largest_the_any_shape_ones() -> None:
+    # The profile charges a weight at its shape's rates and an unmeasured shape at the
+    # largest class's (shape ()): every pass of CPU_PASSES for the class's own shape, and
+    # the () entries from the largest class only (a second class must not add them).
+    from tenantq.bench.roofline import shape_rates
+    from tenantq.capacity.hardware import CPU_PASSES, HardwareProfile
+
+    def figures(k: float) -> dict:
+        return {"convert": {"int8": k, "int4": 2 * k}, "convert_b1": {"bf16": 3 * k},
+                "pack": 4 * k, "unpack": 5 * k, "unpack_b1": 6 * k, "grouped": 7 * k}  # fmt: skip
+
+    big = shape_rates((1024, 2816), figures(1e9), largest=True)
+    small = shape_rates((1024, 256), figures(1e8), largest=False)
+    assert {k for k, _, s, _ in big if s == (1024, 2816)} == set(CPU_PASSES)
+    assert all(s != () for _, _, s, _ in small)
+    hw = HardwareProfile("cpu", 2**30, 10**10, "CPU", shape_rates=tuple(big + small))
+    assert hw.pass_rate("grouped", "int4", (1024, 256)) == 7e8
+    assert hw.pass_rate("grouped", "int4", (2816, 1024)) == 7e9  # unmeasured: the largest's
+    assert hw.pass_rate("convert", "int4", (999, 1)) == 2e9
+    assert hw.pass_rate("convert_b1", "bf16", (1024, 256)) == 3e8

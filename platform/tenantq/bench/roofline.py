@@ -258,6 +258,20 @@ def weight_shapes(config) -> list[tuple[int, int]]:
     return sorted(elements, key=lambda s: -elements[s])
 
 
+def shape_rates(shape: tuple[int, int], r: dict, *, largest: bool) -> list[tuple]:
+    """`HardwareProfile.shape_rates` entries of one measured shape class (`r`: its figures
+    in `cpu_profile`'s `by_shape`); the `largest` class's rates are also every pass's
+    any-shape rate (shape ()), taken by a weight of a shape the profile did not measure."""
+    out = []
+    for key in (shape, ()) if largest else (shape,):
+        out += [("convert", f, key, v) for f, v in r["convert"].items()]
+        out += [("convert_b1", f, key, v) for f, v in r["convert_b1"].items()]
+        out += [("pack", "bf16", key, r["pack"]), ("unpack", "int4", key, r["unpack"]),
+                ("unpack_b1", "int4", key, r["unpack_b1"]),
+                ("grouped", "int4", key, r["grouped"])]  # fmt: skip
+    return out
+
+
 def cpu_profile(args) -> tuple[object, dict]:
     """The CPU profile: stream bandwidth, matmul peaks, then every pass rate per shape class
     of the validation model (`weight_shapes`), each over ~`convert_copies` MLP weights'
@@ -286,12 +300,7 @@ def cpu_profile(args) -> tuple[object, dict]:
             "pack": pack, "unpack": unpack, "unpack_b1": unpack_b1, "grouped": grouped,
             "bf16_peak": bf16_peak, "floored": floored,
         }  # fmt: skip
-        for key in ((rows, cols), ()) if i == 0 else ((rows, cols),):
-            rates += [("convert", f, key, r) for f, r in convert.items()]
-            rates += [("convert_b1", f, key, r) for f, r in convert_b1.items()]
-            rates += [("pack", "bf16", key, pack), ("unpack", "int4", key, unpack),
-                      ("unpack_b1", "int4", key, unpack_b1),
-                      ("grouped", "int4", key, grouped)]  # fmt: skip
+        rates += shape_rates((rows, cols), per_shape[f"{rows}x{cols}"], largest=i == 0)
         if i == 0:  # the products alone, on the largest class: the packing is `pack`
             peaks["bf16"] = bf16_peak
         print(f"profile {rows}x{cols}: {json.dumps(per_shape[f'{rows}x{cols}'])}",
