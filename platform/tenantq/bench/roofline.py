@@ -5,10 +5,11 @@ write bytes), matmul rate per compute format at the widest batch (bf16 x bf16, i
 -> int32, fp8 x fp8 -> float32, as the engine's matmul runs them), the rate of the pass in
 which XLA:CPU converts each stored weight format before its dot (to a bf16 copy for a batch,
 to float32 for one row; timed alone, over weights of the model's own shape) and the fixed
-cost of one decode step (the engine on a tiny model). Then, for three plans (bf16; int8
-weights; int4 weights + int8 KV) and batches 1-64 on a random model of 214 MB, an engine of
-exactly that many rows is timed per decode step beside `capacity.roofline.decode_step` on
-the profile measured just before that plan's steps, and the relative error is given.
+cost of one decode step (the engine on a tiny model). Then, for four plans (bf16; int8
+weights; int4 weights + int8 KV; W4A8) and batches 1-64 on a random model of 214 MB, an
+engine of exactly that many rows is timed per decode step beside
+`capacity.roofline.decode_step` on the profile (measured once, or before each plan with
+`--profile each`), and the relative error is given.
 By default it runs on one core and times by the process's CPU clock, so that other users'
 load on a shared machine does not enter the figures (`--clock wall` for all cores and wall
 time). `TENANTQ_BENCH_SMOKE=1` shrinks everything to seconds.
