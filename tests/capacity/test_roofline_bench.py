@@ -77,3 +77,84 @@ def test_shape_classes_are_the_models_matmul_shapes_largest_first() -> None:
 
     got = weight_shapes(ModelConfig(model_type="llama", **MODEL))
     assert got == [(1024, 2816), (2816, 1024), (1024, 1024), (1024, 8192), (1024, 256)]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--plans", ","], "--plans"),
+        (["--plans", "bf16,garbage"], "--plans"),
+        (["--batches", "abc"], "--batches"),
+        (["--batches", "4,0"], "--batches"),
+        (["--batches", "-1"], "--batches"),
+        (["--repeats", "0"], "--repeats"),
+        (["--steps", "0"], "--steps"),
+        (["--profile", "twice"], "--profile"),
+    ],
+)
+def test_bad_bench_flags_stop_before_any_measurement_with_one_line_naming_the_flag(
+    argv, flag, capsys, monkeypatch
+):
+    # Each of these once ran the profile and then crashed mid-way (IndexError on no plans,
+    # ZeroDivisionError on 0 steps or repeats, a JAX shape error on a negative batch, a
+    # traceback on a non-integer batch). `--clock wall`: the test process is never pinned.
+    from tenantq.bench.roofline import main
+
+    monkeypatch.setenv("TENANTQ_BENCH_SMOKE", "1")
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--clock", "wall"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert flag in err[-1] and "error" in err[-1]
+
+
+def test_profile_states_its_timing_noise_and_each_rate_its_noise_floored(monkeypatch) -> None:
+    # The profile's rates come from differences of timings (the grouped product: t(64) -
+    # t(2); the unpack: t less its read and products), so noise moves them most; a difference
+    # at or under 10% of its timing is floored there (a rate, not a division by ~0). Both
+    # must be stated: the spread of each timing's repeats (best of them is used) and which
+    # rates hit the floor. Fake clock: repeats of 1.0 s and 1.5 s -> spread 50%.
+    from tenantq.bench import roofline as rb
+
+    ticks = iter([0.0, 1.0, 1.0, 2.5])
+    monkeypatch.setattr(rb, "_clock", lambda: next(ticks))
+    monkeypatch.setattr(rb, "_TIMINGS", [])
+    assert rb._best_s(lambda: None, 2) == 1.0
+    assert rb._timing_spread() == pytest.approx(0.5)
+    floored: list[str] = []
+    assert rb._net_rate(10.0, 5.0, 20.0, "grouped", floored) == 2.0  # 5 s > 10% of 20 s
+    assert floored == []
+    assert rb._net_rate(10.0, -1.0, 20.0, "grouped", floored) == 5.0  # floored at 2 s
+    assert floored == ["grouped"]
+    rates = {"copies": 1, "convert": {"int8": 1e9}, "convert_b1": {"bf16": 1e9}, "pack": 1e9,
+             "unpack": 1e9, "unpack_b1": 1e9, "grouped": 5e10, "floored": ["grouped"]}  # fmt: skip
+    profile = {"plan": "all", "bandwidth_bytes_per_s": 2e10, "peak_per_s": {"bf16": 1e11},
+               "step_overhead_s": 1e-3, "by_shape": {"64x128": rates},
+               "repeats": 2, "timing_spread": 0.5}  # fmt: skip
+    text = rb._profile_line(profile)
+    assert "best of 2 repeats, spread up to 50%" in text
+    assert "at the 10% floor: grouped" in text
+    one = rb._profile_line(dict(profile, repeats=1, timing_spread=None))
+    assert "one repeat each: noise not measured" in one
+
+
+def test_each_class_gives_its_own_rates_and_only_the_largest_the_any_shape_ones() -> None:
+    # The profile charges a weight at its shape's rates and an unmeasured shape at the
+    # largest class's (shape ()): every pass of CPU_PASSES for the class's own shape, and
+    # the () entries from the largest class only (a second class must not add them).
+    from tenantq.bench.roofline import shape_rates
+    from tenantq.capacity.hardware import CPU_PASSES, HardwareProfile
+
+    def figures(k: float) -> dict:
+        return {"convert": {"int8": k, "int4": 2 * k}, "convert_b1": {"bf16": 3 * k},
+                "pack": 4 * k, "unpack": 5 * k, "unpack_b1": 6 * k, "grouped": 7 * k}  # fmt: skip
+
+    big = shape_rates((1024, 2816), figures(1e9), largest=True)
+    small = shape_rates((1024, 256), figures(1e8), largest=False)
+    assert {k for k, _, s, _ in big if s == (1024, 2816)} == set(CPU_PASSES)
+    assert all(s != () for _, _, s, _ in small)
+    hw = HardwareProfile("cpu", 2**30, 10**10, "CPU", shape_rates=tuple(big + small))
+    assert hw.pass_rate("grouped", "int4", (1024, 256)) == 7e8
+    assert hw.pass_rate("grouped", "int4", (2816, 1024)) == 7e9  # unmeasured: the largest's
+    assert hw.pass_rate("convert", "int4", (999, 1)) == 2e9
+    assert hw.pass_rate("convert_b1", "bf16", (1024, 256)) == 3e8

@@ -81,6 +81,34 @@ def test_w4a8_product_equals_numpy_on_the_stored_codes(activations: str) -> None
     assert np.abs(wrong * np.asarray(w.scale)[0] * x_scale - want).max() > slack.max()
 
 
+def test_w4a8_decode_activations_run_the_same_rank3_grouped_dot_as_a_2d_batch() -> None:
+    # The engine's decode step multiplies hidden states [B, 1, in]; the roofline bench times
+    # the W4A8 matmul on [B, in]. Left 4-D ([B, 1, G, g] against [G, g, out]), XLA:CPU ran the
+    # grouped dot about twice as slow at 64 rows (8 int4/g128 [1024, 2816] weights: 158 ms
+    # against 82 ms for [64, 1024]; [2816, 1024]: 202 against 84; one core, process CPU
+    # time, load ~19, 13:30 UTC): the step's -51% at batch 64 in docs/results/roofline.md.
+    # So every leading axis is flattened first: one [M, G, g] x [G, g, out] dot, whatever
+    # the activations' rank, and the same values as the 2-D product.
+    import jax
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((4, 1, IN)), jnp.float32)
+    w = quantize(jnp.asarray(rng.standard_normal((IN, OUT)) / np.sqrt(IN), jnp.float32),
+                 "int4", axis=0, group_size=GROUP)  # fmt: skip
+
+    def dots(x):
+        jaxpr = jax.make_jaxpr(lambda x: matmul(x, w, dtype=jnp.float32, activations="int8"))(x)
+        return [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+
+    (dot,) = dots(x)
+    assert [v.aval.ndim for v in dot.invars] == [3, 3], [v.aval.shape for v in dot.invars]
+    assert dot.invars[0].aval.shape == (4, 3, GROUP)
+    got = matmul(x, w, dtype=jnp.float32, activations="int8")
+    flat = matmul(x[:, 0], w, dtype=jnp.float32, activations="int8")
+    assert got.shape == (4, 1, OUT)
+    np.testing.assert_array_equal(np.asarray(got[:, 0]), np.asarray(flat))
+
+
 def test_w4a8_close_to_the_float_product_within_the_int4_step() -> None:
     # Against the unquantized product: each weight is off by at most half its group's step
     # (amax_g / 14) and each int8 input by half its token's step (amax_x / 254).

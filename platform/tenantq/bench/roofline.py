@@ -5,10 +5,11 @@ write bytes), matmul rate per compute format at the widest batch (bf16 x bf16, i
 -> int32, fp8 x fp8 -> float32, as the engine's matmul runs them), the rate of the pass in
 which XLA:CPU converts each stored weight format before its dot (to a bf16 copy for a batch,
 to float32 for one row; timed alone, over weights of the model's own shape) and the fixed
-cost of one decode step (the engine on a tiny model). Then, for three plans (bf16; int8
-weights; int4 weights + int8 KV) and batches 1-64 on a random model of 214 MB, an engine of
-exactly that many rows is timed per decode step beside `capacity.roofline.decode_step` on
-the profile measured just before that plan's steps, and the relative error is given.
+cost of one decode step (the engine on a tiny model). Then, for four plans (bf16; int8
+weights; int4 weights + int8 KV; W4A8) and batches 1-64 on a random model of 214 MB, an
+engine of exactly that many rows is timed per decode step beside
+`capacity.roofline.decode_step` on the profile (measured once, or before each plan with
+`--profile each`), and the relative error is given.
 By default it runs on one core and times by the process's CPU clock, so that other users'
 load on a shared machine does not enter the figures (`--clock wall` for all cores and wall
 time). `TENANTQ_BENCH_SMOKE=1` shrinks everything to seconds.
@@ -37,14 +38,37 @@ TARGET_ERROR = 0.30  # the issue's target, where the measured step is >= 1 ms
 _clock = time.perf_counter  # time.process_time under --clock cpu (set in main)
 
 
+# (best, worst, repeats) of each `_best_s` since the profile began: its noise, stated.
+_TIMINGS: list[tuple[float, float, int]] = []
+
+
 def _best_s(fn, repeats: int) -> float:
+    """Best of `repeats` timed calls after one untimed (compile and warm); the spread of the
+    repeats is kept in `_TIMINGS` for `_timing_spread`."""
     fn()  # compile and warm
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t = _clock()
         fn()
-        best = min(best, _clock() - t)
-    return best
+        times.append(_clock() - t)
+    _TIMINGS.append((min(times), max(times), len(times)))
+    return min(times)
+
+
+def _timing_spread() -> float | None:
+    """The largest (worst - best) / best of the timings since `_TIMINGS` was cleared; None
+    where none had two repeats (the noise was not measured)."""
+    spreads = [(hi - lo) / lo for lo, hi, k in _TIMINGS if k > 1 and lo > 0]
+    return max(spreads) if spreads else None
+
+
+def _net_rate(amount: float, net_s: float, whole_s: float, what: str, floored: list) -> float:
+    """`amount` / `net_s`, a time left after subtracting other terms from a `whole_s`
+    timing; at most 10% of the whole it is noise, floored there and `what` is noted."""
+    if net_s < 0.1 * whole_s:
+        floored.append(what)
+        net_s = 0.1 * whole_s
+    return amount / net_s
 
 
 def measure_bandwidth(nbytes: int, repeats: int) -> float:
@@ -55,8 +79,9 @@ def measure_bandwidth(nbytes: int, repeats: int) -> float:
 
 
 def measure_convert(
-    rows: int, cols: int, copies: int, bandwidth: float, wide: int, repeats: int
-) -> tuple[dict, dict, float, float, float]:
+    rows: int, cols: int, copies: int, bandwidth: float, wide: int, repeats: int,
+    floored: list | None = None,
+) -> tuple[dict, dict, float, float, float]:  # fmt: skip
     """Weight elements/s of the passes the engine's matmul runs before its dot on XLA:CPU,
     for `copies` distinct [rows, cols] weights (one shape class of the model), timed where
     the engine pays them: inside the engine's own `matmul`, whose converted copy is a
@@ -93,12 +118,24 @@ def measure_convert(
         x = jnp.ones((m, rows), jnp.bfloat16)
         qs = stored["int4"]
         t["w4a8", m] = _best_s(lambda x=x, qs=qs: jax.block_until_ready(w4a8(x, qs)), repeats)
-    out = {fmt: n / max(t[fmt, 2] - t["bf16", 2], 0.1 * t[fmt, 2]) for fmt in ("int8", "int4")}
+    fl = [] if floored is None else floored  # names of the rates floored (`_net_rate`)
+    out = {
+        fmt: _net_rate(n, t[fmt, 2] - t["bf16", 2], t[fmt, 2], f"to bf16 {fmt}", fl)
+        for fmt in ("int8", "int4")
+    }
     read_s = 4 * n / bandwidth
-    out_b1 = {fmt: n / max(t[fmt, 1] - read_s, 0.1 * t[fmt, 1]) for fmt in stored}
-    grouped = 2 * (wide - 2) * n / max(t["w4a8", wide] - t["w4a8", 2], 0.1 * t["w4a8", wide])
+    out_b1 = {fmt: _net_rate(n, t[fmt, 1] - read_s, t[fmt, 1], f"to f32 {fmt}", fl)
+              for fmt in stored}  # fmt: skip
+    tw = t["w4a8", wide]
+    grouped = _net_rate(2 * (wide - 2) * n, tw - t["w4a8", 2], tw, "grouped", fl)
     unpack = {
-        m: n / max(t["w4a8", m] - n / bandwidth - 2 * m * n / grouped, 0.1 * t["w4a8", m])
+        m: _net_rate(
+            n,
+            t["w4a8", m] - n / bandwidth - 2 * m * n / grouped,
+            t["w4a8", m],
+            "unpack" if m == 2 else "unpack 1 row",
+            fl,
+        )  # fmt: skip
         for m in (1, 2)
     }
     return out, out_b1, unpack[2], unpack[1], grouped
@@ -222,6 +259,20 @@ def weight_shapes(config) -> list[tuple[int, int]]:
     return sorted(elements, key=lambda s: -elements[s])
 
 
+def shape_rates(shape: tuple[int, int], r: dict, *, largest: bool) -> list[tuple]:
+    """`HardwareProfile.shape_rates` entries of one measured shape class (`r`: its figures
+    in `cpu_profile`'s `by_shape`); the `largest` class's rates are also every pass's
+    any-shape rate (shape ()), taken by a weight of a shape the profile did not measure."""
+    out = []
+    for key in (shape, ()) if largest else (shape,):
+        out += [("convert", f, key, v) for f, v in r["convert"].items()]
+        out += [("convert_b1", f, key, v) for f, v in r["convert_b1"].items()]
+        out += [("pack", "bf16", key, r["pack"]), ("unpack", "int4", key, r["unpack"]),
+                ("unpack_b1", "int4", key, r["unpack_b1"]),
+                ("grouped", "int4", key, r["grouped"])]  # fmt: skip
+    return out
+
+
 def cpu_profile(args) -> tuple[object, dict]:
     """The CPU profile: stream bandwidth, matmul peaks, then every pass rate per shape class
     of the validation model (`weight_shapes`), each over ~`convert_copies` MLP weights'
@@ -235,10 +286,12 @@ def cpu_profile(args) -> tuple[object, dict]:
     peaks = measure_matmul(max(args.batches), args.matmul_size, args.repeats)
     budget = args.convert_copies * shape["hidden_size"] * shape["intermediate_size"]
     per_shape, rates = {}, []
+    _TIMINGS.clear()
     for i, (rows, cols) in enumerate(weight_shapes(config)):
         copies = max(1, round(budget / (rows * cols)))
+        floored: list[str] = []
         convert, convert_b1, unpack, unpack_b1, grouped = measure_convert(
-            rows, cols, copies, bw, max(max(args.batches), 4), args.repeats
+            rows, cols, copies, bw, max(max(args.batches), 4), args.repeats, floored
         )
         pack, bf16_peak = measure_bf16_dot(
             rows, cols, copies, max(max(args.batches), 4), bw, args.repeats
@@ -246,14 +299,9 @@ def cpu_profile(args) -> tuple[object, dict]:
         per_shape[f"{rows}x{cols}"] = {
             "copies": copies, "convert": convert, "convert_b1": convert_b1,
             "pack": pack, "unpack": unpack, "unpack_b1": unpack_b1, "grouped": grouped,
-            "bf16_peak": bf16_peak,
+            "bf16_peak": bf16_peak, "floored": floored,
         }  # fmt: skip
-        for key in ((rows, cols), ()) if i == 0 else ((rows, cols),):
-            rates += [("convert", f, key, r) for f, r in convert.items()]
-            rates += [("convert_b1", f, key, r) for f, r in convert_b1.items()]
-            rates += [("pack", "bf16", key, pack), ("unpack", "int4", key, unpack),
-                      ("unpack_b1", "int4", key, unpack_b1),
-                      ("grouped", "int4", key, grouped)]  # fmt: skip
+        rates += shape_rates((rows, cols), per_shape[f"{rows}x{cols}"], largest=i == 0)
         if i == 0:  # the products alone, on the largest class: the packing is `pack`
             peaks["bf16"] = bf16_peak
         print(f"profile {rows}x{cols}: {json.dumps(per_shape[f'{rows}x{cols}'])}",
@@ -266,7 +314,8 @@ def cpu_profile(args) -> tuple[object, dict]:
         peak_fp8_flops_per_s=int(peaks["fp8"]), shape_rates=tuple(rates),
     )  # fmt: skip
     figures = {"bandwidth_bytes_per_s": bw, "peak_per_s": peaks, "step_overhead_s": overhead,
-               "by_shape": per_shape}  # fmt: skip
+               "by_shape": per_shape, "repeats": args.repeats,
+               "timing_spread": _timing_spread()}  # fmt: skip
     return profile, figures
 
 
@@ -344,7 +393,13 @@ def _profile_line(p: dict) -> str:
     peaks = ", ".join(f"{k} {v / 1e9:.1f} G/s" for k, v in p["peak_per_s"].items())
     lines = [
         f"{p.get('plan', '')}: stream {p['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; matmul "
-        f"{peaks}; step overhead {p['step_overhead_s'] * 1e3:.2f} ms; passes, G elements/s:"
+        f"{peaks}; step overhead {p['step_overhead_s'] * 1e3:.2f} ms; timings: "
+        + (
+            "one repeat each: noise not measured"
+            if p.get("timing_spread") is None
+            else f"best of {p['repeats']} repeats, spread up to {p['timing_spread']:.0%}"
+        )
+        + "; passes, G elements/s:"
     ]
     for shape, r in p["by_shape"].items():
         conv = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in r["convert"].items())
@@ -354,6 +409,7 @@ def _profile_line(p: dict) -> str:
             f"bf16 packing {r['pack'] / 1e9:.2f}; W4A8 unpack {r['unpack'] / 1e9:.2f}, "
             f"1 row {r['unpack_b1'] / 1e9:.2f}; W4A8 grouped product "
             f"{r.get('grouped', float('nan')) / 1e9:.1f} GFLOP/s"
+            + (f"; at the 10% floor: {', '.join(r['floored'])}" if r.get("floored") else "")
         )
     return "\n".join(lines)
 
@@ -397,18 +453,50 @@ def render(result: dict) -> str:
     return "\n".join(out)
 
 
+def _positive(text: str) -> int:
+    """An integer >= 1 (argparse names the flag when this raises)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give one >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _batches(text: str) -> list[int]:
+    """Comma-separated batch sizes, each >= 1, e.g. 1,4,16,64."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("no batch sizes; give e.g. 1,4,16,64")
+    return [_positive(p) for p in parts]
+
+
+def _plans(text: str) -> list[str]:
+    """Comma-separated plan names of `PLANS`, at least one."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in PLANS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"{'unknown ' + ', '.join(bad) if bad else 'no plans'}; valid: {', '.join(PLANS)}"
+        )
+    return names
+
+
 def main(argv: list[str]) -> int:
     smoke = os.environ.get(SMOKE_ENV, "") not in ("", "0")
     parser = argparse.ArgumentParser(prog="python -m tenantq.bench roofline", description=__doc__)
-    parser.add_argument("--batches", default="1,2,4" if smoke else "1,4,16,64")
-    parser.add_argument("--plans", default=",".join(PLANS), help=f"of {', '.join(PLANS)}")
-    parser.add_argument("--prompt", type=int, default=8 if smoke else 32)
-    parser.add_argument("--steps", type=int, default=2 if smoke else 6, help="timed steps")
-    parser.add_argument("--repeats", type=int, default=1 if smoke else 2)
-    parser.add_argument("--stream-bytes", type=int, default=2**20 if smoke else 2**29)
-    parser.add_argument("--matmul-size", type=int, default=128 if smoke else 2048)
+    parser.add_argument("--batches", type=_batches, default="1,2,4" if smoke else "1,4,16,64")
     parser.add_argument(
-        "--convert-copies", type=int, default=2 if smoke else 8,
+        "--plans", type=_plans, default=",".join(PLANS), help=f"of {', '.join(PLANS)}"
+    )
+    parser.add_argument("--prompt", type=_positive, default=8 if smoke else 32)
+    parser.add_argument("--steps", type=_positive, default=2 if smoke else 6, help="timed steps")
+    parser.add_argument("--repeats", type=_positive, default=1 if smoke else 2)
+    parser.add_argument("--stream-bytes", type=_positive, default=2**20 if smoke else 2**29)
+    parser.add_argument("--matmul-size", type=_positive, default=128 if smoke else 2048)
+    parser.add_argument(
+        "--convert-copies", type=_positive, default=2 if smoke else 8,
         help="elements each shape class's pass benchmarks cover, in weights of the model's MLP "
         "shape (a [1024, 256] class takes ~11 weights per MLP weight)",
     )  # fmt: skip
@@ -430,12 +518,6 @@ def main(argv: list[str]) -> int:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         _clock = time.process_time
     args.smoke = smoke
-    args.batches = [int(b) for b in args.batches.split(",")]
-    args.plans = [p.strip() for p in args.plans.split(",") if p.strip()]
-    bad = [p for p in args.plans if p not in PLANS]
-    if bad:
-        print(f"--plans: unknown {', '.join(bad)}; valid: {', '.join(PLANS)}", file=sys.stderr)
-        return 2
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
