@@ -723,6 +723,7 @@ def test_an_evaluation_missing_a_needles_record_is_an_error(monkeypatch) -> None
     me = _EvalMe()
     me.fidelity_rows, me.structured_items = None, []
     me.suite = me.suite.model_copy(update={"fidelity": None, "structured": None, "gates": ()})
+    me._base["generations"] = me._base["generations"][:4]  # the baseline of the 4 needles
     from tenantq.quant.plan import QuantPlan
 
     with pytest.raises(ValueError, match="zip"):
@@ -868,3 +869,22 @@ def test_an_evaluation_warns_of_each_group_whose_bf16_pass_rate_is_below_the_bar
     assert warnings == {
         "warning.needle.len64": "bf16 pass rate 25% (1 of 4) is below the suite's 60%"
     }
+
+
+def test_a_baseline_holding_a_record_too_many_is_an_error(monkeypatch) -> None:
+    # the baseline's one list of generations pairs with the needles then the structured
+    # items, position by position: a record too many means it was drawn for other examples
+    monkeypatch.setattr(
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+    )
+    monkeypatch.setattr(
+        ev.structured, "run_items", lambda e, items, m: [Generated([ord(")")], [])] * 2
+    )
+    me = _EvalMe()
+    me.fidelity_rows = None
+    me.suite = me.suite.model_copy(update={"fidelity": None, "gates": ()})
+    me._base["generations"] = me._base["generations"] + [Generated([ord(")")], [])]
+    from tenantq.quant.plan import QuantPlan
+
+    with pytest.raises(ValueError, match="7 generations for 6 needle and structured items"):
+        me._evaluate(QuantPlan())
