@@ -723,6 +723,7 @@ def test_an_evaluation_missing_a_needles_record_is_an_error(monkeypatch) -> None
     me = _EvalMe()
     me.fidelity_rows, me.structured_items = None, []
     me.suite = me.suite.model_copy(update={"fidelity": None, "structured": None, "gates": ()})
+    me._base["generations"] = me._base["generations"][:4]  # the baseline of the 4 needles
     from tenantq.quant.plan import QuantPlan
 
     with pytest.raises(ValueError, match="zip"):
@@ -803,3 +804,87 @@ def test_an_evaluations_progress_names_each_task_and_counts_to_its_total(
         ("total", 3, False), ("task", "fidelity"), ("update", 1), ("task", "needles"),
         ("update", 1), ("task", "structured"), ("update", 1), ("close",),
     ]  # fmt: skip
+
+
+def test_an_evaluations_kl_interval_resamples_windows_with_the_suites_seed_and_count(
+    monkeypatch,
+) -> None:
+    # the KL CI is the paired bootstrap of the per-window mean KL against 0, drawn with the
+    # suite's seed and resamples (the same draw as the other fidelity CIs): a seed dropped on
+    # the way to `kl_against_baseline` gives another interval on these uneven windows
+    kl = np.random.default_rng(5).exponential(0.02, size=(12, 7))
+
+    def compare(engine, rows, base, *, kv_tokens=None):
+        return {"kl": kl, "top1_agree": np.ones((12, 7), bool),
+                "target_logp": np.full((12, 7), -2.0)}  # fmt: skip
+
+    monkeypatch.setattr(ev.fidelity, "compare", compare)
+    monkeypatch.setattr(
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+    )
+    monkeypatch.setattr(
+        ev.structured, "run_items", lambda e, items, n: [Generated([ord(")")], [])] * 2
+    )
+    from tenantq.quant.plan import QuantPlan
+
+    me = _EvalMe()
+    me.suite = me.suite.model_copy(update={"seed": 11, "resamples": 50})
+    me.fidelity_rows = np.zeros((12, 8), np.int32)
+    me._base["fidelity"] = SimpleNamespace(
+        target_logp=np.full((12, 7), -2.0), margin=np.ones((12, 7)), exact=True
+    )
+    s = me._evaluate(QuantPlan()).summary
+    per_window = kl.mean(axis=1)
+    want = stats.paired_bootstrap(np.zeros(12), per_window, resamples=50, seed=11)
+    other = stats.paired_bootstrap(np.zeros(12), per_window, resamples=50, seed=0)
+    assert (want.ci_low, want.ci_high) != (other.ci_low, other.ci_high)  # the seed matters
+    assert s["fidelity.kl_mean"] == want.delta
+    assert (s["fidelity.kl_mean.ci_low"], s["fidelity.kl_mean.ci_high"]) == (
+        want.ci_low, want.ci_high,
+    )  # fmt: skip
+
+
+def test_an_evaluation_warns_of_each_group_whose_bf16_pass_rate_is_below_the_bar(
+    monkeypatch,
+) -> None:
+    # bf16 answers 1 of 4 needles (25%) and both structured lines: only the needles' group
+    # is under the suite's 60% bar, and the warning reaches the evaluation's summary
+    monkeypatch.setattr(ev.fidelity, "compare", lambda e, r, b, **kw: {
+        "kl": np.zeros((3, 7)), "top1_agree": np.ones((3, 7), bool),
+        "target_logp": np.full((3, 7), -2.0)})  # fmt: skip
+    monkeypatch.setattr(
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+    )
+    monkeypatch.setattr(
+        ev.structured, "run_items", lambda e, items, n: [Generated([ord(")")], [])] * 2
+    )
+    from tenantq.quant.plan import QuantPlan
+
+    me = _EvalMe()
+    me.suite = me.suite.model_copy(update={"min_baseline_pass_rate": 0.6})
+    wrong = Generated([5, 7], [])
+    me._base["generations"] = [Generated([5, 6], [])] + [wrong] * 3 + me._base["generations"][4:]
+    s = me._evaluate(QuantPlan()).summary
+    warnings = {k: v for k, v in s.items() if k.startswith("warning.")}
+    assert warnings == {
+        "warning.needle.len64": "bf16 pass rate 25% (1 of 4) is below the suite's 60%"
+    }
+
+
+def test_a_baseline_holding_a_record_too_many_is_an_error(monkeypatch) -> None:
+    # the baseline's one list of generations pairs with the needles then the structured
+    # items, position by position: a record too many means it was drawn for other examples
+    monkeypatch.setattr(
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+    )
+    monkeypatch.setattr(
+        ev.structured, "run_items", lambda e, items, m: [Generated([ord(")")], [])] * 2
+    )
+    me = _EvalMe()
+    me.fidelity_rows = None
+    me.suite = me.suite.model_copy(update={"fidelity": None, "gates": ()})
+    me._base["generations"] = me._base["generations"] + [Generated([ord(")")], [])]
+    from tenantq.quant.plan import QuantPlan
+
+    with pytest.raises(ValueError, match="7 generations for 6 needle and structured items"):
+        me._evaluate(QuantPlan())

@@ -75,9 +75,9 @@ def run(args) -> dict:
     base = fidelity.compute_baseline(Engine(config, params, None, **options), rows,
                                      exact=True, top_k=64)  # fmt: skip
 
-    def kl_per_window(quantized, plan) -> np.ndarray:
-        cand = fidelity.compare(Engine(config, quantized, plan, **options), rows, base)
-        return cand["kl"].mean(axis=1)
+    def kl_of(quantized, plan) -> fidelity.KLMeasurement:
+        engine = Engine(config, quantized, plan, **options)
+        return fidelity.kl_against_baseline(engine, rows, base, resamples=2000)
 
     def ready(q):
         jax.block_until_ready([v for v in q.values() if hasattr(v, "data")])
@@ -105,10 +105,9 @@ def run(args) -> dict:
         cal, _ = prepare_sequential(params, plan, config, windows)
         q_seq = ready(apply_plan(cal.params, plan, config, inputs=cal.inputs))
         seq_s = time.perf_counter() - began
-        kl_one, kl_seq = kl_per_window(q_one, plan), kl_per_window(q_seq, plan)
-        ci_one = stats.paired_bootstrap(np.zeros_like(kl_one), kl_one, resamples=2000)
-        ci_seq = stats.paired_bootstrap(np.zeros_like(kl_seq), kl_seq, resamples=2000)
-        diff = stats.paired_bootstrap(kl_one, kl_seq, resamples=2000)
+        one, seq = kl_of(q_one, plan), kl_of(q_seq, plan)
+        ci_one, ci_seq = one.ci, seq.ci
+        diff = stats.paired_bootstrap(one.per_window, seq.per_window, resamples=2000)
         out["rows"].append({
             "format": label,
             "one_shot": {"kl_mean": ci_one.delta, "kl_ci": [ci_one.ci_low, ci_one.ci_high],

@@ -376,6 +376,13 @@ class Evaluator:
         rows: list[dict[str, Any]] = []
         summary: dict[str, float | int | str] = {}
         todo = self.tasks()
+        items = len(self.needle_items) + len(self.structured_items)
+        if len(base["generations"]) > items:  # each task takes its slice: a missing record
+            # fails its pairing, one too many would be left over unseen
+            raise ValueError(
+                f"the baseline holds {len(base['generations'])} generations for {items} "
+                "needle and structured items: it was drawn for other examples"
+            )
         bar = _progress(self.progress, sum(t.steps for t in todo))
         try:
             for task in todo:

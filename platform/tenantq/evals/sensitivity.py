@@ -26,10 +26,7 @@ import pyarrow.parquet as pq
 
 from tenantq.evals import data, fidelity
 from tenantq.evals.identity import cache_key, model_identity
-from tenantq.evals.windows import (
-    calibration_windows,  # noqa: F401 - see below
-    text_windows,
-)
+from tenantq.evals.windows import text_windows
 from tenantq.model.config import ModelConfig
 from tenantq.model.files import CACHE_DIR, atomic_path
 from tenantq.model.terminal import progress_bar, text_table
@@ -42,8 +39,6 @@ EXACT_VOCAB_LIMIT = 32768  # exact KL below this vocabulary (as the quality suit
 TOP_K = 64  # top-k + tail KL above it
 UNIT_KINDS = ("tensor", "block")
 CACHE_VERSION = 1
-# `calibration_windows` is imported above only for search/checks.py, which still reads it from
-# this module (search is another room's); its home is evals.windows.
 SCHEMA = pa.schema(
     [
         ("tensor", pa.string()),  # a tensor path, a block (layers/3/mlp), or kv/3 (a KV layer)

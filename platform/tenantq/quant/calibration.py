@@ -1,7 +1,7 @@
 """Calibration statistics: what each linear layer's input looks like on real text.
 
 Token windows (the caller's; by default the reference model's train split, drawn by
-`tenantq.evals.sensitivity.calibration_windows`) run through the bf16 model one decoder
+`tenantq.evals.windows.calibration_windows`) run through the bf16 model one decoder
 layer at a time, so peak memory is the model plus one layer's activations. For every
 linear input (an *input site*: q/k/v share one, gate/up share one) we keep the per-channel
 absmax, a high percentile, the mean |x| and the Gram matrix XᵀX that GPTQ's Hessian and

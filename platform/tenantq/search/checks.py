@@ -92,7 +92,7 @@ def _check_calibration(spec: ExperimentSpec, config) -> None:
         )
     if cal.data is None:
         return  # the reference train split
-    from tenantq.evals.sensitivity import calibration_windows
+    from tenantq.evals.windows import calibration_windows
     from tenantq.model.tokenizer import require_tokenizer
 
     try:

@@ -221,17 +221,9 @@ class HostWorker:
         plan = QuantPlan.from_json(plan_json)
         key = (suite or self.default_suite, split)
         result = self._evaluator(*key).evaluate(plan)
-        gates = {
-            key: {
-                f: getattr(gate, f)
-                for f in ("metric", "value", "ci_low", "ci_high", "tolerance", "verdict", "changed")
-            }
-            | {"constraint": float(gate.constraint)}
-            for key, gate in result.gates.items()
-        }
         return TrialResult(
             summary=dict(result.summary),
-            gates=gates,
+            gates={name: gate.as_dict() for name, gate in result.gates.items()},
             timings_s={k: float(v) for k, v in result.timings_s.items()},
             memory_report=_plain(result.memory_report),
             examples=result.examples,
