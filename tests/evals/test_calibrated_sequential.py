@@ -8,10 +8,10 @@ import numpy as np
 
 from tenantq.evals.calibrated import CalibrationData, Calibrator
 from tenantq.numerics import dequantize
-from tenantq.quant import calibrate
+from tenantq.quant import site_inputs
 from tenantq.quant.apply import apply_plan
-from tenantq.quant.calibrate import prepare_sequential
 from tenantq.quant.plan import QuantPlan, Rule
+from tenantq.quant.site_inputs import prepare_sequential
 from tenantq.testing import tiny_config, tiny_params
 
 PLAN = QuantPlan(rules=(Rule("layers/.*", "int4", group_size=16, algorithm="gptq"),))
@@ -36,7 +36,7 @@ def test_sequential_calibration_data_gives_the_sequential_params(tmp_path, monke
         calls.append((args, prepare_sequential(*args, **kwargs)))
         return calls[-1][1]
 
-    monkeypatch.setattr(calibrate, "prepare_sequential", spy)
+    monkeypatch.setattr(site_inputs, "prepare_sequential", spy)
     got = calibrator.params_for(PLAN)
     ((args, (cal, _)),) = calls
     assert args[1] is PLAN and args[3] is windows

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from tenantq.numerics import dequantize, quantize
-from tenantq.quant import calibration as cal
+from tenantq.quant import input_stats as cal
 from tenantq.quant.apply import apply_plan, registered_algorithms
 from tenantq.quant.awq import clip_search, output_error
-from tenantq.quant.calibrate import prepare
 from tenantq.quant.plan import QuantPlan, Rule, TensorQuant
+from tenantq.quant.site_inputs import prepare
 
 
 @pytest.fixture(scope="module")

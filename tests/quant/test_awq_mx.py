@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from tenantq.numerics import dequantize, quantize
-from tenantq.quant import calibration as cal
+from tenantq.quant import input_stats as cal
 from tenantq.quant.apply import apply_plan
 from tenantq.quant.awq import column_errors, exponent_search, output_error
-from tenantq.quant.calibrate import prepare
 from tenantq.quant.plan import QuantPlan, Rule, TensorQuant
+from tenantq.quant.site_inputs import prepare
 
 MXFP4 = TensorQuant("t", "mxfp4", 0, None, True, "awq", None)
 
@@ -101,8 +101,8 @@ def test_a_quantized_producer_is_scored_with_its_consumers():
     # choice scored on o alone (both grid points) — strictly here (seeded: 0.937 vs 0.960 of
     # the s = 1 total), which fails if the producer's term is dropped.
     from tenantq.quant.awq import search_scale
-    from tenantq.quant.calibration import InputStats
     from tenantq.quant.folding import FoldSite, fold
+    from tenantq.quant.input_stats import InputStats
 
     site = FoldSite("o_in", ("o",), "v", "columns")
     how_o, how_v = (TensorQuant(p, "mxfp4", 0, None, True, "awq", None) for p in ("o", "v"))

@@ -1,4 +1,4 @@
-"""Sequential calibration (`quant.calibrate.prepare_sequential`): layer l's statistics, and so
+"""Sequential calibration (`quant.site_inputs.prepare_sequential`): layer l's statistics, and so
 its GPTQ Hessian, come from the inputs the already-quantized layers < l produce (Frantar et al.
 2022, section 4), checked against a recomputation that runs the decoder's own modules by hand."""
 
@@ -10,10 +10,10 @@ import pytest
 
 from tenantq.model.decoder import Block, OwnTokensKV
 from tenantq.numerics import dequantize
-from tenantq.quant import calibration as cal
+from tenantq.quant import input_stats as cal
 from tenantq.quant.apply import apply_plan, quantize_tensor
-from tenantq.quant.calibrate import prepare, prepare_sequential
 from tenantq.quant.plan import QuantPlan, Rule
+from tenantq.quant.site_inputs import prepare, prepare_sequential
 
 PLAN = QuantPlan(rules=(Rule("layers/.*", "int4", group_size=16, algorithm="gptq"),))
 

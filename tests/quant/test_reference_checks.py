@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from tenantq.numerics import dequantize
-from tenantq.quant import calibration as cal
+from tenantq.quant import input_stats as cal
 from tenantq.quant.apply import apply_plan
 from tenantq.quant.awq import output_error
-from tenantq.quant.calibrate import prepare
 from tenantq.quant.plan import QuantPlan, Rule
+from tenantq.quant.site_inputs import prepare
 
 pytestmark = pytest.mark.slow
 

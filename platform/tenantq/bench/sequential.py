@@ -1,7 +1,7 @@
 """`python -m tenantq.bench sequential`: GPTQ with one-shot against sequential statistics.
 
 One-shot: every layer's Hessian from the full-precision model's activations (collected once
-per model and calibration set, cacheable). Sequential (`quant.calibrate.prepare_sequential`,
+per model and calibration set, cacheable). Sequential (`quant.site_inputs.prepare_sequential`,
 GPTQ paper section 4): layer l's from the outputs of the already-quantized layers < l,
 recollected per plan. Per weight format, on the reference model: the whole-model KL against
 the unquantized model on test-split text with a bootstrap CI, the paired CI of
@@ -59,8 +59,8 @@ def run(args) -> dict:
     from tenantq.model.loader import load_params
     from tenantq.model.tokenizer import load_tokenizer
     from tenantq.quant.apply import apply_plan
-    from tenantq.quant.calibrate import prepare, prepare_sequential
-    from tenantq.quant.calibration import collect_statistics
+    from tenantq.quant.input_stats import collect_statistics
+    from tenantq.quant.site_inputs import prepare, prepare_sequential
     from tenantq.reference import reference_model_path
 
     path = reference_model_path()

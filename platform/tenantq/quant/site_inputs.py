@@ -20,14 +20,14 @@ import numpy as np
 
 from tenantq.model.config import ModelConfig
 from tenantq.quant import awq, smoothquant
-from tenantq.quant.calibration import (
+from tenantq.quant.folding import fold, fold_sites, folded_stats, source_column_scale
+from tenantq.quant.input_stats import (
     DEFAULT_PERCENTILE,
     CalibrationStats,
     InputStats,
     head_site,
     input_sites,
 )
-from tenantq.quant.folding import fold, fold_sites, folded_stats, source_column_scale
 from tenantq.quant.plan import QuantPlan
 
 _FOLDING = ("smoothquant", "awq")
@@ -100,7 +100,7 @@ def prepare_sequential(
     of layer l are the outputs of the already-quantized layers < l).
 
     `windows` run through the model one decoder layer at a time, as in
-    `calibration.compute_statistics`; once layer l's statistics are taken, its sites are
+    `input_stats.compute_statistics`; once layer l's statistics are taken, its sites are
     prepared (folds, GPTQ Hessians, static amax) and its planned tensors quantized, and the
     next layer reads layer l's outputs computed with those quantized weights (dequantized;
     activations and attention stay at `dtype`). A planned embedding is rounded before layer
@@ -111,7 +111,7 @@ def prepare_sequential(
     """
     from tenantq.numerics import dequantize
     from tenantq.quant.apply import quantize_tensor
-    from tenantq.quant.calibration import compute_statistics
+    from tenantq.quant.input_stats import compute_statistics
 
     options = _Options(alpha, awq_grid, awq_clip, act_order, static_statistic)  # checks first
     resolved = plan.resolve(config)
