@@ -17,7 +17,7 @@ from tenantq.quant import input_stats as cal
 from tenantq.quant.apply import apply_plan
 from tenantq.quant.awq import column_errors, exponent_search, output_error
 from tenantq.quant.plan import QuantPlan, Rule, TensorQuant
-from tenantq.quant.site_inputs import prepare
+from tenantq.quant.site_inputs import site_inputs
 
 MXFP4 = TensorQuant("t", "mxfp4", 0, None, True, "awq", None)
 
@@ -77,7 +77,7 @@ def test_awq_mxfp4_layer_error_at_most_rtn_on_a_reference_layer(reference_float3
     errors = {}
     for algorithm in ("rtn", "awq"):
         plan = QuantPlan(rules=(Rule("layers/0/.*", "mxfp4", algorithm=algorithm),))
-        prepared = prepare(params, plan, config, stats, awq_grid=5)
+        prepared = site_inputs(params, plan, config, stats, awq_grid=5)
         quantized = apply_plan(prepared.params, plan, config, inputs=prepared.inputs)
         errors[algorithm] = {
             p: output_error(

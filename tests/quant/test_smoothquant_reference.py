@@ -181,6 +181,6 @@ def test_an_unsmoothed_weight_is_refused_naming_the_tensor_and_what_to_run():
         smoothquant_weight(np.ones((4, 4), np.float32), how)
     assert str(err.value) == (
         "layers/0/mlp/up_proj: algorithm 'smoothquant' needs the model smoothed first; run "
-        "tenantq.quant.site_inputs.prepare(params, plan, config, stats) and pass its inputs to "
+        "tenantq.quant.site_inputs.site_inputs(params, plan, config, stats) and pass its inputs to "
         "apply_plan"
     )

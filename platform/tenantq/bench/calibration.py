@@ -77,13 +77,13 @@ def _plan(algorithm: str, fmt: str, group: int | None, pattern: str = "layers/.*
 
 
 def _quantize(params, plan, config, stats, awq_grid: int, static_statistic: str = "absmax"):
-    """(Calibrated, quantized params) for a plan: prepare then apply_plan, as a user would."""
+    """(Calibrated, quantized params) for a plan: site_inputs then apply_plan, as a user would."""
     import jax
 
     from tenantq.quant.apply import apply_plan
-    from tenantq.quant.site_inputs import prepare
+    from tenantq.quant.site_inputs import site_inputs
 
-    cal = prepare(params, plan, config, stats, awq_grid=awq_grid,
+    cal = site_inputs(params, plan, config, stats, awq_grid=awq_grid,
                   static_statistic=static_statistic)  # fmt: skip
     quantized = apply_plan(cal.params, plan, config, inputs=cal.inputs)
     jax.block_until_ready([v for v in quantized.values() if hasattr(v, "data")])

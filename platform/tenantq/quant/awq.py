@@ -228,7 +228,7 @@ def awq_weight(
     if not awq_scaled or gram is None:
         raise ValueError(
             f"{how.path}: algorithm 'awq' needs its input's scale searched and folded first; "
-            "run tenantq.quant.site_inputs.prepare(params, plan, config, stats) and pass its "
+            "run tenantq.quant.site_inputs.site_inputs(params, plan, config, stats) and pass its "
             "inputs to apply_plan"
         )
     if how.axis != 0:
