@@ -1,6 +1,6 @@
 """The rendered budget and comparison of tiny deployments, whole (`make mutation
 TARGETS=capacity-rest`): every line, width and word, against the reviewed text in
-test_rendered_tables.golden. Its figures are test_budget_by_hand.py's hand arithmetic (pool
+test_rendered_tables.golden. Its figures are test_budget.py's hand arithmetic (pool
 854,624 B, 59 tenants at 100 tokens, 96 tokens for 60 tenants; 0 tenants in a 16,383 B pool
 that one 128-token tenant (16,384 B) overflows; per chip on 2 chips: one KV head, an int8
 page 256 B per layer, 48 B of static scales); the layout is table.py's (46-character

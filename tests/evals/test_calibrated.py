@@ -14,7 +14,7 @@ import pytest
 
 from tenantq.evals import Evaluator, load_suite
 from tenantq.evals.calibrated import CalibrationData, needs_calibration
-from tenantq.quant import calibration
+from tenantq.quant import input_stats
 from tenantq.quant.plan import KVPlan, QuantPlan, Rule
 from tenantq.reference import reference_model_path
 
@@ -37,13 +37,13 @@ def test_gptq_through_evaluator_beats_rtn_and_statistics_are_collected_once(
     tmp_path, monkeypatch
 ) -> None:
     calls = []
-    real = calibration.compute_statistics
+    real = input_stats.compute_statistics
 
     def counted(*args, **kwargs):
         calls.append(args[2].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(calibration, "compute_statistics", counted)
+    monkeypatch.setattr(input_stats, "compute_statistics", counted)
     suite_path = tmp_path / "fidelity.toml"
     suite_path.write_text(FIDELITY_SUITE)
     suite, cache = load_suite(suite_path), tmp_path / "cache"

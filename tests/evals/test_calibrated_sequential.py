@@ -1,5 +1,5 @@
 """The calibration set's `sequential` switch reaches the Evaluator's Calibrator: with it, a plan's
-params come from `prepare_sequential` on the calibration windows, and the one-shot statistics
+params come from `site_inputs_sequential` on the calibration windows, and the one-shot statistics
 (collected once per model and data, cached) are never taken."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import numpy as np
 
 from tenantq.evals.calibrated import CalibrationData, Calibrator
 from tenantq.numerics import dequantize
-from tenantq.quant import calibrate
+from tenantq.quant import site_inputs
 from tenantq.quant.apply import apply_plan
-from tenantq.quant.calibrate import prepare_sequential
 from tenantq.quant.plan import QuantPlan, Rule
+from tenantq.quant.site_inputs import site_inputs_sequential
 from tenantq.testing import tiny_config, tiny_params
 
 PLAN = QuantPlan(rules=(Rule("layers/.*", "int4", group_size=16, algorithm="gptq"),))
@@ -32,11 +32,13 @@ def test_sequential_calibration_data_gives_the_sequential_params(tmp_path, monke
     monkeypatch.setattr(calibrator, "statistics", one_shot)
     calls = []
 
-    def spy(*args, **kwargs):  # the real prepare_sequential, its result kept (run once, not twice)
-        calls.append((args, prepare_sequential(*args, **kwargs)))
+    def spy(
+        *args, **kwargs
+    ):  # the real site_inputs_sequential, its result kept (run once, not twice)
+        calls.append((args, site_inputs_sequential(*args, **kwargs)))
         return calls[-1][1]
 
-    monkeypatch.setattr(calibrate, "prepare_sequential", spy)
+    monkeypatch.setattr(site_inputs, "site_inputs_sequential", spy)
     got = calibrator.params_for(PLAN)
     ((args, (cal, _)),) = calls
     assert args[1] is PLAN and args[3] is windows

@@ -95,7 +95,7 @@ _CACHE_WRITERS = """
 import sys
 from pathlib import Path
 import numpy as np
-from tenantq.quant.calibration import InputStats, _write_sites
+from tenantq.quant.input_stats import InputStats, _write_sites
 from tenantq.search.efficiency import write_record
 from tenantq.search.front import export
 from tenantq.search.pareto import FrontRow
@@ -115,7 +115,7 @@ def _whole(path: Path):
     """The writer id a cache file holds, checking it is one writer's whole record."""
     import json
 
-    from tenantq.quant.calibration import _read_sites
+    from tenantq.quant.input_stats import _read_sites
 
     if path.suffix == ".parquet":
         s = _read_sites(path)["s"]

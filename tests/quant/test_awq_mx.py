@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from tenantq.numerics import dequantize, quantize
-from tenantq.quant import calibration as cal
+from tenantq.quant import input_stats as cal
 from tenantq.quant.apply import apply_plan
 from tenantq.quant.awq import column_errors, exponent_search, output_error
-from tenantq.quant.calibrate import prepare
 from tenantq.quant.plan import QuantPlan, Rule, TensorQuant
+from tenantq.quant.site_inputs import site_inputs
 
 MXFP4 = TensorQuant("t", "mxfp4", 0, None, True, "awq", None)
 
@@ -77,7 +77,7 @@ def test_awq_mxfp4_layer_error_at_most_rtn_on_a_reference_layer(reference_float3
     errors = {}
     for algorithm in ("rtn", "awq"):
         plan = QuantPlan(rules=(Rule("layers/0/.*", "mxfp4", algorithm=algorithm),))
-        prepared = prepare(params, plan, config, stats, awq_grid=5)
+        prepared = site_inputs(params, plan, config, stats, awq_grid=5)
         quantized = apply_plan(prepared.params, plan, config, inputs=prepared.inputs)
         errors[algorithm] = {
             p: output_error(
@@ -101,8 +101,8 @@ def test_a_quantized_producer_is_scored_with_its_consumers():
     # choice scored on o alone (both grid points) — strictly here (seeded: 0.937 vs 0.960 of
     # the s = 1 total), which fails if the producer's term is dropped.
     from tenantq.quant.awq import search_scale
-    from tenantq.quant.calibration import InputStats
     from tenantq.quant.folding import FoldSite, fold
+    from tenantq.quant.input_stats import InputStats
 
     site = FoldSite("o_in", ("o",), "v", "columns")
     how_o, how_v = (TensorQuant(p, "mxfp4", 0, None, True, "awq", None) for p in ("o", "v"))

@@ -28,8 +28,8 @@ from tenantq.quant.awq import (
     output_error,
     search_scale,
 )
-from tenantq.quant.calibration import InputStats
 from tenantq.quant.folding import FoldSite
+from tenantq.quant.input_stats import InputStats
 
 
 def _tq(fmt, group=None, symmetric=True, path="layers/0/mlp/up_proj", axis=0):
@@ -364,8 +364,8 @@ def test_an_unfolded_awq_weight_is_refused_naming_what_to_run(missing):
         awq_weight(np.ones((4, 2), np.float32), _tq("int8"), **kw)
     assert str(err.value) == (
         "layers/0/mlp/up_proj: algorithm 'awq' needs its input's scale searched and folded "
-        "first; run tenantq.quant.calibrate.prepare(params, plan, config, stats) and pass its "
-        "inputs to apply_plan"
+        "first; run tenantq.quant.site_inputs.site_inputs(params, plan, config, stats) and pass "
+        "its inputs to apply_plan"
     )
 
 

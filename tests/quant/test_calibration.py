@@ -10,7 +10,7 @@ import pytest
 
 from tenantq.evals.data import array_hash
 from tenantq.evals.identity import model_identity
-from tenantq.quant import calibration as cal
+from tenantq.quant import input_stats as cal
 
 
 def _rmsnorm(x, w, eps):

@@ -1,11 +1,11 @@
-"""`calibration.check_windows`: the one check both calibration passes (weights, KV) run first."""
+"""`input_stats.check_windows`: the one check both calibration passes (weights, KV) run first."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tenantq.quant.calibration import check_windows
+from tenantq.quant.input_stats import check_windows
 from tenantq.testing import tiny_config
 
 

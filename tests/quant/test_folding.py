@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tenantq.quant.calibration import InputStats
 from tenantq.quant.folding import (
     FoldSite,
     fold,
@@ -21,6 +20,7 @@ from tenantq.quant.folding import (
     source_column_scale,
     weight_row_absmax,
 )
+from tenantq.quant.input_stats import InputStats
 from tenantq.testing import tiny_config
 
 RTOL = 1e-5  # float32 rounding of (w * s) and (b / s)

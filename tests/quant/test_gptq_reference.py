@@ -180,7 +180,7 @@ def test_a_gptq_rule_without_a_hessian_says_what_to_run():
         gptq_weight(np.ones((4, 2), np.float32), how)
     assert str(err.value) == (
         "layers/0/mlp/up_proj: algorithm 'gptq' needs calibration statistics (its input's "
-        "Hessian); run tenantq.quant.calibrate.prepare(params, plan, config, stats) and pass "
+        "Hessian); run tenantq.quant.site_inputs.site_inputs(params, plan, config, stats) and pass "
         "its inputs to apply_plan"
     )
     how = TensorQuant("embed", "int8", 1, None, True, "gptq", None)

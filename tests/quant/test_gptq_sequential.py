@@ -1,4 +1,4 @@
-"""Sequential calibration (`quant.calibrate.prepare_sequential`): layer l's statistics, and so
+"""Sequential calibration (`quant.site_inputs.site_inputs_sequential`): layer l's statistics, and so
 its GPTQ Hessian, come from the inputs the already-quantized layers < l produce (Frantar et al.
 2022, section 4), checked against a recomputation that runs the decoder's own modules by hand."""
 
@@ -10,10 +10,10 @@ import pytest
 
 from tenantq.model.decoder import Block, OwnTokensKV
 from tenantq.numerics import dequantize
-from tenantq.quant import calibration as cal
+from tenantq.quant import input_stats as cal
 from tenantq.quant.apply import apply_plan, quantize_tensor
-from tenantq.quant.calibrate import prepare, prepare_sequential
 from tenantq.quant.plan import QuantPlan, Rule
+from tenantq.quant.site_inputs import site_inputs, site_inputs_sequential
 
 PLAN = QuantPlan(rules=(Rule("layers/.*", "int4", group_size=16, algorithm="gptq"),))
 
@@ -40,7 +40,7 @@ def _inputs_by_hand(config, params, quantized, windows, layer):
 
 
 def test_sequential_hessian_is_xtx_of_inputs_from_the_quantized_prefix(config, params, windows):
-    seq, seen = prepare_sequential(params, PLAN, config, windows, dtype=jnp.float32)
+    seq, seen = site_inputs_sequential(params, PLAN, config, windows, dtype=jnp.float32)
     quantized = apply_plan(seq.params, PLAN, config, inputs=seq.inputs)
     n = windows.size
     for layer in range(config.num_layers):
@@ -59,8 +59,8 @@ def test_sequential_differs_from_one_shot_exactly_after_the_first_quantized_laye
     config, params, windows
 ):
     sites, _ = cal.compute_statistics(config, params, windows, dtype=jnp.float32)
-    one_shot = prepare(params, PLAN, config, cal.CalibrationStats("m", "d", sites))
-    seq, _ = prepare_sequential(params, PLAN, config, windows, dtype=jnp.float32)
+    one_shot = site_inputs(params, PLAN, config, cal.CalibrationStats("m", "d", sites))
+    seq, _ = site_inputs_sequential(params, PLAN, config, windows, dtype=jnp.float32)
     for path in ("layers/0/attn/q_proj", "layers/0/mlp/gate_proj"):
         # the embedding is not in the plan: layer 0 reads the same input either way
         np.testing.assert_allclose(
@@ -77,7 +77,7 @@ def test_a_planned_embedding_is_rounded_before_layer_0_reads_it(config, params, 
         rules=(Rule("embed", "int4", group_size=16),
                Rule("layers/.*", "int4", group_size=16, algorithm="gptq"))
     )  # fmt: skip
-    seq, _ = prepare_sequential(params, plan, config, windows, dtype=jnp.float32)
+    seq, _ = site_inputs_sequential(params, plan, config, windows, dtype=jnp.float32)
     embed = np.asarray(dequantize(quantize_tensor(params["embed"], plan.resolve(config)["embed"])))
     h = cal.compute_statistics(config, {**params, "embed": embed}, windows, dtype=jnp.float32)
     np.testing.assert_allclose(
@@ -88,4 +88,4 @@ def test_a_planned_embedding_is_rounded_before_layer_0_reads_it(config, params, 
 
 def test_sequential_refuses_an_unknown_static_statistic(config, params, windows):
     with pytest.raises(ValueError, match="static_statistic='median'; valid: absmax, percentile"):
-        prepare_sequential(params, PLAN, config, windows, static_statistic="median")
+        site_inputs_sequential(params, PLAN, config, windows, static_statistic="median")

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from tenantq.numerics import dequantize
-from tenantq.quant import calibration as cal
+from tenantq.quant import input_stats as cal
 from tenantq.quant.apply import apply_plan
 from tenantq.quant.awq import output_error
-from tenantq.quant.calibrate import prepare
 from tenantq.quant.plan import QuantPlan, Rule
+from tenantq.quant.site_inputs import site_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def test_held_out_layer_error_below_rtn(reference, algorithm, fmt, group):
     config, params, fit, test = reference
     plan = QuantPlan(rules=(Rule("layers/.*", fmt, group_size=group, algorithm=algorithm),))
     rtn_plan = QuantPlan(rules=(Rule("layers/.*", fmt, group_size=group),))
-    prepared = prepare(params, plan, config, fit, awq_grid=5)
+    prepared = site_inputs(params, plan, config, fit, awq_grid=5)
     q = apply_plan(prepared.params, plan, config, inputs=prepared.inputs)
     rtn = apply_plan(params, rtn_plan, config)
     err = rtn_err = 0.0
@@ -71,7 +71,7 @@ def test_smoothquant_w8a8_kl_below_rtn_w8a8(reference):
     def kl(algorithm):
         plan = QuantPlan(rules=(Rule("layers/.*", "int8", algorithm=algorithm,
                                      activations="int8"),))  # fmt: skip
-        prepared = prepare(params, plan, config, fit)
+        prepared = site_inputs(params, plan, config, fit)
         q = apply_plan(prepared.params, plan, config, inputs=prepared.inputs)
         return float(fidelity.compare(Engine(config, q, plan, **options), rows, base)["kl"].mean())
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tenantq.numerics import dequantize, quantize
-from tenantq.quant import calibration as cal
+from tenantq.quant import input_stats as cal
 from tenantq.quant.smoothquant import smooth, smoothing_scales
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tenantq.numerics import dequantize, quantize
-from tenantq.quant.calibration import CalibrationStats, InputStats
 from tenantq.quant.folding import fold, fold_sites
+from tenantq.quant.input_stats import CalibrationStats, InputStats
 from tenantq.quant.plan import TensorQuant
 from tenantq.quant.smoothquant import site_scales, smooth, smoothing_scales, smoothquant_weight
 from tenantq.testing import tiny_config
@@ -181,6 +181,6 @@ def test_an_unsmoothed_weight_is_refused_naming_the_tensor_and_what_to_run():
         smoothquant_weight(np.ones((4, 4), np.float32), how)
     assert str(err.value) == (
         "layers/0/mlp/up_proj: algorithm 'smoothquant' needs the model smoothed first; run "
-        "tenantq.quant.calibrate.prepare(params, plan, config, stats) and pass its inputs to "
+        "tenantq.quant.site_inputs.site_inputs(params, plan, config, stats) and pass its inputs to "
         "apply_plan"
     )

@@ -113,7 +113,7 @@ def test_rule_field_round_trips_and_is_checked() -> None:
 def test_static_without_statistics_is_a_clear_error() -> None:
     plan = QuantPlan(rules=(Rule("w_proj", "int8", activations="int8", activation_scale="static"),))
     how = plan.resolve({"w_proj": _info()})["w_proj"]
-    with pytest.raises(ValueError, match="need calibration statistics; run .*prepare"):
+    with pytest.raises(ValueError, match="need calibration statistics; run .*site_inputs"):
         quantize_tensor(_weight(), how)
     with pytest.raises(ValueError, match="act_amax must be a finite"):
         quantize_tensor(_weight(), how, act_amax=float("nan"))

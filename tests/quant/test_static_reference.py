@@ -3,7 +3,7 @@
 With static_statistic="absmax", each linear's activation scale is amax / 127, amax the largest
 |x| its input reached on the calibration windows (after SmoothQuant's fold, where used). Run
 the same windows through the model the plan quantizes (float32, recomputed independently of
-the statistics prepare used) and every input code round(|x| / scale) stays <= 127: |x| / scale
+the statistics site_inputs used) and every input code round(|x| / scale) stays <= 127: |x| / scale
 < 127.5, the int8 rounding boundary. This checks the site-to-tensor wiring and that the folded
 statistics equal the folded model's. KL figures for static vs dynamic: the bench.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from tenantq.quant import calibration as cal
+from tenantq.quant import input_stats as cal
 from tenantq.quant.apply import apply_plan
-from tenantq.quant.calibrate import prepare
 from tenantq.quant.plan import QuantPlan, Rule
+from tenantq.quant.site_inputs import site_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def test_absmax_static_scale_never_clips_the_calibration_inputs(reference, algor
     rule = Rule("layers/.*", "int8", algorithm=algorithm, activations="int8",
                 activation_scale="static")  # fmt: skip
     plan = QuantPlan(rules=(rule,))
-    prepared = prepare(params, plan, config, stats)
+    prepared = site_inputs(params, plan, config, stats)
     quantized = apply_plan(prepared.params, plan, config, inputs=prepared.inputs)
     seen, _ = cal.compute_statistics(config, prepared.params, windows, dtype=jnp.float32)
     ratios = {}

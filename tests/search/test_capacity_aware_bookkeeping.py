@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tenantq.search.capacity_aware import Candidate, CapacityAwareSampler
-from tenantq.search.driver import make_sampler, prepare
+from tenantq.search.driver import make_sampler, study_context
 from tenantq.search.spec import parse_spec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -79,7 +79,7 @@ def test_capacity_aware_asks_the_sensitivity_space_with_its_own_distributions(tm
     columns = ["tensor", "format", "kl_mean"]
     pq.write_table(pa.table({k: [r[i] for r in rows] for i, k in enumerate(columns)}), profile)
     spec = parse_spec(tomllib.loads(SENSITIVITY_SPEC.format(profile=profile)))
-    prep = prepare(spec, "")
+    prep = study_context(spec, "")
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=make_sampler(spec))
     for _ in range(3):
         trial = study.ask()

@@ -17,7 +17,7 @@ import pytest
 
 from tenantq.search import capacity_aware, knapsack, quality_model
 from tenantq.search.capacity_aware import KnapsackSampler, sampler_for_context
-from tenantq.search.context import prepare
+from tenantq.search.context import study_context
 from tenantq.search.space import suggest
 from tenantq.search.spec import parse_spec
 
@@ -56,7 +56,7 @@ def _tell(study, trial, ctx, params):
 
 @pytest.fixture(scope="module")
 def structured():
-    ctx = prepare(_spec(), "")
+    ctx = study_context(_spec(), "")
     return ctx
 
 
@@ -65,7 +65,7 @@ def profile_path(tmp_path_factory):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    ctx = prepare(_spec(), "")
+    ctx = study_context(_spec(), "")
     paths = [p for p, i in ctx.config.tensors().items() if i.quantizable]
     rows = {"tensor": [], "format": [], "kl_mean": []}
     rng = random.Random(0)
@@ -137,7 +137,9 @@ def test_rounded_knapsack_never_credits_a_plan_with_more_tenants_than_it_has():
 # ---------------------------------------------------------------- the capacity side = budget()
 @pytest.mark.parametrize("kind", ["structured", "per_tensor", "sensitivity"])
 def test_capacity_side_equals_budget_on_random_plans(kind, profile_path):
-    ctx = prepare(_spec(kind=kind, profile=profile_path if kind == "sensitivity" else None), "")
+    ctx = study_context(
+        _spec(kind=kind, profile=profile_path if kind == "sensitivity" else None), ""
+    )
     sampler = sampler_for_context(ctx)
     problem = sampler.problem
     rng = random.Random(0)
@@ -156,7 +158,7 @@ def test_capacity_side_equals_budget_on_random_plans(kind, profile_path):
 
 # ---------------------------------------------------------------- bookkeeping in real studies
 def test_int_parameters_are_asked_with_their_int_distributions(profile_path):
-    ctx = prepare(_spec(kind="sensitivity", profile=profile_path), "")
+    ctx = study_context(_spec(kind="sensitivity", profile=profile_path), "")
     sampler = sampler_for_context(ctx)
     assert isinstance(sampler._space["sens.keep_bf16"], optuna.distributions.IntDistribution)
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
@@ -306,7 +308,7 @@ def test_resumed_study_picks_what_an_uninterrupted_one_would(structured, tmp_pat
 
 def test_two_quality_objectives_are_searched_and_predictions_reported(structured):
     sampler = sampler_for_context(
-        prepare(
+        study_context(
             parse_spec({**SPEC, "objectives": [
                 {"metric": "tenants", "direction": "maximize"},
                 {"metric": "fidelity.kl_mean", "direction": "minimize"},
@@ -414,7 +416,7 @@ def test_above_the_enumeration_limit_every_plan_is_proposed_by_the_model(monkeyp
     from tenantq.search import capacity_aware
 
     monkeypatch.setattr(capacity_aware, "ENUMERATE_LIMIT", 0)
-    ctx = prepare(
+    ctx = study_context(
         _spec(
             kind="structured", weight_formats=["bf16", "int4"], uniform_weights=True,
             bf16_first_layers=[0], bf16_last_layers=[0], key_axes=["channel"],
@@ -445,7 +447,7 @@ def test_the_sampler_seeks_the_low_loss_front_whichever_way_quality_is_read(dire
     # reversed (issue 31's surviving fault: it hunts the worst plans) reaches 7.
     from tenantq.search.space import parameter_choices
 
-    ctx = prepare(
+    ctx = study_context(
         _spec(
             kind="structured", weight_formats=["bf16", "int8", "int4"], uniform_weights=True,
             bf16_first_layers=[0], bf16_last_layers=[0], key_axes=["channel"],

@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 
 from tenantq.capacity import budget
 from tenantq.quant.plan import QuantPlan
-from tenantq.search.driver import SearchDriver, prepare
+from tenantq.search.driver import SearchDriver, study_context
 from tenantq.search.spec import parse_spec
 
 SPEC_TEXT = """
@@ -70,7 +70,7 @@ def test_capacity_study_trials_runs_and_front(tmp_path) -> None:
     study = _study(tmp_path)
     trials = study.trials
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 8
-    prep = prepare(spec, text)
+    prep = study_context(spec, text)
     for t in trials:  # the objective is the exact budget of the trial's own plan
         plan = QuantPlan.from_json(t.user_attrs["plan"])
         assert t.values == [budget(prep.config, plan, prep.deployment, 256).tenants]
@@ -201,7 +201,7 @@ def test_resume_requeues_a_trial_a_dead_driver_left_running(tmp_path) -> None:
     storage = make_storage(spec.study.storage, spec.study.max_trial_retries)
     study = optuna.load_study(study_name="cap", storage=storage, sampler=make_sampler(spec))
     orphan = study.ask()
-    params = suggest(orphan, spec.space, prepare(spec, text).config)
+    params = suggest(orphan, spec.space, study_context(spec, text).config)
     storage.record_heartbeat(orphan._trial_id)
     began = time.monotonic()
     spec3, text3 = _spec(tmp_path, trials=3)

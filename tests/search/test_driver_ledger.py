@@ -483,14 +483,14 @@ def test_trial_timeout_that_is_not_a_number_of_seconds_is_refused(tmp_path, valu
 def test_trial_timeout_on_a_capacity_only_study_is_named_as_having_no_effect(
     tmp_path, capsys
 ) -> None:
-    from tenantq.search.context import prepare
+    from tenantq.search.context import study_context
 
     spec, text = _capacity(tmp_path, trials=2)
-    prepare(spec, text)
+    study_context(spec, text)
     assert "trial_timeout" not in capsys.readouterr().err
     text = text.replace("[study]", "[study]\ntrial_timeout = 60")
     spec = parse_spec(tomllib.loads(text))
-    prepare(spec, text)
+    study_context(spec, text)
     assert "study.trial_timeout = 60 has no effect" in capsys.readouterr().err
 
 

@@ -160,7 +160,7 @@ def test_capacity_aware_spec_runs_through_make_sampler_and_ask_tell():
     # 2 weight formats x 2 key formats = 4 plans on the quickstart deployment (tenants from
     # capacity.budget). The loop is the driver's: suggest -> plan_from_params -> fingerprint.
     from tenantq.capacity import budget
-    from tenantq.search.driver import make_sampler, prepare
+    from tenantq.search.driver import make_sampler, study_context
     from tenantq.search.space import plan_from_params, suggest
     from tenantq.search.spec import parse_spec
 
@@ -168,7 +168,7 @@ def test_capacity_aware_spec_runs_through_make_sampler_and_ask_tell():
     assert spec.sampler.kind == "capacity_aware"
     sampler = make_sampler(spec)
     assert isinstance(sampler, KnapsackSampler) and sampler.problem.size() == 4
-    prep = prepare(spec, "")
+    prep = study_context(spec, "")
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
     seen, tenants_seen = [], []
     for _ in range(4):
@@ -271,7 +271,7 @@ def test_exhaustive_pass_resumes_from_the_cache(tmp_path, monkeypatch):
 def test_baselines_are_enqueued_unless_the_spec_says_false():
     # Absent `baselines`: enqueued for every sampler, the default capacity_aware included
     # (the report draws them; the 168-plan figures count them); `false` always wins.
-    from tenantq.search.driver import prepare
+    from tenantq.search.driver import study_context
     from tenantq.search.spec import parse_spec
 
     def baselines(sampler: str | None, given=None) -> int:
@@ -280,7 +280,7 @@ def test_baselines_are_enqueued_unless_the_spec_says_false():
             study["baselines"] = given
         sampled = {"kind": sampler} if sampler else {}
         spec = parse_spec({**TINY_SPEC, "sampler": sampled, "study": study})
-        return len(prepare(spec, "").baselines)
+        return len(study_context(spec, "").baselines)
 
     # the tiny space (embeddings bf16 only, no fp8) expresses only the all-bf16 baseline
     assert baselines(None) == 1 and baselines("capacity_aware") == 1 and baselines("nsga2") == 1

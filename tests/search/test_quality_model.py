@@ -15,7 +15,7 @@ import pytest
 
 from tenantq.search import capacity_aware, quality_model
 from tenantq.search.capacity_aware import sampler_for_context
-from tenantq.search.context import prepare
+from tenantq.search.context import study_context
 from tenantq.search.space import parameter_choices, suggest
 from tenantq.search.spec import parse_spec
 
@@ -219,7 +219,7 @@ def test_the_knapsack_plans_with_the_pairwise_terms(monkeypatch, limit):
     # within it) or by enumeration, is credited with exactly base + its values' planning
     # losses + its pairs' terms (the DP counts the pairs) and with no more tenants than it has.
     monkeypatch.setattr(capacity_aware, "ENUMERATE_LIMIT", limit)
-    ctx = prepare(parse_spec(SPEC), "")
+    ctx = study_context(parse_spec(SPEC), "")
     sampler = sampler_for_context(ctx)
     choices = parameter_choices(ctx.spec.space, ctx.config, ctx.profile)
     every = [dict(zip(choices, vs, strict=True)) for vs in itertools.product(*choices.values())]
@@ -261,7 +261,7 @@ def test_a_resumed_two_objective_study_picks_what_an_uninterrupted_one_would(tmp
         {"metric": "fidelity.kl_mean", "direction": "minimize"},
         {"metric": "needle.acc_delta.len1019", "direction": "maximize"},
     ]}  # fmt: skip
-    ctx = prepare(parse_spec(raw), "")
+    ctx = study_context(parse_spec(raw), "")
 
     def needle(params) -> float:
         kv = sum(FORMAT_COST[params[k]] for k in ("kv.key_format", "kv.value_format"))

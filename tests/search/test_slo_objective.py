@@ -295,7 +295,7 @@ def test_capacity_aware_ranks_its_picks_by_the_exact_tenants_at_the_slo():
     # tenants at 1500 tok/s against 59k-157k by memory), so every knapsack pick is credited
     # with what `capacity.roofline.tenants_at_slo` gives the plan, computed here on its own.
     from tenantq.search.capacity_aware import KnapsackSampler
-    from tenantq.search.context import prepare
+    from tenantq.search.context import study_context
     from tenantq.search.samplers import make_sampler
     from tenantq.search.space import suggest
 
@@ -309,7 +309,7 @@ def test_capacity_aware_ranks_its_picks_by_the_exact_tenants_at_the_slo():
         }  # fmt: skip
 
     spec = _spec(structured)
-    ctx = prepare(spec, "")
+    ctx = study_context(spec, "")
     sampler = make_sampler(spec, ctx)
     assert isinstance(sampler, KnapsackSampler)
     deployment = ctx.deployment
@@ -344,7 +344,7 @@ def test_capacity_aware_under_a_binding_slo_keeps_planning_on_a_per_tensor_space
     # the random fallback (3 of 8 asks) at up to 256 step-model evaluations per ask; now at
     # most MAX_RERANKS plans are re-ranked per ask and the best of them is taken.
     from tenantq.search import capacity_aware
-    from tenantq.search.context import prepare
+    from tenantq.search.context import study_context
     from tenantq.search.samplers import make_sampler
     from tenantq.search.space import suggest
 
@@ -353,7 +353,7 @@ def test_capacity_aware_under_a_binding_slo_keeps_planning_on_a_per_tensor_space
         d["space"] = {"kind": "per_tensor", "group_size": 64}
 
     spec = _spec(per_tensor)
-    ctx = prepare(spec, "")
+    ctx = study_context(spec, "")
     sampler = make_sampler(spec, ctx)
     located = []
     locate = sampler._locate_fn

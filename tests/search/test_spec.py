@@ -130,10 +130,10 @@ def test_real_deployment_spec_says_what_it_needs() -> None:
     spec = load_spec(ROOT / "experiments" / "llama-3.1-8b-v6e-8.toml")
     assert spec.requires and spec.workers.kind == "tpu" and spec.deployment.chips == 8
     # Running it here must stop at the missing checkpoint, before writing anything.
-    from tenantq.search.driver import prepare
+    from tenantq.search.driver import study_context
 
     with pytest.raises(ValueError, match="needs a local checkpoint"):
-        prepare(spec, "")
+        study_context(spec, "")
 
 
 BAD_FILES = {

@@ -77,13 +77,13 @@ def _plan(algorithm: str, fmt: str, group: int | None, pattern: str = "layers/.*
 
 
 def _quantize(params, plan, config, stats, awq_grid: int, static_statistic: str = "absmax"):
-    """(Calibrated, quantized params) for a plan: prepare then apply_plan, as a user would."""
+    """(Calibrated, quantized params) for a plan: site_inputs then apply_plan, as a user would."""
     import jax
 
     from tenantq.quant.apply import apply_plan
-    from tenantq.quant.calibrate import prepare
+    from tenantq.quant.site_inputs import site_inputs
 
-    cal = prepare(params, plan, config, stats, awq_grid=awq_grid,
+    cal = site_inputs(params, plan, config, stats, awq_grid=awq_grid,
                   static_statistic=static_statistic)  # fmt: skip
     quantized = apply_plan(cal.params, plan, config, inputs=cal.inputs)
     jax.block_until_ready([v for v in quantized.values() if hasattr(v, "data")])
@@ -100,7 +100,7 @@ def reference(args) -> dict:
     from tenantq.model.tokenizer import load_tokenizer
     from tenantq.numerics import dequantize
     from tenantq.quant.awq import output_error
-    from tenantq.quant.calibration import collect_statistics
+    from tenantq.quant.input_stats import collect_statistics
     from tenantq.reference import reference_model_path
 
     path = reference_model_path()
@@ -211,8 +211,8 @@ def synthetic_8b(args) -> dict:
 
     from tenantq.quant.apply import quantize_tensor
     from tenantq.quant.awq import search_scale
-    from tenantq.quant.calibration import InputStats
     from tenantq.quant.folding import FoldSite, fold
+    from tenantq.quant.input_stats import InputStats
     from tenantq.quant.plan import TensorQuant
     from tenantq.quant.smoothquant import site_scales
 
@@ -255,7 +255,7 @@ def synthetic_8b(args) -> dict:
             else:
                 site = FoldSite(name, (name,), "norm", "norm")
                 params = {name: w, "norm": np.ones(n, np.float32)}
-                from tenantq.quant.calibration import CalibrationStats
+                from tenantq.quant.input_stats import CalibrationStats
 
                 s = site_scales(params, None, site, CalibrationStats("", "", {name: stats}))
                 folded = fold(params, None, site, s)

@@ -31,7 +31,7 @@ SPACE = {"key_axes": ["channel"], "sink_tokens": [0], "kv_bf16_layers": ["none"]
 
 
 def context(profile: str | None = None):
-    from tenantq.search.context import prepare
+    from tenantq.search.context import study_context
     from tenantq.search.spec import parse_spec
 
     raw = {
@@ -40,7 +40,7 @@ def context(profile: str | None = None):
         "space": {"kind": "per_tensor", "group_size": 64, "profile": profile, **SPACE},
         "study": {"name": "prior", "trials": 10},
     }
-    return prepare(parse_spec(raw), "")
+    return study_context(parse_spec(raw), "")
 
 
 def landscape(ctx, seed: int):

@@ -1,7 +1,7 @@
 """`python -m tenantq.bench sequential`: GPTQ with one-shot against sequential statistics.
 
 One-shot: every layer's Hessian from the full-precision model's activations (collected once
-per model and calibration set, cacheable). Sequential (`quant.calibrate.prepare_sequential`,
+per model and calibration set, cacheable). Sequential (`quant.site_inputs.site_inputs_sequential`,
 GPTQ paper section 4): layer l's from the outputs of the already-quantized layers < l,
 recollected per plan. Per weight format, on the reference model: the whole-model KL against
 the unquantized model on test-split text with a bootstrap CI, the paired CI of
@@ -59,8 +59,8 @@ def run(args) -> dict:
     from tenantq.model.loader import load_params
     from tenantq.model.tokenizer import load_tokenizer
     from tenantq.quant.apply import apply_plan
-    from tenantq.quant.calibrate import prepare, prepare_sequential
-    from tenantq.quant.calibration import collect_statistics
+    from tenantq.quant.input_stats import collect_statistics
+    from tenantq.quant.site_inputs import site_inputs, site_inputs_sequential
     from tenantq.reference import reference_model_path
 
     path = reference_model_path()
@@ -95,14 +95,14 @@ def run(args) -> dict:
         plan = _plan("gptq", fmt, group)
         label = fmt if group is None else f"{fmt} g{group}"
         if not getattr(args, "smoke", False):  # the smoke run times nothing worth a warm-up
-            cal = prepare(params, plan, config, one_shot_stats)  # compiles GPTQ: untimed
+            cal = site_inputs(params, plan, config, one_shot_stats)  # compiles GPTQ: untimed
             ready(apply_plan(cal.params, plan, config, inputs=cal.inputs))
         began = time.perf_counter()
-        cal = prepare(params, plan, config, one_shot_stats)
+        cal = site_inputs(params, plan, config, one_shot_stats)
         q_one = ready(apply_plan(cal.params, plan, config, inputs=cal.inputs))
         one_s = time.perf_counter() - began
         began = time.perf_counter()
-        cal, _ = prepare_sequential(params, plan, config, windows)
+        cal, _ = site_inputs_sequential(params, plan, config, windows)
         q_seq = ready(apply_plan(cal.params, plan, config, inputs=cal.inputs))
         seq_s = time.perf_counter() - began
         one, seq = kl_of(q_one, plan), kl_of(q_seq, plan)

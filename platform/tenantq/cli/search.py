@@ -86,10 +86,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, spec, text: str) -> int:
     from tenantq.search.checks import check_resumable, no_trial_completed
-    from tenantq.search.driver import SearchDriver, prepare, study_exists
+    from tenantq.search.driver import SearchDriver, study_context, study_exists
 
     if args.check:
-        prepare(spec, text)
+        study_context(spec, text)
         print(f"{args.spec}: valid ({spec.space.kind} space, {spec.study.trials} trials)")
         return 0
     resume = args.resume
@@ -102,7 +102,7 @@ def _run(args: argparse.Namespace, spec, text: str) -> int:
         spec = spec.model_copy(update={"study": study})
         resume = True
     if args.resume_or_start:
-        prepare(spec, text)  # a bad spec stops here, before a storage is opened
+        study_context(spec, text)  # a bad spec stops here, before a storage is opened
         resume = study_exists(spec.study.storage, spec.study.name)
     driver = SearchDriver(
         spec,

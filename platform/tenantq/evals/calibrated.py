@@ -4,7 +4,7 @@ A plan whose rules name gptq, awq or smoothquant (or ask for static W8A8 activat
 needs calibration statistics; `Calibrator` draws the calibration windows (default: 128 x 512
 tokens of the reference model's train split, issue 11), collects the statistics the first
 time a plan needs them (or reads them from the Parquet cache), and turns each such plan into
-quantized params with `quant.calibrate.prepare` + `quant.apply.apply_plan`.
+quantized params with `quant.site_inputs.site_inputs` + `quant.apply.apply_plan`.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Calibrator:
         if self._stats is None:
             from tenantq.engine.sharding import on_every_host
             from tenantq.evals.data import array_hash
-            from tenantq.quant.calibration import collect_statistics
+            from tenantq.quant.input_stats import collect_statistics
 
             windows = self.windows()
             self._stats = collect_statistics(
@@ -97,12 +97,12 @@ class Calibrator:
         if not needs_calibration(plan, self.config):
             return self.params, self.params, self.model_id
         from tenantq.quant.apply import apply_plan
-        from tenantq.quant.calibrate import prepare, prepare_sequential
+        from tenantq.quant.site_inputs import site_inputs, site_inputs_sequential
 
         if self.data.sequential:
-            cal, _ = prepare_sequential(self.params, plan, self.config, self.windows())
+            cal, _ = site_inputs_sequential(self.params, plan, self.config, self.windows())
         else:
-            cal = prepare(self.params, plan, self.config, self.statistics())
+            cal = site_inputs(self.params, plan, self.config, self.statistics())
         run = apply_plan(cal.params, plan, self.config, inputs=cal.inputs)
         if not cal.fold_scales:
             return run, self.params, self.model_id

@@ -38,7 +38,7 @@ def quantize_tensor(weight, how: TensorQuant, *, act_amax=None, **inputs: Any) -
     """Quantize one tensor as `how` says, with the algorithm its rule names.
 
     Static W8A8 (`how.activation_scale == "static"`) also needs `act_amax`, the calibrated
-    max |x| of the tensor's input (`calibrate.prepare` passes it); the activation scale is
+    max |x| of the tensor's input (`site_inputs.site_inputs` passes it); the activation scale is
     the activation format's own scale for that amax, stored with the weight.
     """
     check_w8a8(how)
@@ -53,8 +53,8 @@ def quantize_tensor(weight, how: TensorQuant, *, act_amax=None, **inputs: Any) -
     if act_amax is None:
         raise ValueError(
             f"{how.path}: static activation scales need calibration statistics; run "
-            "tenantq.quant.calibrate.prepare(params, plan, config, stats) and pass its inputs "
-            "to apply_plan"
+            "tenantq.quant.site_inputs.site_inputs(params, plan, config, stats) and pass its "
+            "inputs to apply_plan"
         )
     q = algorithm(jnp.asarray(weight, dtype=jnp.float32), how, **inputs)
     return StaticActQArray.wrap(q, static_activation_scale(act_amax, how.activations))

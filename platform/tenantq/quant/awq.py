@@ -27,8 +27,8 @@ from tenantq.numerics import (
     quantize,
     quantize_with_scale_zero_point,
 )
-from tenantq.quant.calibration import InputStats
 from tenantq.quant.folding import FoldSite, share_within_groups, source_column_scale
+from tenantq.quant.input_stats import InputStats
 from tenantq.quant.plan import TensorQuant
 
 DEFAULT_GRID = 20  # α in {0, 1/20, ..., 19/20}, the authors' grid
@@ -228,7 +228,7 @@ def awq_weight(
     if not awq_scaled or gram is None:
         raise ValueError(
             f"{how.path}: algorithm 'awq' needs its input's scale searched and folded first; "
-            "run tenantq.quant.calibrate.prepare(params, plan, config, stats) and pass its "
+            "run tenantq.quant.site_inputs.site_inputs(params, plan, config, stats) and pass its "
             "inputs to apply_plan"
         )
     if how.axis != 0:

@@ -23,7 +23,7 @@ class CalibrationData(BaseModel):
     with the algorithm): `sequences` windows of `sequence_tokens` tokens of `data` (a
     .txt/.jsonl/.parquet file; None: the reference model's train split), drawn with `seed`.
     `sequential`: each plan's statistics are taken layer by layer through its own
-    already-quantized layers (`quant.calibrate.prepare_sequential`; per plan, not cached)
+    already-quantized layers (`quant.site_inputs.site_inputs_sequential`; per plan, not cached)
     instead of once from the full-precision model."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

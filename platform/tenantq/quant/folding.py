@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from tenantq.model.config import ModelConfig
-from tenantq.quant.calibration import InputStats, head_site, input_sites
+from tenantq.quant.input_stats import InputStats, head_site, input_sites
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,7 @@ def gptq_weight(
     if hessian is None:
         raise ValueError(
             f"{how.path}: algorithm 'gptq' needs calibration statistics (its input's Hessian); "
-            "run tenantq.quant.calibrate.prepare(params, plan, config, stats) and pass its "
+            "run tenantq.quant.site_inputs.site_inputs(params, plan, config, stats) and pass its "
             "inputs to apply_plan"
         )
     if how.axis != 0:

@@ -2,7 +2,7 @@
 scales a `tensor` or `head` KV axis quantizes with.
 
 Calibration windows run through the bf16 model once; the keys are taken as the cache holds
-them (after RoPE) through the same recording KV access `quant.calibration` uses. Per layer,
+them (after RoPE) through the same recording KV access `quant.input_stats` uses. Per layer,
 tensor and KV head we keep max |x|, min, max and a high percentile of |x|, saved as Parquet
 keyed by (model identity, dataset hash, percentile) and reused. A scale is then derived with
 the one codec (`compute_scale_zero_point` given amax/amin): amax / max_finite for fp8/int,
@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from tenantq.model.config import ModelConfig
 from tenantq.model.files import atomic_path, cache_key
-from tenantq.quant.calibration import (
+from tenantq.quant.input_stats import (
     BATCH_SEQUENCES,
     _PrefillKV,
     _rank_of,
@@ -225,7 +225,7 @@ def kv_static_scales(
 
     `model_id`/`data_hash` name what is measured (`tenantq.evals.identity.model_identity`,
     `tenantq.evals.data.array_hash`; computed by the caller since quant sits above evals),
-    as for `quant.calibration.collect_statistics`, whose cache folder this shares; `agree`
+    as for `quant.input_stats.collect_statistics`, whose cache folder this shares; `agree`
     as there (the hosts of a slice read the cache only if every host found it).
     """
     from tenantq.model.loader import load_params

@@ -16,7 +16,6 @@ import numpy as np
 
 from tenantq.model.config import ModelConfig
 from tenantq.numerics import QArray, quantize
-from tenantq.quant.calibration import CalibrationStats
 from tenantq.quant.folding import (
     FoldSite,
     fold,
@@ -24,6 +23,7 @@ from tenantq.quant.folding import (
     share_within_groups,
     weight_row_absmax,
 )
+from tenantq.quant.input_stats import CalibrationStats
 from tenantq.quant.plan import TensorQuant
 
 DEFAULT_ALPHA = 0.5
@@ -86,12 +86,12 @@ def smoothquant_weight(weight, how: TensorQuant, *, smoothed: bool = False, **_:
     """The weight of a smoothed linear, rounded to nearest in `how`'s format.
 
     The smoothing itself changes two tensors (this weight and its input's producer), so it
-    runs before (`smooth`, or `tenantq.quant.calibrate.prepare`), which passes smoothed=True.
+    runs before (`smooth`, or `tenantq.quant.site_inputs.site_inputs`), which passes smoothed=True.
     """
     if not smoothed:
         raise ValueError(
             f"{how.path}: algorithm 'smoothquant' needs the model smoothed first; "
-            "run tenantq.quant.calibrate.prepare(params, plan, config, stats) and pass its "
+            "run tenantq.quant.site_inputs.site_inputs(params, plan, config, stats) and pass its "
             "inputs to apply_plan"
         )
     return quantize(

@@ -646,9 +646,9 @@ def sampler_for_spec(spec, seed: int | None = None) -> KnapsackSampler:
     """The sampler for a study spec (its context built here; the driver passes its own to
     `sampler_for_context` instead)."""
     _check_quality(spec)
-    from tenantq.search.context import prepare
+    from tenantq.search.context import study_context
 
-    return sampler_for_context(prepare(spec, ""), seed=seed)
+    return sampler_for_context(study_context(spec, ""), seed=seed)
 
 
 def _check_quality(spec) -> list[int]:

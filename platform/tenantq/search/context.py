@@ -1,8 +1,9 @@
 """The study context: a spec checked once against its model, space, suites and stores.
 
-`prepare` is the one place a run's checks are called (`tenantq search --check` calls the same),
-and the context it returns carries what every other part needs (`plan_and_budget`, the study's
-content identity), so that samplers and the driver never re-check or import each other.
+`study_context` is the one place a run's checks are called (`tenantq search --check` calls the
+same), and the StudyContext it returns carries what every other part needs (`plan_and_budget`,
+the study's content identity), so that samplers and the driver never re-check or import each
+other.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class StudyContext:
 _Prepared = StudyContext  # the name before the split
 
 
-def prepare(spec: ExperimentSpec, spec_text: str = "") -> StudyContext:
+def study_context(spec: ExperimentSpec, spec_text: str = "") -> StudyContext:
     """The run's checks, all in one place (`--check` calls this too): the spec against the
     model, the space, the suites and the stores. Raises ValueError; writes nothing."""
     from tenantq.capacity import get_model_config

@@ -23,7 +23,7 @@ from tenantq.search.context import (  # noqa: F401  (the names callers imported 
     StudyContext,
     check_metrics,
     check_stores,
-    prepare,
+    study_context,
 )
 from tenantq.search.front import confirmed_front as _confirmed_front  # noqa: F401
 from tenantq.search.ledger import Ledger
@@ -127,7 +127,7 @@ class SearchDriver:
         `spec.study.name` and go on there (`--continue-as`); `storage`: an Optuna storage
         to use instead of `study.storage`'s (the driver bench's in-memory one)."""
         self.storage_override = storage
-        self.prep = self.context = prepare(spec, spec_text)
+        self.prep = self.context = study_context(spec, spec_text)
         self.worker_class = worker_class
         self.pool_factory = pool_factory
         self.spec = spec

@@ -101,13 +101,13 @@ def space_params(choice: tuple[str, str, str], config) -> dict[str, Any]:
 def build_points(spec_path: str | Path = DEFAULT_SPEC) -> tuple[list[SpacePoint], Any]:
     """Every plan of the space on `spec_path`'s deployment; returns (points, prepared spec)."""
     from tenantq.capacity import budget
-    from tenantq.search.context import prepare
+    from tenantq.search.context import study_context
     from tenantq.search.space import plan_from_params
     from tenantq.search.spec import load_spec
 
     base = load_spec(spec_path)
     spec = base.model_copy(update={"space": efficiency_space(base)})
-    prep = prepare(spec, Path(spec_path).read_text())
+    prep = study_context(spec, Path(spec_path).read_text())
     points = []
     for mlp in MLP_FORMATS:
         for attn in ATTN_FORMATS:
@@ -159,11 +159,11 @@ def build_layer_points(spec_path: str | Path = DEFAULT_SPEC) -> tuple[list[Space
     import itertools
 
     from tenantq.capacity import budget
-    from tenantq.search.context import prepare
+    from tenantq.search.context import study_context
     from tenantq.search.spec import load_spec
 
     spec = load_spec(spec_path)
-    prep = prepare(spec, Path(spec_path).read_text())
+    prep = study_context(spec, Path(spec_path).read_text())
     layers = prep.config.num_layers
     points = []
     for mlp in itertools.product(LAYER_MLP_FORMATS, repeat=layers):
@@ -431,14 +431,14 @@ def landscape_problem(landscape: Landscape, spec: ExperimentSpec):
     from tenantq.quant.plan import QuantPlan
     from tenantq.search import knapsack
     from tenantq.search.capacity_aware import _kv_bytes
-    from tenantq.search.context import prepare
+    from tenantq.search.context import study_context
 
     axes = landscape.axes
     key = (spec.model_dump_json(), tuple(axes.items()), len(landscape.points),
            landscape.points[0].fingerprint)  # fmt: skip
     if key in _PROBLEMS:
         return _PROBLEMS[key]
-    prep = prepare(spec, "")
+    prep = study_context(spec, "")
     by_choice = {p.choice: p for p in landscape.points}
     ref = reference_choice(landscape)
     names = list(axes)
@@ -901,7 +901,7 @@ def quickstart_hypervolume(
     import optuna
 
     from tenantq.search import ground_truth as truth
-    from tenantq.search.context import prepare
+    from tenantq.search.context import study_context
     from tenantq.search.samplers import make_sampler
     from tenantq.search.space import suggest
     from tenantq.search.spec import load_spec
@@ -910,7 +910,7 @@ def quickstart_hypervolume(
     base = load_spec(spec_path)
     kept = [o for o in base.objectives if o.metric in ("tenants", QUALITY_METRIC)]
     spec = base.model_copy(update={"objectives": kept})
-    context = prepare(spec, "")
+    context = study_context(spec, "")
     if evaluator is None:
         from tenantq.evals import Evaluator
         from tenantq.model.files import CACHE_DIR

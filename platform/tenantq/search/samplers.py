@@ -35,9 +35,9 @@ def make_sampler(spec: ExperimentSpec, context=None, *, trials_so_far: int = 0):
         s = s.model_copy(update={"kind": default_sampler_kind(spec)})
     seed = start_seed(s.seed, trials_so_far)
     if s.kind == "grid" and context is None:
-        from tenantq.search.context import prepare
+        from tenantq.search.context import study_context
 
-        context = prepare(spec, "")
+        context = study_context(spec, "")
     if s.kind == "nsga2":
         kwargs = {"population_size": s.population_size} if s.population_size else {}
         return optuna.samplers.NSGAIISampler(seed=seed, **kwargs)

@@ -1,4 +1,5 @@
-"""AWQ's search never loses to RTN on its calibration error; `prepare` + `apply_plan` end to end."""
+"""AWQ's search never loses to RTN on its calibration error; `site_inputs` + `apply_plan`
+end to end."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import numpy as np
 import pytest
 
 from tenantq.numerics import dequantize, quantize
-from tenantq.quant import calibration as cal
+from tenantq.quant import input_stats as cal
 from tenantq.quant.apply import apply_plan, registered_algorithms
 from tenantq.quant.awq import clip_search, output_error
-from tenantq.quant.calibrate import prepare
 from tenantq.quant.plan import QuantPlan, Rule, TensorQuant
+from tenantq.quant.site_inputs import site_inputs
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_the_algorithm_table_holds_exactly_the_plans_algorithm_names():
 
 @pytest.mark.parametrize("algorithm", ["awq", "gptq", "smoothquant"])
 def test_calibrated_rule_without_statistics_says_what_to_run(config, params, algorithm):
-    with pytest.raises(ValueError, match=rf"algorithm '{algorithm}' needs .*prepare\("):
+    with pytest.raises(ValueError, match=rf"algorithm '{algorithm}' needs .*site_inputs\("):
         apply_plan(params, _plan(algorithm, "int8", None), config)
 
 
@@ -60,7 +61,7 @@ def test_awq_error_at_most_rtn_on_every_consumer(config, params, stats):
     # on the calibration Gram AWQ's output error can only tie or beat RTN's (bound: <=, plus
     # float32 rounding of 1e-6 relative).
     plan = _plan("awq")
-    cal_ = prepare(params, plan, config, stats, awq_grid=4)
+    cal_ = site_inputs(params, plan, config, stats, awq_grid=4)
     quantized = apply_plan(cal_.params, plan, config, inputs=cal_.inputs)
     rtn = apply_plan(params, _plan("rtn"), config)
     wins = 0
@@ -79,7 +80,7 @@ def test_awq_error_at_most_rtn_on_every_consumer(config, params, stats):
 def test_folded_params_compute_the_same_function(config, params, stats, windows):
     from tenantq.engine import Engine
 
-    cal_ = prepare(params, _plan("awq"), config, stats, awq_grid=4)
+    cal_ = site_inputs(params, _plan("awq"), config, stats, awq_grid=4)
     # Every site the plan's "layers/.*" rule covers is folded (not the LM head's input).
     assert set(cal_.fold_scales) == set(stats.sites) - {"head/in"}
 
@@ -113,4 +114,4 @@ def test_mixed_folding_on_one_input_is_refused(config, params, stats):
         )
     )
     with pytest.raises(ValueError, match="must agree on a scaling algorithm"):
-        prepare(params, plan, config, stats)
+        site_inputs(params, plan, config, stats)

@@ -1,11 +1,11 @@
-"""`prepare`: turn a plan's calibrated rules plus statistics into what `apply_plan` needs.
+"""`site_inputs`: turn a plan's calibrated rules plus statistics into what `apply_plan` needs.
 
 SmoothQuant and AWQ change two tensors per input site (the consumers and the producer),
 which a per-tensor algorithm cannot do, and GPTQ needs its input's Hessian. So this runs
 once over the sites: it folds SmoothQuant's or AWQ's scales into the params, carries the
 statistics through the fold (x becomes x / s), and hands each tensor's algorithm its
 inputs (and static W8A8 tensors their input's calibrated amax, after any fold). Usage:
-`cal = prepare(params, plan, config, stats)`, then
+`cal = site_inputs(params, plan, config, stats)`, then
 `apply_plan(cal.params, plan, config, inputs=cal.inputs)`.
 """
 
@@ -20,14 +20,14 @@ import numpy as np
 
 from tenantq.model.config import ModelConfig
 from tenantq.quant import awq, smoothquant
-from tenantq.quant.calibration import (
+from tenantq.quant.folding import fold, fold_sites, folded_stats, source_column_scale
+from tenantq.quant.input_stats import (
     DEFAULT_PERCENTILE,
     CalibrationStats,
     InputStats,
     head_site,
     input_sites,
 )
-from tenantq.quant.folding import fold, fold_sites, folded_stats, source_column_scale
 from tenantq.quant.plan import QuantPlan
 
 _FOLDING = ("smoothquant", "awq")
@@ -60,7 +60,7 @@ class Calibrated:
         return w
 
 
-def prepare(
+def site_inputs(
     params: Mapping[str, Any],
     plan: QuantPlan,
     config: ModelConfig,
@@ -82,7 +82,7 @@ def prepare(
     return out
 
 
-def prepare_sequential(
+def site_inputs_sequential(
     params: Mapping[str, Any],
     plan: QuantPlan,
     config: ModelConfig,
@@ -96,11 +96,11 @@ def prepare_sequential(
     act_order: bool = False,
     static_statistic: str = "absmax",
 ) -> tuple[Calibrated, CalibrationStats]:
-    """`prepare` with sequential statistics (GPTQ, Frantar et al. 2022, section 4: the inputs
+    """`site_inputs` with sequential statistics (GPTQ, Frantar et al. 2022, section 4: the inputs
     of layer l are the outputs of the already-quantized layers < l).
 
     `windows` run through the model one decoder layer at a time, as in
-    `calibration.compute_statistics`; once layer l's statistics are taken, its sites are
+    `input_stats.compute_statistics`; once layer l's statistics are taken, its sites are
     prepared (folds, GPTQ Hessians, static amax) and its planned tensors quantized, and the
     next layer reads layer l's outputs computed with those quantized weights (dequantized;
     activations and attention stay at `dtype`). A planned embedding is rounded before layer
@@ -111,7 +111,7 @@ def prepare_sequential(
     """
     from tenantq.numerics import dequantize
     from tenantq.quant.apply import quantize_tensor
-    from tenantq.quant.calibration import compute_statistics
+    from tenantq.quant.input_stats import compute_statistics
 
     options = _Options(alpha, awq_grid, awq_clip, act_order, static_statistic)  # checks first
     resolved = plan.resolve(config)
