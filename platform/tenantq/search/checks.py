@@ -80,7 +80,7 @@ def _check_context(spec: ExperimentSpec, config) -> None:
 def _check_calibration(spec: ExperimentSpec, config) -> None:
     """Calibration windows within the model's positions, and the calibration text (when the
     spec names one) a file holding the windows asked for: the workers' own draw
-    (`evals.sensitivity.calibration_windows`: the same reading, tokenizing and count), so
+    (`evals.windows.calibration_windows`: the same reading, tokenizing and count), so
     the error is theirs, at `--check`. The file is tokenized only until it holds 4x what is
     drawn."""
     cal = spec.calibration
