@@ -169,20 +169,11 @@ def rows_from_cache(cache: dict[str, dict[str, Any]], points) -> list[dict[str, 
 
 
 def release_compiled() -> int:
-    """Drop every compiled executable this process holds: the engine's own LRU of step
-    executables (`tenantq.engine.steps`) and JAX's jit and staging caches
-    (`jax.clear_caches`). Returns how many engine executables were dropped."""
-    import gc
-
-    import jax
-
+    """Drop every compiled executable this process holds (`engine.steps.release_compiled`:
+    the engine's LRU and JAX's caches). Returns how many engine executables were dropped."""
     from tenantq.engine import steps
 
-    dropped = steps.compiled_count()
-    steps._EXECUTABLES.clear()  # the engine's LRU: it offers no public release
-    jax.clear_caches()
-    gc.collect()  # the executables' mappings go with their last reference
-    return dropped
+    return steps.release_compiled()
 
 
 def failed_row(point, error: BaseException, model: str, dataset: str, commit: str,
