@@ -131,10 +131,15 @@ def merge_into_table(
     path: str | Path, new: dict[str, dict[str, Any]], *, model: str, dataset: str
 ) -> dict[str, dict[str, Any]]:
     """Re-read `path` under a lock and rewrite it with `new` added: rows another pass wrote
-    since this one read the table are kept, not overwritten. Returns the table as written."""
+    since this one read the table are kept, not overwritten, and a failed row of `new` never
+    replaces a measured one (another pass measured that plan meanwhile). Returns the table as
+    written."""
     path = Path(path)
     with _locked(path):
-        rows = {**read_table(path, model=model, dataset=dataset), **new}
+        rows = read_table(path, model=model, dataset=dataset)
+        for fp, row in new.items():
+            if "error" not in row or fp not in rows or "error" in rows[fp]:
+                rows[fp] = row
         write_table(path, rows.values())
     return rows
 
