@@ -933,7 +933,7 @@ def quickstart_hypervolume(
                 params = suggest(trial, spec.space, context.config)
                 plan, b = context.plan_and_budget(params)
                 fp = plan.fingerprint()
-                if fp not in rows:
+                if fp not in rows or "error" in rows[fp]:  # a failed row: measured again
                     if new_plans and new_plans % truth.RELEASE_EVERY == 0:  # see ground_truth
                         truth.release_compiled()
                     new_plans += 1
