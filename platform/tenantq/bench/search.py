@@ -86,6 +86,18 @@ def run_one(base: dict, workers: int, trials: int, suite: str, warm: Path, root:
     }
 
 
+def _int_list(flag: str, text: str, minimum: int) -> tuple[int, ...]:
+    """A comma-separated list of integers >= `minimum`, or a one-line SystemExit naming `flag`."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < minimum:
+        raise SystemExit(f"{flag} {text!r}: give comma-separated integers >= {minimum}, "
+                         f"e.g. {flag} {minimum},{minimum + 1}")  # fmt: skip
+    return values
+
+
 def efficiency_main(argv: list[str]) -> int:
     """Sampler front coverage and hypervolume on a finite space's ground truth (the table in
     experiments/ground-truth/); `--measure` first measures (or resumes) the plans it lacks."""
@@ -155,7 +167,15 @@ def efficiency_main(argv: list[str]) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tenantq.search import efficiency as eff
     from tenantq.search import ground_truth as truth
+    from tenantq.search.spec import SAMPLERS
 
+    _int_list("--budgets", args.budgets, 1)
+    _int_list("--seeds", args.seeds, 0)
+    known = SAMPLERS if args.quickstart else eff.COMPARISON_SAMPLERS
+    unknown = [k for k in args.samplers.split(",") if k not in known]
+    if unknown:
+        raise SystemExit(f"--samplers: {unknown[0]!r} is not a sampler of this comparison; "
+                         f"choose from {','.join(known)}")  # fmt: skip
     if args.quickstart:
         return quickstart_main(args, argv)
 
@@ -206,6 +226,13 @@ def efficiency_main(argv: list[str]) -> int:
     else:
         keys = truth.current_keys(prep.model_path, eff.SUITE_PATH)
         rows = truth.read_table(table, model=keys[0], dataset=keys[1])
+        failed = [fp for fp in dict.fromkeys(p.fingerprint for p in points)
+                  if "error" in rows.get(fp, {})]  # fmt: skip
+        if failed:  # ground_truth.measure's failed rows: no metrics, measured again next pass
+            raise truth.TruthTableError(
+                f"{table}: {len(failed)} of the space's plans have only a failed row (first "
+                f"{failed[0]}: {rows[failed[0]]['error']}); measure them again (--measure)"
+            )
         summaries = {fp: {"summary": r["metrics"]} for fp, r in rows.items()}
         try:
             land = eff.Landscape.from_cache(points, summaries, args.metric, axes)

@@ -271,6 +271,10 @@ KL_FLOOR = 1e-4  # hypervolume axis is log10(max(KL, floor)); bf16's KL is exact
 SAMPLERS = ("random", "nsga2", "tpe", "capacity_aware")  # capacity_aware_finite on request
 NSGA2_POPULATION = 6  # issue 12's comparison: the quickstart spec's NSGA-II population then
 MAX_ASKS_PER_EVALUATION = 50  # a sampler that only repeats measured plans is stopped here
+# what `make_comparison_sampler` builds: the driver's kinds the landscape can host, GP, the
+# enumerating capacity-aware sampler of issue 12 and the one-shot baselines
+COMPARISON_SAMPLERS = ("random", "nsga2", "tpe", "gp", "capacity_aware", "capacity_aware_finite",
+                       "modelopt", "modelopt_counted")  # fmt: skip
 
 
 def pareto_front(points: list[tuple[int, float]]) -> dict[int, float]:
@@ -380,6 +384,8 @@ def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: Sp
     `landscape_problem`."""
     from tenantq.search.samplers import make_sampler
 
+    if kind not in COMPARISON_SAMPLERS:  # make_sampler would build a RandomSampler for it
+        raise ValueError(f"sampler {kind!r}: unknown; choose from {', '.join(COMPARISON_SAMPLERS)}")
     if kind == "capacity_aware":
         return landscape_sampler(landscape, spec, seed)
     if kind == "capacity_aware_finite":  # the enumerating sampler of issue 12, for comparison
@@ -716,6 +722,9 @@ def compare(
 ) -> list[dict[str, Any]]:
     """One row per (sampler, budget, seed): coverage, hypervolume ratio, asks."""
     import optuna
+
+    if not budgets or min(budgets) < 1:
+        raise ValueError(f"budgets {list(budgets)}: each must be at least 1 (distinct plans)")
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     everything = landscape.all_points()
