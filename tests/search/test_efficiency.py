@@ -559,3 +559,13 @@ def test_compare_refuses_a_budget_under_one_and_an_unknown_sampler():
         compare(land, None, budgets=(0, 5), seeds=(0,), samplers=("random",))
     with pytest.raises(ValueError, match="sampler 'nsag2': unknown"):
         make_comparison_sampler("nsag2", 0, land, None)
+
+
+def test_compare_refuses_a_budget_above_the_spaces_distinct_plans():
+    # A budget the space cannot fill ran to the ask cap (50 x budget asks): 1,300 on the 1,296
+    # plans of the per-layer space was still running after 5 minutes for capacity_aware.
+    from tenantq.search.efficiency import compare
+
+    land = synthetic_landscape()  # 168 distinct plans
+    with pytest.raises(ValueError, match="budgets .*169.*168 distinct plans"):
+        compare(land, None, budgets=(10, 169), seeds=(0,), samplers=("random",))

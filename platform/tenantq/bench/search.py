@@ -238,10 +238,13 @@ def efficiency_main(argv: list[str]) -> int:
             land = eff.Landscape.from_cache(points, summaries, args.metric, axes)
         except ValueError as e:  # plans missing, a metric absent: the table's fault
             raise truth.TruthTableError(f"{table}: {e}") from e
+    budgets = _int_list("--budgets", args.budgets, 1)
+    if max(budgets) > len(land.loss):
+        raise SystemExit(f"--budgets {args.budgets!r}: at most the space's {len(land.loss)} "
+                         f"distinct plans")  # fmt: skip
     rows = eff.compare(
-        land, prep.spec, tuple(int(b) for b in args.budgets.split(",")),
-        tuple(int(s) for s in args.seeds.split(",")), tuple(args.samplers.split(",")),
-        baselines=args.baselines,
+        land, prep.spec, budgets, _int_list("--seeds", args.seeds, 0),
+        tuple(args.samplers.split(",")), baselines=args.baselines,
     )  # fmt: skip
     summary = eff.summarize(rows)
     front = eff.pareto_front(land.all_points())

@@ -723,8 +723,9 @@ def compare(
     """One row per (sampler, budget, seed): coverage, hypervolume ratio, asks."""
     import optuna
 
-    if not budgets or min(budgets) < 1:
-        raise ValueError(f"budgets {list(budgets)}: each must be at least 1 (distinct plans)")
+    if not budgets or min(budgets) < 1 or max(budgets) > len(landscape.loss):
+        raise ValueError(f"budgets {list(budgets)}: each must be at least 1 and at most the "
+                         f"space's {len(landscape.loss)} distinct plans")  # fmt: skip
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     everything = landscape.all_points()
