@@ -569,3 +569,60 @@ def test_compare_refuses_a_budget_above_the_spaces_distinct_plans():
     land = synthetic_landscape()  # 168 distinct plans
     with pytest.raises(ValueError, match="budgets .*169.*168 distinct plans"):
         compare(land, None, budgets=(10, 169), seeds=(0,), samplers=("random",))
+
+
+class _StuckThenRandom(optuna.samplers.BaseSampler):
+    """Proposes every axis's first value for its first `stuck` asks (one plan, asked again and
+    again), then random plans: a sampler whose new plans come after many repeats."""
+
+    def __init__(self, stuck: int, seed: int = 0):
+        self.stuck, self._random = stuck, optuna.samplers.RandomSampler(seed=seed)
+
+    def infer_relative_search_space(self, study, trial):
+        return {}
+
+    def sample_relative(self, study, trial, search_space):
+        return {}
+
+    def sample_independent(self, study, trial, name, dist):
+        if trial.number < self.stuck:
+            return dist.choices[0]
+        return self._random.sample_independent(study, trial, name, dist)
+
+
+def test_a_smaller_budget_read_from_a_longer_run_is_what_a_run_stopped_there_returns():
+    # compare() runs each seed once to its largest budget and reads every smaller budget as a
+    # prefix of that run. A run stopped at budget 2 gives up at its own ask cap (50 x 2 = 100
+    # asks) with 1 plan; the longer run (budget 4, cap 200) found its 2nd plan at ask 121: the
+    # prefix must stop at the smaller run's cap (1 plan, 100 asks), not take that 2nd plan.
+    from tenantq.search.efficiency import prefix
+
+    land = synthetic_landscape()
+    found, asks, asked_at = run_sampler(_StuckThenRandom(120), land, 4, trace=True)
+    assert len(found) == 4 and asked_at[:2] == [1, 121]
+    for budget in (1, 2, 3, 4):
+        alone = run_sampler(_StuckThenRandom(120), land, budget)
+        assert prefix(found, asked_at, budget) == alone, budget
+
+
+def test_the_counted_one_shot_measures_every_single_axis_plan_first():
+    # modelopt_counted pays for its sensitivity scores: the plans that change at most one axis
+    # from all-bf16 (the reference included: 1 + 5 + 3 + 6 = 15 on the 3-axis space) are its
+    # first 15 measurements, before any plan its scores predict.
+    from tenantq.search.efficiency import make_comparison_sampler
+
+    land = synthetic_landscape()
+    singles = {p.choice for p in land.points if sum(x != "bf16" for x in p.choice) <= 1}
+    assert len(singles) == 15
+    sampler = make_comparison_sampler("modelopt_counted", 0, land, None)
+    found, _, _ = run_sampler(sampler, land, 15, trace=True)
+    by_value = {(p.tenants, land.loss[p.fingerprint]): p.choice for p in land.points}
+    assert {by_value[v] for v in found} == singles
+
+
+def test_the_three_axis_space_keeps_the_drivers_three_baselines():
+    # baseline_choices derives the baselines from the axes; on the 168-plan space it must give
+    # the driver's three, fp8 KV with keys per channel (the figures of issue 12 and 25 count them).
+    from tenantq.search.efficiency import BASELINES, baseline_choices
+
+    assert baseline_choices(AXES) == list(BASELINES)
