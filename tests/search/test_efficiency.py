@@ -626,3 +626,19 @@ def test_the_three_axis_space_keeps_the_drivers_three_baselines():
     from tenantq.search.efficiency import BASELINES, baseline_choices
 
     assert baseline_choices(AXES) == list(BASELINES)
+
+
+@pytest.mark.slow  # reads the 1,296-row table and prepares the quickstart spec (~3 s)
+def test_a_space_whose_tenants_do_not_add_up_is_refused_even_after_a_good_one_was_built():
+    # landscape_problem checks every plan's tenants against the sum of its axes' bytes. Its
+    # cache was keyed on the spec, the axes, the number of points and the first point only: a
+    # landscape differing in a later plan's tenants got the good one's problem, unchecked.
+    from tenantq.search.efficiency import landscape_problem
+
+    land, spec = _per_layer_slice()
+    landscape_problem(land, spec)  # the true slice: additive, built and cached
+    p = land.points[7]
+    off = (*land.points[:7], SpacePoint(p.choice, p.fingerprint, p.tenants + 1, p.plan_json),
+           *land.points[8:])  # fmt: skip
+    with pytest.raises(ValueError, match=r"\d+ tenants by budget, \d+ by the sum.*not additive"):
+        landscape_problem(Landscape(off, land.loss, land.axes), spec)

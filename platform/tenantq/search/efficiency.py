@@ -440,8 +440,9 @@ def landscape_problem(landscape: Landscape, spec: Spec):
     from tenantq.search.context import prepare
 
     axes = landscape.axes
-    key = (spec.model_dump_json(), tuple(axes.items()), len(landscape.points),
-           landscape.points[0].fingerprint)  # fmt: skip
+    # every plan in the key: a landscape differing in any plan's tenants is checked afresh
+    plans = tuple((p.choice, p.fingerprint, p.tenants, p.plan_json) for p in landscape.points)
+    key = (spec.model_dump_json(), tuple(axes.items()), plans)
     if key in _PROBLEMS:
         return _PROBLEMS[key]
     prep = prepare(spec, "")
