@@ -642,3 +642,17 @@ def test_a_space_whose_tenants_do_not_add_up_is_refused_even_after_a_good_one_wa
            *land.points[8:])  # fmt: skip
     with pytest.raises(ValueError, match=r"\d+ tenants by budget, \d+ by the sum.*not additive"):
         landscape_problem(Landscape(off, land.loss, land.axes), spec)
+
+
+def test_the_per_layer_space_of_a_deep_model_is_refused_not_enumerated(monkeypatch):
+    # 3^L x 2^L plans: 1,296 on the 4-layer reference model, ~8e24 on a 32-layer one, which
+    # build_layer_points enumerated (forever). Refused by size, naming the layers and the limit.
+    from types import SimpleNamespace
+
+    from tenantq.search import context
+    from tenantq.search.efficiency import build_layer_points
+
+    deep = SimpleNamespace(config=SimpleNamespace(num_layers=32))
+    monkeypatch.setattr(context, "prepare", lambda spec, text: deep)
+    with pytest.raises(ValueError, match=r"32 layers: 6\^32 = 7.96e\+24 plans; .* at most 50,000"):
+        build_layer_points()

@@ -194,7 +194,10 @@ def efficiency_main(argv: list[str]) -> int:
             f"{cost['asks']} asks; bytes exact: {cost['exact_bytes']})"
         )
 
-    points, prep = eff.space_points(args.space, args.spec)
+    try:
+        points, prep = eff.space_points(args.space, args.spec)
+    except ValueError as e:  # a spec without its checkpoint, a space too large to enumerate
+        raise SystemExit(f"--spec {args.spec}: {e}") from e
     if args.import_cache:
         keys = truth.current_keys(prep.model_path, eff.SUITE_PATH)
         rows = truth.read_table(table, model=keys[0], dataset=keys[1])

@@ -133,6 +133,7 @@ def build_points(spec_path: str | Path = DEFAULT_SPEC) -> tuple[list[SpacePoint]
 LAYER_MLP_FORMATS = ("bf16", "int8", "int4")
 LAYER_KV_FORMATS = ("bf16", "int4")
 SPACE_NAMES = ("mlp-attn-kv", "per-layer")
+MAX_LAYER_PLANS = 50_000  # the per-layer space is enumerated: 6^L plans (L <= 6 layers)
 TRUTH_TABLES = {
     "mlp-attn-kv": "mlp-attn-kv-168.jsonl",
     "per-layer": "layer-mlp-kv-1296.jsonl",
@@ -165,6 +166,13 @@ def build_layer_points(spec_path: str | Path = DEFAULT_SPEC) -> tuple[list[Space
     spec = load_spec(spec_path)
     prep = prepare(spec, Path(spec_path).read_text())
     layers = prep.config.num_layers
+    size = (len(LAYER_MLP_FORMATS) * len(LAYER_KV_FORMATS)) ** layers
+    if size > MAX_LAYER_PLANS:
+        raise ValueError(
+            f"--space per-layer on {spec_path}: {layers} layers: "
+            f"{len(LAYER_MLP_FORMATS) * len(LAYER_KV_FORMATS)}^{layers} = {size:.3g} plans; "
+            f"an exhaustive space holds at most {MAX_LAYER_PLANS:,} (a model of <= 6 layers)"
+        )
     points = []
     for mlp in itertools.product(LAYER_MLP_FORMATS, repeat=layers):
         for kv in itertools.product(LAYER_KV_FORMATS, repeat=layers):
