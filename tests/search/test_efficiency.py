@@ -463,6 +463,29 @@ def test_import_cache_adds_only_plans_the_table_lacks_and_refuses_a_stale_record
     assert table.read_text() == before
 
 
+@pytest.mark.slow  # builds the 168 plans (~5 s); today's hashes stubbed (no model load)
+def test_import_cache_replaces_a_failed_row_with_the_caches_measurement(tmp_path, monkeypatch):
+    # A plan the table holds only as a failed row (ground_truth.measure) is not measured: the
+    # per-plan cache's record of it is imported in its place (it was skipped as "held").
+    from tenantq.bench.search import main
+    from tenantq.search import ground_truth
+    from tenantq.search.efficiency import build_points, write_record
+    from tenantq.search.ground_truth import failed_row, read_table, write_table
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ground_truth, "current_keys", lambda *a: ("m" * 64, "d" * 64))
+    points, _ = build_points()
+    table, cache = tmp_path / "truth.jsonl", tmp_path / "cache"
+    write_table(table, [failed_row(points[0], RuntimeError("LLVM"), "m" * 64, "d" * 64, "c", 1.0)])
+    record = {"fingerprint": points[0].fingerprint, "model": "m" * 64, "dataset_hash": "d" * 64,
+              "summary": {"fidelity.kl_mean": 0.2}}  # fmt: skip
+    write_record(cache, record)
+    argv = ["--efficiency", "--truth", str(table), "--import-cache", str(cache), "--measure-only"]
+    assert main(argv) == 0
+    row = read_table(table)[points[0].fingerprint]
+    assert "error" not in row and row["metrics"]["fidelity.kl_mean"] == 0.2
+
+
 def _per_layer_slice():
     """The ground-truth table's per-layer space cut to layers 0-1 (layers 2-3 bf16, their KV
     bf16): 3^2 x 2^2 = 36 of its 1,296 plans, each rebuilt by `layer_plan` (its fingerprint

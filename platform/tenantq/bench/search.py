@@ -210,7 +210,9 @@ def efficiency_main(argv: list[str]) -> int:
                 f"today's {keys[0][:16]} / {keys[1][:16]}; not imported"
             )
         # the table's own rows win over the cache's; merged under the table's lock
-        fresh = {r["fingerprint"]: r for r in imported if r["fingerprint"] not in rows}
+        # (a failed row of the table is no measurement: the cache's record replaces it)
+        fresh = {r["fingerprint"]: r for r in imported
+                 if "error" in rows.get(r["fingerprint"], {"error": "absent"})}  # fmt: skip
         truth.merge_into_table(table, fresh, model=keys[0], dataset=keys[1])
         print(f"{table}: {len(fresh)} of {len(imported)} cached plans imported (the rest held)")
     if args.measure:
