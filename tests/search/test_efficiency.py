@@ -402,6 +402,17 @@ def test_bench_efficiency_names_a_damaged_or_incomplete_table_in_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "68 of the space's plans have no cached quality" in err
+    # a plan the table holds only as a failed row (ground_truth.measure): named with its error
+    # (it was "metric 'fidelity.kl_mean' is not in the cache; cached: " when it came first)
+    from tenantq.search.ground_truth import failed_row
+
+    bad = [failed_row(p, RuntimeError("LLVM: no memory"), "m" * 64, "d" * 64, "c", 0.0)
+           for p in points[:2]]  # fmt: skip
+    write_table(table, bad + rows[2:])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"error: {table}: 2 of the space's plans ")
+    assert "RuntimeError: LLVM: no memory" in err and "--measure" in err
 
 
 @pytest.mark.slow  # builds the 168 plans (~5 s); today's hashes stubbed (no model load)
@@ -450,6 +461,29 @@ def test_import_cache_adds_only_plans_the_table_lacks_and_refuses_a_stale_record
     with pytest.raises(SystemExit, match=r"1 records were measured on model m{16} / dataset 0{16}"):
         main(argv)
     assert table.read_text() == before
+
+
+@pytest.mark.slow  # builds the 168 plans (~5 s); today's hashes stubbed (no model load)
+def test_import_cache_replaces_a_failed_row_with_the_caches_measurement(tmp_path, monkeypatch):
+    # A plan the table holds only as a failed row (ground_truth.measure) is not measured: the
+    # per-plan cache's record of it is imported in its place (it was skipped as "held").
+    from tenantq.bench.search import main
+    from tenantq.search import ground_truth
+    from tenantq.search.efficiency import build_points, write_record
+    from tenantq.search.ground_truth import failed_row, read_table, write_table
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ground_truth, "current_keys", lambda *a: ("m" * 64, "d" * 64))
+    points, _ = build_points()
+    table, cache = tmp_path / "truth.jsonl", tmp_path / "cache"
+    write_table(table, [failed_row(points[0], RuntimeError("LLVM"), "m" * 64, "d" * 64, "c", 1.0)])
+    record = {"fingerprint": points[0].fingerprint, "model": "m" * 64, "dataset_hash": "d" * 64,
+              "summary": {"fidelity.kl_mean": 0.2}}  # fmt: skip
+    write_record(cache, record)
+    argv = ["--efficiency", "--truth", str(table), "--import-cache", str(cache), "--measure-only"]
+    assert main(argv) == 0
+    row = read_table(table)[points[0].fingerprint]
+    assert "error" not in row and row["metrics"]["fidelity.kl_mean"] == 0.2
 
 
 def _per_layer_slice():
@@ -513,3 +547,135 @@ def test_capacity_aware_on_a_slice_of_the_measured_per_layer_table():
     mislabelled = Landscape(land.points, land.loss, wrong)
     with pytest.raises(ValueError, match="'cache_1'.*changes the KV bytes"):
         landscape_problem(mislabelled, spec)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--budgets", "0", "--budgets '0'"),  # was an IndexError traceback from `prefix`
+        ("--budgets", "5,-1", "--budgets '5,-1'"),  # was a row at budget -1 with -50 asks
+        ("--budgets", "x", "--budgets 'x'"),  # was a ValueError traceback
+        ("--seeds", "0,a", "--seeds '0,a'"),
+        ("--samplers", "tpe,nsag2", "--samplers: 'nsag2'"),  # was run as random, labelled nsag2
+    ],
+)
+def test_bad_budgets_seeds_or_samplers_are_refused_in_one_line_naming_the_flag(
+    flag, value, named, capsys
+):
+    # Refused before anything is built or measured (no spec prepared: this test takes ms).
+    from tenantq.bench.search import main
+
+    argv = ["--efficiency", "--space", "per-layer", "--ask-cost", "0", flag, value]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    message = str(e.value.code)
+    assert message.startswith(named) and "\n" not in message
+
+
+def test_compare_refuses_a_budget_under_one_and_an_unknown_sampler():
+    # The API under the bench: a budget of 0 ran into an IndexError in `prefix`; an unknown kind
+    # fell through `make_sampler` to a RandomSampler and was reported under its own name.
+    from tenantq.search.efficiency import compare, make_comparison_sampler
+
+    land = synthetic_landscape()
+    with pytest.raises(ValueError, match="budgets .*at least 1"):
+        compare(land, None, budgets=(0, 5), seeds=(0,), samplers=("random",))
+    with pytest.raises(ValueError, match="sampler 'nsag2': unknown"):
+        make_comparison_sampler("nsag2", 0, land, None)
+
+
+def test_compare_refuses_a_budget_above_the_spaces_distinct_plans():
+    # A budget the space cannot fill ran to the ask cap (50 x budget asks): 1,300 on the 1,296
+    # plans of the per-layer space was still running after 5 minutes for capacity_aware.
+    from tenantq.search.efficiency import compare
+
+    land = synthetic_landscape()  # 168 distinct plans
+    with pytest.raises(ValueError, match="budgets .*169.*168 distinct plans"):
+        compare(land, None, budgets=(10, 169), seeds=(0,), samplers=("random",))
+
+
+class _StuckThenRandom(optuna.samplers.BaseSampler):
+    """Proposes every axis's first value for its first `stuck` asks (one plan, asked again and
+    again), then random plans: a sampler whose new plans come after many repeats."""
+
+    def __init__(self, stuck: int, seed: int = 0):
+        self.stuck, self._random = stuck, optuna.samplers.RandomSampler(seed=seed)
+
+    def infer_relative_search_space(self, study, trial):
+        return {}
+
+    def sample_relative(self, study, trial, search_space):
+        return {}
+
+    def sample_independent(self, study, trial, name, dist):
+        if trial.number < self.stuck:
+            return dist.choices[0]
+        return self._random.sample_independent(study, trial, name, dist)
+
+
+def test_a_smaller_budget_read_from_a_longer_run_is_what_a_run_stopped_there_returns():
+    # compare() runs each seed once to its largest budget and reads every smaller budget as a
+    # prefix of that run. A run stopped at budget 2 gives up at its own ask cap (50 x 2 = 100
+    # asks) with 1 plan; the longer run (budget 4, cap 200) found its 2nd plan at ask 121: the
+    # prefix must stop at the smaller run's cap (1 plan, 100 asks), not take that 2nd plan.
+    from tenantq.search.efficiency import prefix
+
+    land = synthetic_landscape()
+    found, asks, asked_at = run_sampler(_StuckThenRandom(120), land, 4, trace=True)
+    assert len(found) == 4 and asked_at[:2] == [1, 121]
+    for budget in (1, 2, 3, 4):
+        alone = run_sampler(_StuckThenRandom(120), land, budget)
+        assert prefix(found, asked_at, budget) == alone, budget
+
+
+def test_the_counted_one_shot_measures_every_single_axis_plan_first():
+    # modelopt_counted pays for its sensitivity scores: the plans that change at most one axis
+    # from all-bf16 (the reference included: 1 + 5 + 3 + 6 = 15 on the 3-axis space) are its
+    # first 15 measurements, before any plan its scores predict.
+    from tenantq.search.efficiency import make_comparison_sampler
+
+    land = synthetic_landscape()
+    singles = {p.choice for p in land.points if sum(x != "bf16" for x in p.choice) <= 1}
+    assert len(singles) == 15
+    sampler = make_comparison_sampler("modelopt_counted", 0, land, None)
+    found, _, _ = run_sampler(sampler, land, 15, trace=True)
+    by_value = {(p.tenants, land.loss[p.fingerprint]): p.choice for p in land.points}
+    assert {by_value[v] for v in found} == singles
+
+
+def test_the_three_axis_space_keeps_the_drivers_three_baselines():
+    # baseline_choices derives the baselines from the axes; on the 168-plan space it must give
+    # the driver's three, fp8 KV with keys per channel (the figures of issue 12 and 25 count them).
+    from tenantq.search.efficiency import BASELINES, baseline_choices
+
+    assert baseline_choices(AXES) == list(BASELINES)
+
+
+@pytest.mark.slow  # reads the 1,296-row table and prepares the quickstart spec (~3 s)
+def test_a_space_whose_tenants_do_not_add_up_is_refused_even_after_a_good_one_was_built():
+    # landscape_problem checks every plan's tenants against the sum of its axes' bytes. Its
+    # cache was keyed on the spec, the axes, the number of points and the first point only: a
+    # landscape differing in a later plan's tenants got the good one's problem, unchecked.
+    from tenantq.search.efficiency import landscape_problem
+
+    land, spec = _per_layer_slice()
+    landscape_problem(land, spec)  # the true slice: additive, built and cached
+    p = land.points[7]
+    off = (*land.points[:7], SpacePoint(p.choice, p.fingerprint, p.tenants + 1, p.plan_json),
+           *land.points[8:])  # fmt: skip
+    with pytest.raises(ValueError, match=r"\d+ tenants by budget, \d+ by the sum.*not additive"):
+        landscape_problem(Landscape(off, land.loss, land.axes), spec)
+
+
+def test_the_per_layer_space_of_a_deep_model_is_refused_not_enumerated(monkeypatch):
+    # 3^L x 2^L plans: 1,296 on the 4-layer reference model, ~8e24 on a 32-layer one, which
+    # build_layer_points enumerated (forever). Refused by size, naming the layers and the limit.
+    from types import SimpleNamespace
+
+    from tenantq.search import context
+    from tenantq.search.efficiency import build_layer_points
+
+    deep = SimpleNamespace(config=SimpleNamespace(num_layers=32))
+    monkeypatch.setattr(context, "prepare", lambda spec, text: deep)
+    with pytest.raises(ValueError, match=r"32 layers: 6\^32 = 7.96e\+24 plans; .* at most 50,000"):
+        build_layer_points()

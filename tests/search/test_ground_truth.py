@@ -271,3 +271,45 @@ def test_plans_failing_in_a_row_stop_the_pass_with_their_rows_written(tmp_path):
     with pytest.raises(TruthTableError, match="failed in a row"):
         measure(points, tmp_path, table, suite=None, evaluator=Broken(), log=lambda s: None)
     assert len(read_table(table)) == MAX_FAILED_IN_A_ROW  # not every plan of the space
+
+
+def test_a_failed_row_never_replaces_a_measured_row_in_the_table(tmp_path):
+    # Two passes on one table: pass A measures plan 0 and writes it; pass B, which read the
+    # table before, fails on plan 0 (twice) and merges its failed row. A's measurement must stay:
+    # a failed row overwrote it (the plan was then measured a third time by the next pass).
+    from tenantq.search.ground_truth import failed_row, merge_into_table, row_for
+
+    points, table = _points(2), tmp_path / "t.jsonl"
+    good = row_for(points[0], _Result(0.004).summary, MODEL, DATASET, "c", 1.0)
+    merge_into_table(table, {points[0].fingerprint: good}, model=MODEL, dataset=DATASET)
+    bad = {p.fingerprint: failed_row(p, RuntimeError("LLVM"), MODEL, DATASET, "c", 1.0)
+           for p in points}  # fmt: skip
+    rows = merge_into_table(table, bad, model=MODEL, dataset=DATASET)
+    assert rows[points[0].fingerprint] == good == read_table(table)[points[0].fingerprint]
+    assert "error" in read_table(table)[points[1].fingerprint]  # a failed row where none was
+
+
+@pytest.mark.slow  # prepares the quickstart study (~8 s)
+def test_a_failed_row_in_the_quickstart_table_is_measured_again_not_read(tmp_path):
+    # A plan the table holds only as a failed row (no metrics) was taken as measured: the run
+    # read its metrics and died on a KeyError. It is measured again and its row replaced.
+    from tenantq.search.efficiency import quickstart_hypervolume
+    from tenantq.search.ground_truth import failed_row
+
+    class Hashed(_Evaluator):
+        def evaluate(self, plan):
+            self.calls.append(plan.fingerprint())
+            return _Result(1e-4 + int(plan.fingerprint()[:4], 16) / 65536 * 1e-2)
+
+    table, first = tmp_path / "q.jsonl", Hashed()
+    kw = {"samplers": ("random",), "seeds": (0,), "budgets": (2,), "table": table,
+          "log": lambda s: None}  # fmt: skip
+    runs = quickstart_hypervolume(evaluator=first, **kw)
+    rows = read_table(table)
+    fp = first.calls[1]
+    point = SpacePoint(tuple(rows[fp]["choice"]), fp, rows[fp]["tenants"], "")
+    rows[fp] = failed_row(point, RuntimeError("LLVM"), MODEL, DATASET, "c", 1.0)
+    write_table(table, rows.values())
+    again = Hashed()
+    assert quickstart_hypervolume(evaluator=again, **kw) == runs
+    assert again.calls == [fp] and "error" not in read_table(table)[fp]

@@ -87,6 +87,18 @@ def run_one(base: dict, workers: int, trials: int, suite: str, warm: Path, root:
     }
 
 
+def _int_list(flag: str, text: str, minimum: int) -> tuple[int, ...]:
+    """A comma-separated list of integers >= `minimum`, or a one-line SystemExit naming `flag`."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < minimum:
+        raise SystemExit(f"{flag} {text!r}: give comma-separated integers >= {minimum}, "
+                         f"e.g. {flag} {minimum},{minimum + 1}")  # fmt: skip
+    return values
+
+
 def efficiency_main(argv: list[str]) -> int:
     """Sampler front coverage and hypervolume on a finite space's ground truth (the table in
     experiments/ground-truth/); `--measure` first measures (or resumes) the plans it lacks."""
@@ -156,7 +168,15 @@ def efficiency_main(argv: list[str]) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tenantq.search import efficiency as eff
     from tenantq.search import ground_truth as truth
+    from tenantq.search.spec import SAMPLERS
 
+    _int_list("--budgets", args.budgets, 1)
+    _int_list("--seeds", args.seeds, 0)
+    known = SAMPLERS if args.quickstart else eff.COMPARISON_SAMPLERS
+    unknown = [k for k in args.samplers.split(",") if k not in known]
+    if unknown:
+        raise SystemExit(f"--samplers: {unknown[0]!r} is not a sampler of this comparison; "
+                         f"choose from {','.join(known)}")  # fmt: skip
     if args.quickstart:
         return quickstart_main(args, argv)
 
@@ -175,7 +195,10 @@ def efficiency_main(argv: list[str]) -> int:
             f"{cost['asks']} asks; bytes exact: {cost['exact_bytes']})"
         )
 
-    points, prep = eff.space_points(args.space, args.spec)
+    try:
+        points, prep = eff.space_points(args.space, args.spec)
+    except ValueError as e:  # a spec without its checkpoint, a space too large to enumerate
+        raise SystemExit(f"--spec {args.spec}: {e}") from e
     if args.import_cache:
         keys = truth.current_keys(prep.model_path, eff.SUITE_PATH)
         rows = truth.read_table(table, model=keys[0], dataset=keys[1])
@@ -188,7 +211,9 @@ def efficiency_main(argv: list[str]) -> int:
                 f"today's {keys[0][:16]} / {keys[1][:16]}; not imported"
             )
         # the table's own rows win over the cache's; merged under the table's lock
-        fresh = {r["fingerprint"]: r for r in imported if r["fingerprint"] not in rows}
+        # (a failed row of the table is no measurement: the cache's record replaces it)
+        fresh = {r["fingerprint"]: r for r in imported
+                 if "error" in rows.get(r["fingerprint"], {"error": "absent"})}  # fmt: skip
         truth.merge_into_table(table, fresh, model=keys[0], dataset=keys[1])
         print(f"{table}: {len(fresh)} of {len(imported)} cached plans imported (the rest held)")
     if args.measure:
@@ -207,15 +232,25 @@ def efficiency_main(argv: list[str]) -> int:
     else:
         keys = truth.current_keys(prep.model_path, eff.SUITE_PATH)
         rows = truth.read_table(table, model=keys[0], dataset=keys[1])
+        failed = [fp for fp in dict.fromkeys(p.fingerprint for p in points)
+                  if "error" in rows.get(fp, {})]  # fmt: skip
+        if failed:  # ground_truth.measure's failed rows: no metrics, measured again next pass
+            raise truth.TruthTableError(
+                f"{table}: {len(failed)} of the space's plans have only a failed row (first "
+                f"{failed[0]}: {rows[failed[0]]['error']}); measure them again (--measure)"
+            )
         summaries = {fp: {"summary": r["metrics"]} for fp, r in rows.items()}
         try:
             land = eff.Landscape.from_cache(points, summaries, args.metric, axes)
         except ValueError as e:  # plans missing, a metric absent: the table's fault
             raise truth.TruthTableError(f"{table}: {e}") from e
+    budgets = _int_list("--budgets", args.budgets, 1)
+    if max(budgets) > len(land.loss):
+        raise SystemExit(f"--budgets {args.budgets!r}: at most the space's {len(land.loss)} "
+                         f"distinct plans")  # fmt: skip
     rows = eff.compare(
-        land, prep.spec, tuple(int(b) for b in args.budgets.split(",")),
-        tuple(int(s) for s in args.seeds.split(",")), tuple(args.samplers.split(",")),
-        baselines=args.baselines,
+        land, prep.spec, budgets, _int_list("--seeds", args.seeds, 0),
+        tuple(args.samplers.split(",")), baselines=args.baselines,
     )  # fmt: skip
     summary = eff.summarize(rows)
     front = eff.pareto_front(land.all_points())

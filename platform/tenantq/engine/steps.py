@@ -103,6 +103,20 @@ def compiled_count() -> int:
     return len(_EXECUTABLES)
 
 
+def release_compiled() -> int:
+    """Drop every compiled executable this process holds: this LRU and JAX's jit and staging
+    caches (`jax.clear_caches`); the next step compiles afresh. Each executable holds memory
+    mappings, so a process measuring hundreds of plans calls this now and then (ground-truth
+    passes: `search.ground_truth`). Returns how many of this LRU's executables were dropped."""
+    import gc
+
+    dropped = len(_EXECUTABLES)
+    _EXECUTABLES.clear()
+    jax.clear_caches()
+    gc.collect()  # an executable's mappings go with its last reference
+    return dropped
+
+
 def run_step(
     *,
     layout: int,

@@ -133,6 +133,7 @@ def build_points(spec_path: str | Path = DEFAULT_SPEC) -> tuple[list[SpacePoint]
 LAYER_MLP_FORMATS = ("bf16", "int8", "int4")
 LAYER_KV_FORMATS = ("bf16", "int4")
 SPACE_NAMES = ("mlp-attn-kv", "per-layer")
+MAX_LAYER_PLANS = 50_000  # the per-layer space is enumerated: 6^L plans (L <= 6 layers)
 TRUTH_TABLES = {
     "mlp-attn-kv": "mlp-attn-kv-168.jsonl",
     "per-layer": "layer-mlp-kv-1296.jsonl",
@@ -165,6 +166,13 @@ def build_layer_points(spec_path: str | Path = DEFAULT_SPEC) -> tuple[list[Space
     spec = load_spec(spec_path)
     prep = study_context(spec, Path(spec_path).read_text())
     layers = prep.config.num_layers
+    size = (len(LAYER_MLP_FORMATS) * len(LAYER_KV_FORMATS)) ** layers
+    if size > MAX_LAYER_PLANS:
+        raise ValueError(
+            f"--space per-layer on {spec_path}: {layers} layers: "
+            f"{len(LAYER_MLP_FORMATS) * len(LAYER_KV_FORMATS)}^{layers} = {size:.3g} plans; "
+            f"an exhaustive space holds at most {MAX_LAYER_PLANS:,} (a model of <= 6 layers)"
+        )
     points = []
     for mlp in itertools.product(LAYER_MLP_FORMATS, repeat=layers):
         for kv in itertools.product(LAYER_KV_FORMATS, repeat=layers):
@@ -271,6 +279,10 @@ KL_FLOOR = 1e-4  # hypervolume axis is log10(max(KL, floor)); bf16's KL is exact
 SAMPLERS = ("random", "nsga2", "tpe", "capacity_aware")  # capacity_aware_finite on request
 NSGA2_POPULATION = 6  # issue 12's comparison: the quickstart spec's NSGA-II population then
 MAX_ASKS_PER_EVALUATION = 50  # a sampler that only repeats measured plans is stopped here
+# what `make_comparison_sampler` builds: the driver's kinds the landscape can host, GP, the
+# enumerating capacity-aware sampler of issue 12 and the one-shot baselines
+COMPARISON_SAMPLERS = ("random", "nsga2", "tpe", "gp", "capacity_aware", "capacity_aware_finite",
+                       "modelopt", "modelopt_counted")  # fmt: skip
 
 
 def pareto_front(points: list[tuple[int, float]]) -> dict[int, float]:
@@ -380,6 +392,8 @@ def make_comparison_sampler(kind: str, seed: int, landscape: Landscape, spec: Ex
     `landscape_problem`."""
     from tenantq.search.samplers import make_sampler
 
+    if kind not in COMPARISON_SAMPLERS:  # make_sampler would build a RandomSampler for it
+        raise ValueError(f"sampler {kind!r}: unknown; choose from {', '.join(COMPARISON_SAMPLERS)}")
     if kind == "capacity_aware":
         return landscape_sampler(landscape, spec, seed)
     if kind == "capacity_aware_finite":  # the enumerating sampler of issue 12, for comparison
@@ -434,8 +448,9 @@ def landscape_problem(landscape: Landscape, spec: ExperimentSpec):
     from tenantq.search.context import study_context
 
     axes = landscape.axes
-    key = (spec.model_dump_json(), tuple(axes.items()), len(landscape.points),
-           landscape.points[0].fingerprint)  # fmt: skip
+    # every plan in the key: a landscape differing in any plan's tenants is checked afresh
+    plans = tuple((p.choice, p.fingerprint, p.tenants, p.plan_json) for p in landscape.points)
+    key = (spec.model_dump_json(), tuple(axes.items()), plans)
     if key in _PROBLEMS:
         return _PROBLEMS[key]
     prep = study_context(spec, "")
@@ -717,6 +732,10 @@ def compare(
     """One row per (sampler, budget, seed): coverage, hypervolume ratio, asks."""
     import optuna
 
+    if not budgets or min(budgets) < 1 or max(budgets) > len(landscape.loss):
+        raise ValueError(f"budgets {list(budgets)}: each must be at least 1 and at most the "
+                         f"space's {len(landscape.loss)} distinct plans")  # fmt: skip
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     everything = landscape.all_points()
     front = pareto_front(everything)
@@ -933,7 +952,7 @@ def quickstart_hypervolume(
                 params = suggest(trial, spec.space, context.config)
                 plan, b = context.plan_and_budget(params)
                 fp = plan.fingerprint()
-                if fp not in rows:
+                if fp not in rows or "error" in rows[fp]:  # a failed row: measured again
                     if new_plans and new_plans % truth.RELEASE_EVERY == 0:  # see ground_truth
                         truth.release_compiled()
                     new_plans += 1

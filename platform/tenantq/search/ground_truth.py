@@ -131,10 +131,15 @@ def merge_into_table(
     path: str | Path, new: dict[str, dict[str, Any]], *, model: str, dataset: str
 ) -> dict[str, dict[str, Any]]:
     """Re-read `path` under a lock and rewrite it with `new` added: rows another pass wrote
-    since this one read the table are kept, not overwritten. Returns the table as written."""
+    since this one read the table are kept, not overwritten, and a failed row of `new` never
+    replaces a measured one (another pass measured that plan meanwhile). Returns the table as
+    written."""
     path = Path(path)
     with _locked(path):
-        rows = {**read_table(path, model=model, dataset=dataset), **new}
+        rows = read_table(path, model=model, dataset=dataset)
+        for fp, row in new.items():
+            if "error" not in row or fp not in rows or "error" in rows[fp]:
+                rows[fp] = row
         write_table(path, rows.values())
     return rows
 
@@ -169,20 +174,11 @@ def rows_from_cache(cache: dict[str, dict[str, Any]], points) -> list[dict[str, 
 
 
 def release_compiled() -> int:
-    """Drop every compiled executable this process holds: the engine's own LRU of step
-    executables (`tenantq.engine.steps`) and JAX's jit and staging caches
-    (`jax.clear_caches`). Returns how many engine executables were dropped."""
-    import gc
-
-    import jax
-
+    """Drop every compiled executable this process holds (`engine.steps.release_compiled`:
+    the engine's LRU and JAX's caches). Returns how many engine executables were dropped."""
     from tenantq.engine import steps
 
-    dropped = steps.compiled_count()
-    steps._EXECUTABLES.clear()  # the engine's LRU: it offers no public release
-    jax.clear_caches()
-    gc.collect()  # the executables' mappings go with their last reference
-    return dropped
+    return steps.release_compiled()
 
 
 def failed_row(point, error: BaseException, model: str, dataset: str, commit: str,
