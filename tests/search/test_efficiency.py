@@ -676,6 +676,6 @@ def test_the_per_layer_space_of_a_deep_model_is_refused_not_enumerated(monkeypat
     from tenantq.search.efficiency import build_layer_points
 
     deep = SimpleNamespace(config=SimpleNamespace(num_layers=32))
-    monkeypatch.setattr(context, "prepare", lambda spec, text: deep)
+    monkeypatch.setattr(context, "study_context", lambda spec, text: deep)
     with pytest.raises(ValueError, match=r"32 layers: 6\^32 = 7.96e\+24 plans; .* at most 50,000"):
         build_layer_points()
