@@ -332,3 +332,14 @@ def test_two_measured_plans_scale_by_their_residual_rms():
     fit = qm.fit([(A,), (B,)], ys.tolist(), 0.0)
     resid = ys * qm.RIDGE / (1 + qm.RIDGE)
     assert fit.sigma == pytest.approx(float(np.sqrt(np.mean(resid**2))), rel=1e-6)
+
+
+def test_plans_measured_at_the_base_loss_keep_the_model_additive():
+    # every plan measured exactly at the reference's loss (a discrete metric, e.g. exact-match
+    # accuracy, often ties): both fits have zero leave-one-out error, so the pairs cut nothing
+    # and none is kept (the pairwise rule: kept only when they cut the error by PAIR_GAIN)
+    plans = [(A,), (K,), (A, K), (B,), (A, B), (B, K)] * 2
+    assert qm.candidate_pairs(plans, _is_kv)
+    fit = qm.fit(plans, [0.25] * len(plans), 0.25, is_kv=_is_kv)
+    assert fit.pairs == {}
+    assert fit.weights == {A: 0.0, B: 0.0, K: 0.0}
