@@ -237,7 +237,8 @@ def test_the_study_run_carries_its_name_tags_params_and_spec(tracker):
 
 
 def test_params_are_cut_to_mlflows_limit_and_sent_a_hundred_at_a_time(tracker):
-    # MLflow takes a param value of at most 6000 characters and 100 params per log_batch
+    # MLflow keeps at most 6000 characters of a param value, and its server 100 params a
+    # request (MLflow 3's client would cut and split too; the tracker does it itself)
     params = {f"p{i:03d}": i for i in range(201)}
     params["long"] = "x" * 7000
     tracker.start_study("s", params, {}, "")
