@@ -3,12 +3,17 @@
 A unit test of the tracker's own bookkeeping (run names and tags, parent links, batching under
 MLflow's limits, which metrics are dropped, artifacts by type, statuses, resume), so each
 check costs milliseconds; test_tracking.py runs the same tracker on a real sqlite store.
-The client's methods and their limits are MLflow's (`MlflowClient`: log_batch takes at most
-100 params and 1000 metrics per call).
+The stand-in holds MLflow 3's contract, not a looser one: each call is bound to the real
+`MlflowClient` method's signature (a wrong argument name or count is a TypeError, as there),
+and log_batch, set_tag, create_run, set_terminated/update_run and search_runs run MLflow's own
+checks (names, lengths, statuses, max_results, a param's value never changed). The tracker's
+batches of 100 params / 1000 metrics are the tracking server's per-request limits; MLflow 3's
+client splits larger batches itself, so they are the tracker's choice, pinned here.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from pathlib import Path
@@ -18,9 +23,31 @@ import mlflow
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from mlflow.entities import RunStatus
+from mlflow.exceptions import MlflowException
+from mlflow.store.tracking import SEARCH_MAX_RESULTS_THRESHOLD
+from mlflow.utils import validation
 
 from tenantq.tracking import runs
 from tenantq.tracking.runs import StudyTracker
+
+REAL_CLIENT = mlflow.MlflowClient  # taken before any test replaces it
+
+
+def _as_real(method):
+    """The call bound to the real `MlflowClient` method's signature first (a name it has not,
+    or one argument too many, is a TypeError as there), then the stand-in's body run with
+    the arguments under the real names (a value passed in another's place lands where the
+    real client would put it)."""
+    real = inspect.signature(getattr(REAL_CLIENT, method.__name__))
+
+    def call(self, *args, **kwargs):
+        bound = real.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        return method(**bound.arguments)
+
+    call.__name__ = method.__name__
+    return call
 
 
 class RecordingClient:
@@ -34,6 +61,7 @@ class RecordingClient:
         self.statuses: dict[str, str] = {}
         self.found_runs: list = []
         self.artifact_bytes: dict[str, bytes] = {}
+        self.params: dict[str, dict[str, str]] = {}
 
     def _rec(self, name, *args, **kwargs):
         self.calls.append((name, args, kwargs))
@@ -41,52 +69,86 @@ class RecordingClient:
     def named(self, name):
         return [(a, k) for n, a, k in self.calls if n == name]
 
+    @_as_real
     def get_experiment_by_name(self, name):
         self._rec("get_experiment_by_name", name)
         return self.experiments.get(name)
 
-    def create_experiment(self, name, artifact_location=None, tags=None):
+    @_as_real
+    def create_experiment(self, name, artifact_location, tags):
         self._rec("create_experiment", name, artifact_location=artifact_location, tags=tags)
+        validation._validate_experiment_name(name)
+        for key, value in (tags or {}).items():
+            validation._validate_experiment_tag(key, value)
         return "exp-new"
 
+    @_as_real
     def set_experiment_tag(self, experiment_id, key, value):
         self._rec("set_experiment_tag", experiment_id, key, value)
+        validation._validate_experiment_tag(key, value)
 
-    def create_run(self, experiment_id, run_name=None, tags=None):
+    @_as_real
+    def create_run(self, experiment_id, start_time, tags, run_name):
         self._rec("create_run", experiment_id, run_name=run_name, tags=tags)
+        assert start_time is None, f"the tracker leaves start_time to MLflow, got {start_time!r}"
+        for key, value in (tags or {}).items():
+            validation._validate_tag(key, value)
         run_id = f"run{len(self.named('create_run'))}"
         self.statuses[run_id] = "RUNNING"
         return SimpleNamespace(info=SimpleNamespace(run_id=run_id))
 
-    def log_batch(self, run_id, metrics=(), params=()):
+    @_as_real
+    def log_batch(self, run_id, metrics, params, tags, synchronous):
         self._rec("log_batch", run_id, metrics=list(metrics), params=list(params))
+        assert not tags and synchronous is None
+        # what MLflow's store checks: names, lengths, numbers, per-request limits, and a param
+        # logged again must keep its value
+        validation._validate_batch_log_data(metrics, params, [])
+        validation._validate_batch_log_limits(metrics, params, [])
+        logged = self.params.setdefault(run_id, {})
+        for p in params:
+            if logged.setdefault(p.key, p.value) != p.value:
+                raise MlflowException(f"Changing param values is not allowed ({p.key})")
 
-    def log_text(self, run_id, text, name):
-        self._rec("log_text", run_id, text, name)
+    @_as_real
+    def log_text(self, run_id, text, artifact_file):
+        self._rec("log_text", run_id, text, artifact_file)
 
-    def log_artifact(self, run_id, local_path, artifact_path=None):
+    @_as_real
+    def log_artifact(self, run_id, local_path, artifact_path):
         self._rec("log_artifact", run_id, local_path, artifact_path=artifact_path)
         self.artifact_bytes[local_path] = Path(local_path).read_bytes()
 
+    @_as_real
     def get_run(self, run_id):
         self._rec("get_run", run_id)
         return SimpleNamespace(info=SimpleNamespace(run_id=run_id, status=self.statuses[run_id]))
 
-    def update_run(self, run_id, status=None):
+    @_as_real
+    def update_run(self, run_id, status, name):
         self._rec("update_run", run_id, status=status)
+        RunStatus.from_string(status)  # refuses a status MLflow has not
         self.statuses[run_id] = status
 
-    def set_terminated(self, run_id, status=None):
+    @_as_real
+    def set_terminated(self, run_id, status, end_time):
         self._rec("set_terminated", run_id, status)
+        RunStatus.from_string(status)
         self.statuses[run_id] = status
 
-    def set_tag(self, run_id, key, value):
+    @_as_real
+    def set_tag(self, run_id, key, value, synchronous):
         self._rec("set_tag", run_id, key, value)
+        validation._validate_tag(key, value)
 
+    @_as_real
     def delete_run(self, run_id):
         self._rec("delete_run", run_id)
 
-    def search_runs(self, experiment_ids, filter_string="", max_results=None, order_by=None):
+    @_as_real
+    def search_runs(
+        self, experiment_ids, filter_string, run_view_type, max_results, order_by, page_token
+    ):
         self._rec(
             "search_runs",
             experiment_ids,
@@ -94,7 +156,34 @@ class RecordingClient:
             max_results=max_results,
             order_by=order_by,
         )
+        if max_results > SEARCH_MAX_RESULTS_THRESHOLD:
+            raise MlflowException(f"max_results {max_results} > {SEARCH_MAX_RESULTS_THRESHOLD}")
         return self.found_runs
+
+
+def test_the_recording_client_refuses_what_mlflows_client_refuses():
+    # each refused by MlflowClient on a sqlite store too (checked side by side with MLflow
+    # 3.17): a keyword the method has not, a status MLflow has not, a param's value changed,
+    # a name over 250 characters, max_results over 50000. And a run name passed where
+    # MlflowClient takes the start time, which the real client takes silently (the run then
+    # gets a random name): never what the tracker means
+    from mlflow.entities import Metric, Param
+
+    c = RecordingClient("http://h")
+    with pytest.raises(TypeError):  # log_text's third argument is artifact_file
+        c.log_text("r", "t", name="a.txt")
+    with pytest.raises(AssertionError, match="start_time"):  # MlflowClient takes the run's
+        c.create_run("1", "trial-1")  # second positional argument as its start time
+    with pytest.raises(Exception, match="DONE"):
+        c.set_terminated("r", "DONE")
+    c.log_batch("r", params=[Param("p", "1")])
+    c.log_batch("r", params=[Param("p", "1")])  # the same value again is allowed
+    with pytest.raises(MlflowException, match="Changing param values"):
+        c.log_batch("r", params=[Param("p", "2")])
+    with pytest.raises(MlflowException, match="250"):
+        c.log_batch("r", metrics=[Metric("m" * 251, 1.0, 0, 0)])
+    with pytest.raises(MlflowException, match="50001"):
+        c.search_runs(["1"], max_results=50001)
 
 
 @pytest.fixture
@@ -148,7 +237,8 @@ def test_the_study_run_carries_its_name_tags_params_and_spec(tracker):
 
 
 def test_params_are_cut_to_mlflows_limit_and_sent_a_hundred_at_a_time(tracker):
-    # MLflow takes a param value of at most 6000 characters and 100 params per log_batch
+    # MLflow keeps at most 6000 characters of a param value, and its server 100 params a
+    # request (MLflow 3's client would cut and split too; the tracker does it itself)
     params = {f"p{i:03d}": i for i in range(201)}
     params["long"] = "x" * 7000
     tracker.start_study("s", params, {}, "")
@@ -212,7 +302,8 @@ def test_a_trial_tag_overrides_the_defaults_and_no_tags_is_allowed(tracker):
 
 
 def test_a_failed_trial_keeps_its_error_as_a_tag_and_in_full_as_a_file(tracker):
-    # MLflow tag values are limited (5000 characters kept): the whole error goes to error.txt
+    # the tag keeps the error's first 5000 characters (MLflow 3 keeps at most 8000 of a tag
+    # value, cutting longer ones itself): the whole error goes to error.txt
     tracker.start_study("s", {}, {}, "")
     error = "E" * 4999 + "xyz"
     run_id = tracker.log_trial(0, params={}, metrics={}, error=error)

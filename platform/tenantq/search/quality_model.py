@@ -152,7 +152,7 @@ def fit(
     if not pairs:
         return additive
     paired = _fit(rows, losses, base, prior, trust, pairs)
-    if paired.loo_sq <= (1.0 - PAIR_GAIN) * additive.loo_sq:
+    if paired.loo_sq < (1.0 - PAIR_GAIN) * additive.loo_sq:  # 0 < 0: no cut, none kept
         return paired
     return additive
 
