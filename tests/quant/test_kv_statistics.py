@@ -91,3 +91,20 @@ def test_float_params_of_any_dtype_are_measured_as_their_bf16_cast_biases_includ
         for tensor in ("keys", "values"):
             for name, value in want[tensor].items():
                 np.testing.assert_array_equal(got[tensor][name], value, err_msg=f"{tensor} {name}")
+
+
+def test_extremes_are_values_a_bf16_cache_holds():
+    # The model runs in bf16, so every key and value the cache receives is a bf16 number and
+    # so are their max |x|, min and max. A forward in float32 (a wrong compute dtype) gives
+    # extremes off bf16's grid, within the tolerance of the order-statistics test above.
+    from tenantq.model.decoder import init_params
+
+    config = tiny_config()
+    params = init_params(config, seed=5)
+    windows = np.random.default_rng(2).integers(3, config.vocab_size, (2, 8)).astype(np.int32)
+    stats, _ = compute_kv_statistics(config, params, windows, percentile=90.0)
+    for tensor in ("keys", "values"):
+        for name in ("absmax", "min", "max"):
+            got = stats[tensor][name]
+            on_grid = np.asarray(jnp.asarray(got, jnp.bfloat16), np.float32)
+            np.testing.assert_array_equal(got, on_grid, err_msg=f"{tensor} {name}")
