@@ -97,3 +97,14 @@ def test_a_hessian_no_damping_makes_definite_is_refused_saying_what_to_do():
         "mean diag H); the Hessian is far from positive semi-definite: recollect the "
         "calibration statistics or use rtn for this tensor"
     )
+
+
+def test_each_damping_retry_is_logged_as_one_line_naming_the_tensor_and_both_dampings(caplog):
+    # -5·I fails at every damping (as above): three retries, 0.01 -> 0.1 -> 1 -> 10, each logged
+    # once, exactly; the fourth (100 > MAX_DAMP) is not tried, so not logged.
+    with caplog.at_level("WARNING", logger="tenantq.quant.gptq"), pytest.raises(ValueError):
+        damped_inverse_factor(-5.0 * np.eye(4, dtype=np.float32), name="layers/2/mlp/down_proj")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"layers/2/mlp/down_proj: GPTQ's Cholesky failed at damp={a}; retrying with damp={b}"
+        for a, b in (("0.01", "0.1"), ("0.1", "1"), ("1", "10"))
+    ]

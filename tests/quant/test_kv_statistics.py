@@ -69,3 +69,42 @@ def test_statistics_are_order_statistics_of_what_the_cache_receives():
             np.testing.assert_allclose(got["layer_percentile"][layer], layer_pct, **tol)
             assert got["min"][layer].min() < 0 < got["max"][layer].max()
             assert all(v.dtype == np.float32 for v in got.values())
+
+
+@pytest.mark.slow  # four jitted bf16 forwards of the tiny model: ~6 s quiet
+def test_float_params_of_any_dtype_are_measured_as_their_bf16_cast_biases_included():
+    # The statistics are those of the bf16 model a server runs: params cast to bf16 first.
+    # The Decoder casts linear weights, norms and embeddings to its compute dtype itself, but
+    # adds a bias in float32 as given (`Linear`), so a float32 or float16 checkpoint's k/v
+    # biases would shift every cached key and value by their un-rounded part without the cast.
+    # Exact equality: the same bf16 forward on the same bf16 values.
+    from tenantq.model.decoder import init_params
+
+    config = tiny_config(attention_bias=True)
+    params = init_params(config, seed=4)
+    windows = np.random.default_rng(1).integers(3, config.vocab_size, (2, 8)).astype(np.int32)
+    for dtype in (jnp.float32, jnp.float16):
+        given = {p: jnp.asarray(v, dtype) for p, v in params.items()}
+        cast = {p: jnp.asarray(v, jnp.bfloat16) for p, v in given.items()}
+        got, _ = compute_kv_statistics(config, given, windows, percentile=90.0)
+        want, _ = compute_kv_statistics(config, cast, windows, percentile=90.0)
+        for tensor in ("keys", "values"):
+            for name, value in want[tensor].items():
+                np.testing.assert_array_equal(got[tensor][name], value, err_msg=f"{tensor} {name}")
+
+
+def test_extremes_are_values_a_bf16_cache_holds():
+    # The model runs in bf16, so every key and value the cache receives is a bf16 number and
+    # so are their max |x|, min and max. A forward in float32 (a wrong compute dtype) gives
+    # extremes off bf16's grid, within the tolerance of the order-statistics test above.
+    from tenantq.model.decoder import init_params
+
+    config = tiny_config()
+    params = init_params(config, seed=5)
+    windows = np.random.default_rng(2).integers(3, config.vocab_size, (2, 8)).astype(np.int32)
+    stats, _ = compute_kv_statistics(config, params, windows, percentile=90.0)
+    for tensor in ("keys", "values"):
+        for name in ("absmax", "min", "max"):
+            got = stats[tensor][name]
+            on_grid = np.asarray(jnp.asarray(got, jnp.bfloat16), np.float32)
+            np.testing.assert_array_equal(got, on_grid, err_msg=f"{tensor} {name}")

@@ -312,23 +312,35 @@ def _stand_in_store(monkeypatch, parent, trials) -> None:
     monkeypatch.setattr(mlflow, "MlflowClient", Stored)
 
 
-def test_a_trial_run_without_a_start_time_is_logged_at_the_epoch(monkeypatch) -> None:
+def test_a_trial_run_without_a_start_time_is_left_off_the_timeline(monkeypatch) -> None:
     # The timeline places each trial at `logged_ms` (the run's start time). A run whose store
-    # gave no start time (MLflow's RunInfo allows None) sits at 0 ms, not at a made-up 1 ms.
+    # gave no start time (MLflow's RunInfo allows None) has no time: placed at the epoch
+    # (0 ms) it would stretch the axis over 56 years and squash every other bar into a line.
+    from tenantq.report.figures import timeline_figure
+
     trial = {"tenantq.kind": "trial", "mlflow.parentRunId": "p"}
     trials = [
         _stand_in_run("t0", trial | {"tenantq.trial": "0"}, start_time=None),
         _stand_in_run("t1", trial | {"tenantq.trial": "1"}, start_time=1_700_000_000_123),
+        _stand_in_run("t2", trial | {"tenantq.trial": "2"}, start_time=1_700_000_060_123),
     ]
     parent = _stand_in_run("p", {"tenantq.kind": "study"}, params={"study.name": "s"})
     _stand_in_store(monkeypatch, parent, trials)
     study = load_study("http://127.0.0.1:1", "e")
-    assert [t.logged_ms for t in study.trials] == [0, 1_700_000_000_123]
+    assert [t.logged_ms for t in study.trials] == [None, 1_700_000_000_123, 1_700_000_060_123]
+    fig = timeline_figure(study)
+    labels = [label for bar in fig.data for label in bar.text]
+    starts = [start for bar in fig.data for start in bar.base]
+    assert sorted(labels) == ["1", "2"]  # trial 0 is not drawn
+    assert min(starts) == 0 and max(starts) == 60.0  # seconds since the first timed trial
 
 
-def test_a_study_run_with_neither_a_name_param_nor_a_run_name_is_named_empty(monkeypatch) -> None:
-    # The name falls back to the run's name, and to "" (no made-up name) when MLflow has none.
+def test_a_study_run_with_neither_a_name_param_nor_a_run_name_is_named_by_its_run_id(
+    monkeypatch,
+) -> None:
+    # The name falls back to the run's name, and to its run id when MLflow has neither: a
+    # report titled "tenantq study " would name nothing the reader can look up.
     parent = _stand_in_run("p", {"tenantq.kind": "study"}, run_name=None)
     _stand_in_store(monkeypatch, parent, [])
     study = load_study("http://127.0.0.1:1", "e")
-    assert (study.name, study.parent_run_id, study.trials) == ("", "p", [])
+    assert (study.name, study.parent_run_id, study.trials) == ("p", "p", [])

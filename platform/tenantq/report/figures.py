@@ -412,15 +412,15 @@ def flips_figure(study: StudyRecord, limit_trials: int = 8) -> go.Figure | None:
 def timeline_figure(study: StudyRecord) -> go.Figure | None:
     """Each trial as a bar on its worker's lane, ending when its result was logged and as long
     as the worker took (`time.worker_elapsed_s`); failures in dark red, retries named,
-    duplicates answered from the study on their own lane."""
-    if not study.trials:
+    duplicates answered from the study on their own lane. A trial whose run has no time
+    (`logged_ms` None) is left off."""
+    timed = [t for t in study.trials if t.logged_ms is not None]
+    if not timed:
         return None
-    t0 = min(
-        t.logged_ms / 1000.0 - t.metrics.get("time.worker_elapsed_s", 0.0) for t in study.trials
-    )
+    t0 = min(t.logged_ms / 1000.0 - t.metrics.get("time.worker_elapsed_s", 0.0) for t in timed)
     failed_fps: dict[str, int] = {}
     bars: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for t in study.trials:
+    for t in timed:
         end_s = t.logged_ms / 1000.0 - t0
         elapsed = t.metrics.get("time.worker_elapsed_s", 0.0)
         if t.failed:

@@ -31,7 +31,9 @@ class TrialRecord:
     params: dict[str, str]
     metrics: dict[str, float]
     tags: dict[str, str]
-    logged_ms: int  # when the driver logged the run (a trial's run is created at its end)
+    # when the driver logged the run (a trial's run is created at its end); None when the
+    # store gave no start time (such a trial is left off the timeline)
+    logged_ms: int | None
     client: Any = field(repr=False, default=None)
     # the metric holding the study's capacity value (`StudyRecord.capacity_key`)
     capacity_key: str = TENANTS_KEY
@@ -332,7 +334,7 @@ def load_study(tracking_uri: str, experiment: str, study: str | None = None) -> 
             params=dict(r.data.params),
             metrics=dict(r.data.metrics),
             tags=dict(r.data.tags),
-            logged_ms=int(r.info.start_time or 0),
+            logged_ms=None if r.info.start_time is None else int(r.info.start_time),
             client=client,
         )
         for r in runs
@@ -345,7 +347,7 @@ def load_study(tracking_uri: str, experiment: str, study: str | None = None) -> 
     return StudyRecord(
         tracking_uri=tracking_uri,
         experiment=experiment,
-        name=parent.data.params.get("study.name", parent.info.run_name or ""),
+        name=parent.data.params.get("study.name") or parent.info.run_name or parent.info.run_id,
         parent_run_id=parent.info.run_id,
         params=dict(parent.data.params),
         metrics=dict(parent.data.metrics),
