@@ -8,6 +8,7 @@ against scipy's exact binomial test, the perplexity ratio and the KL mean by dir
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from types import SimpleNamespace
@@ -888,3 +889,139 @@ def test_a_baseline_holding_a_record_too_many_is_an_error(monkeypatch) -> None:
 
     with pytest.raises(ValueError, match="7 generations for 6 needle and structured items"):
         me._evaluate(QuantPlan())
+
+
+def test_paired_verdicts_are_read_by_their_truth_value() -> None:
+    # a scorer may answer with any truthy value (a count of matched tokens, numpy's bool): a
+    # pass is a pass, whatever its size, so the figures are those of the booleans
+    items = [_needle(64, k) for k in range(6)]
+    gens = [Generated([1], [1.0]) for _ in items]
+    as_bool = PassFailTask("needles", items, "len", None, None)
+    want = as_bool.pair(
+        [True, True, False, True, False, True],
+        [True, False, False, True, True, False],
+        gens,
+        gens,
+        rows := [],
+    )
+    loose = PassFailTask("needles", items, "len", None, None)
+    got = loose.pair([2, 5, 0, 1, 0, 3], [7, 0, 0, 2, 9, 0], gens, gens, loose_rows := [])
+    assert got == want and loose.baseline_passes == as_bool.baseline_passes == {
+        "needle.len64": (4, 6)
+    }
+    drop = ("kl", "top1_agree")  # nan in both
+    assert [{k: v for k, v in r.items() if k not in drop} for r in loose_rows] == [
+        {k: v for k, v in r.items() if k not in drop} for r in rows
+    ]
+    assert [r["flip"] for r in loose_rows] == [
+        "",
+        "correct_to_wrong",
+        "",
+        "",
+        "wrong_to_correct",
+        "correct_to_wrong",
+    ]
+    assert [r["baseline_score"] for r in loose_rows] == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_pass_fail_row_without_a_length_or_depth_takes_its_prompts_length() -> None:
+    rows = []
+    me = PassFailTask(
+        "structured",
+        [SimpleNamespace(task="structured", task_name="t", example_id="s/0", prompt=[1, 2, 3])],
+        "task",
+        None,
+        None,
+    )
+    me.pair([True], [True], [Generated([1], [])], [Generated([1], [])], rows)
+    assert rows[0]["length"] == 3 and math.isnan(rows[0]["depth"])
+
+
+@pytest.mark.parametrize(
+    ("everyone_has", "computed"),
+    [
+        ((True, True), []),  # every host holds both caches: all read them
+        ((False, True), ["fidelity"]),  # a host lacks the fidelity cache: all recompute it
+        ((True, False), ["generations"]),
+        ((False, False), ["fidelity", "generations"]),
+    ],
+)
+def test_hosts_of_a_slice_take_the_cached_baseline_only_when_every_host_has_it(
+    tmp_path, monkeypatch, everyone_has, computed
+) -> None:
+    from tenantq.engine import sharding
+
+    calls = []
+    monkeypatch.setattr(ev.fidelity, "compute_baseline", _fake_baseline(calls))
+    _BaselineMe(tmp_path).baseline()  # both caches on this host's disk
+    calls.clear()
+    asked, answers = [], iter(everyone_has)
+
+    def on_every_host(flag):
+        inspect.signature(sharding.on_every_host).bind(flag)
+        asked.append(flag)
+        return next(answers)
+
+    monkeypatch.setattr(sharding, "on_every_host", on_every_host)
+    monkeypatch.setattr(ev.jax, "process_count", lambda: 2)
+    me = _BaselineMe(tmp_path)
+    out = me.baseline()
+    assert asked == [True, True]  # this host's own answer for each cache, fidelity first
+    assert ("fidelity" in computed) == (len(calls) == 1)
+    assert me.generated == ([("engine", 2)] if "generations" in computed else [])
+    assert out["fidelity"] is not None and len(out["generations"]) == 2
+    # one process: nobody else to ask
+    monkeypatch.setattr(ev.jax, "process_count", lambda: 1)
+    asked.clear()
+    _BaselineMe(tmp_path).baseline()
+    assert asked == []
+
+
+@pytest.mark.parametrize(("mesh", "processes", "host"), [
+    ("mesh", 2, True), (None, 2, False), ("mesh", 1, False),
+])  # fmt: skip
+def test_a_sharded_evaluation_on_a_slice_reports_this_hosts_memory(
+    monkeypatch, mesh, processes, host
+) -> None:
+    monkeypatch.setattr(ev.fidelity, "compare", lambda e, r, b, **kw: {
+        "kl": np.zeros((3, 7)), "top1_agree": np.ones((3, 7), bool),
+        "target_logp": np.full((3, 7), -2.0)})  # fmt: skip
+    monkeypatch.setattr(
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+    )
+    monkeypatch.setattr(
+        ev.structured, "run_items", lambda e, items, n: [Generated([ord(")")], [])] * 2
+    )
+    monkeypatch.setattr(ev.jax, "process_count", lambda: processes)
+    from tenantq.quant.plan import QuantPlan
+
+    me = _EvalMe()
+    me.engine.mesh, me.engine.host_memory = mesh, lambda: {"rss_bytes": 5}
+    memory = me._evaluate(QuantPlan()).memory_report
+    assert memory == ({"pool_bytes": 10, "host": {"rss_bytes": 5}} if host else {"pool_bytes": 10})
+
+
+def test_the_progress_bar_counts_tasks_and_leaves_no_line(monkeypatch) -> None:
+    from tenantq.model import terminal
+
+    real, seen = terminal.progress_bar, []
+
+    def progress_bar(*args, **kwargs):
+        bound = inspect.signature(real).bind(*args, **kwargs)
+        bound.apply_defaults()
+        seen.append(dict(bound.arguments))
+        return "bar"
+
+    monkeypatch.setattr(terminal, "progress_bar", progress_bar)
+    assert ev._progress(True, 5) == "bar" and ev._progress(False, 0) == "bar"
+    assert seen == [
+        {"total": 5, "enabled": True, "initial": 0, "options": {"unit": "task", "leave": False}},
+        {"total": 0, "enabled": False, "initial": 0, "options": {"unit": "task", "leave": False}},
+    ]
+
+
+def test_a_results_parquet_keeps_the_tables_own_metadata(tmp_path) -> None:
+    table = ev._examples_table([]).replace_schema_metadata({b"origin": b"test"})
+    result = ev.EvalResult({"a": 1}, {}, table, {"total": 1.0}, {})
+    meta = pq.read_table(result.to_parquet(tmp_path / "r.parquet")).schema.metadata
+    assert meta[b"origin"] == b"test" and b"tenantq.summary" in meta
