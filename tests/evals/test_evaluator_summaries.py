@@ -1025,3 +1025,23 @@ def test_a_results_parquet_keeps_the_tables_own_metadata(tmp_path) -> None:
     result = ev.EvalResult({"a": 1}, {}, table, {"total": 1.0}, {})
     meta = pq.read_table(result.to_parquet(tmp_path / "r.parquet")).schema.metadata
     assert meta[b"origin"] == b"test" and b"tenantq.summary" in meta
+
+
+def test_a_groups_mcnemar_p_is_found_when_its_name_holds_acc_delta() -> None:
+    # the p-value's key replaces the figure's name only (`pass_fail_key`), so a structured
+    # task whose own name begins with "acc_delta" keeps it: structured.mcnemar_p.acc_delta
+    items = [_struct("acc_delta", k) for k in range(8)]
+    gens = [Generated([1], [])] * 8
+    summary = PassFailTask("structured", items, "task", None, None).pair(
+        [1] * 8, [0] * 7 + [1], gens, gens, []
+    )
+    assert "structured.mcnemar_p.acc_delta" in summary
+    metric = "structured.acc_delta.acc_delta"
+    # model_copy: the suite's validation does not know this task's name
+    suite = _suite().model_copy(
+        update={"gates": (GateSpec(metric=metric, tolerance=0.2, higher_is_better=True),)}
+    )
+    gate = ev.gates_for(suite, summary)[metric]
+    # 7 correct->wrong flips of 8: McNemar p = 2 / 2^7 = 1/64 <= 0.05
+    assert summary["structured.mcnemar_p.acc_delta"] == 1 / 64 and gate.changed
+    assert gate.value == -7 / 8
