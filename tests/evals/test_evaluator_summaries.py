@@ -1045,3 +1045,29 @@ def test_a_groups_mcnemar_p_is_found_when_its_name_holds_acc_delta() -> None:
     # 7 correct->wrong flips of 8: McNemar p = 2 / 2^7 = 1/64 <= 0.05
     assert summary["structured.mcnemar_p.acc_delta"] == 1 / 64 and gate.changed
     assert gate.value == -7 / 8
+
+
+def test_cached_generations_keep_int32_tokens_and_float64_margins(tmp_path) -> None:
+    # the columns' types are fixed, not inferred from the records: a cache whose records
+    # happen to hold no margins (a needle failed at its first token) still reads as floats
+    items = [_needle(64, 0), _struct("close_line", 1)]
+    path = tmp_path / "g.parquet"
+    ev._save_generations([Generated([3, 4], [0.5]), Generated([7], [])], items, path)
+    schema = pq.read_schema(path)
+    assert schema.field("tokens").type == pa.list_(pa.int32())
+    assert schema.field("margins").type == pa.list_(pa.float64())
+    ev._save_generations([Generated([], []), Generated([1], [])], items, path)
+    assert pq.read_schema(path).field("margins").type == pa.list_(pa.float64())
+    assert pq.read_schema(path).field("tokens").type == pa.list_(pa.int32())
+
+
+def test_the_baseline_cache_folder_is_made_with_its_parents(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(ev.fidelity, "compute_baseline", _fake_baseline([]))
+    folder = tmp_path / "a" / "b" / "cache"
+    _BaselineMe(folder).baseline()
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "baseline-k1-fidelity.parquet", "baseline-k1-generations.parquet"
+    ]  # fmt: skip
+    # an existing folder is used as it is (another key's baseline into the same folder)
+    _BaselineMe(folder, key="k2").baseline()
+    assert len(list(folder.iterdir())) == 4
