@@ -1071,3 +1071,15 @@ def test_the_baseline_cache_folder_is_made_with_its_parents(tmp_path, monkeypatc
     # an existing folder is used as it is (another key's baseline into the same folder)
     _BaselineMe(folder, key="k2").baseline()
     assert len(list(folder.iterdir())) == 4
+
+
+@pytest.mark.parametrize("short", ["baseline", "candidate"])
+def test_pairing_verdicts_with_a_record_missing_is_an_error(short) -> None:
+    # four items, four verdicts each side, one generation record short on one side: the
+    # rows would pair the rest with the wrong items (or drop the last) without a word
+    items = [_needle(64, k) for k in range(4)]
+    gens = [Generated([k], [1.0]) for k in range(4)]
+    base_gens, cand_gens = (gens[:3], gens) if short == "baseline" else (gens, gens[:3])
+    me = PassFailTask("needles", items, "len", None, None)
+    with pytest.raises(ValueError, match="zip"):
+        me.pair([1, 1, 0, 1], [1, 0, 0, 1], base_gens, cand_gens, [])
