@@ -1083,3 +1083,46 @@ def test_pairing_verdicts_with_a_record_missing_is_an_error(short) -> None:
     me = PassFailTask("needles", items, "len", None, None)
     with pytest.raises(ValueError, match="zip"):
         me.pair([1, 1, 0, 1], [1, 0, 0, 1], base_gens, cand_gens, [])
+
+
+def test_an_evaluations_timings_are_each_phases_seconds_to_a_tenth_of_a_millisecond(
+    monkeypatch,
+) -> None:
+    # a clock that moves only when a stand-in works: each phase's seconds are known exactly,
+    # and reported rounded to 4 decimals (0.1 ms)
+    clock = {"now": 50.0}
+    monkeypatch.setattr(ev.time, "perf_counter", lambda: clock["now"])
+
+    def spend(seconds, compiled=0.0):
+        clock["now"] += seconds
+        me.engine.stats.compile_s += compiled
+
+    def compare(engine, rows, base, *, kv_tokens=None):
+        spend(0.123456, compiled=0.1)
+        return {"kl": np.zeros((3, 7)), "top1_agree": np.ones((3, 7), bool),
+                "target_logp": np.full((3, 7), -2.0)}  # fmt: skip
+
+    def run_needles(engine, items, **kw):
+        spend(2.0000444)
+        return [Generated([5, 6], [])] * 4
+
+    def run_items(engine, items, n):
+        spend(1.5)
+        return [Generated([ord(")")], [])] * 2
+
+    monkeypatch.setattr(ev.fidelity, "compare", compare)
+    monkeypatch.setattr(ev.needle_grid, "run_needles", run_needles)
+    monkeypatch.setattr(ev.structured, "run_items", run_items)
+    from tenantq.quant.plan import QuantPlan
+
+    me = _EvalMe()
+    base, build = me.baseline, me.build_engine
+    monkeypatch.setattr(me, "baseline", lambda: spend(4.25) or base())
+    monkeypatch.setattr(me, "build_engine", lambda plan: spend(0.00006) or build(plan))
+    t = me._evaluate(QuantPlan()).timings_s
+    assert t == {
+        "load": 7.0, "baseline": 4.25, "quantize": 0.0001, "compile": 1.35,
+        "fidelity": round(0.123456 - 0.1, 4), "needles": 2.0, "structured": 1.5,
+        "total": round(7.0 + 4.25 + 0.00006 + 0.123456 + 2.0000444 + 1.5, 4),
+    }  # fmt: skip
+    assert t["fidelity"] == pytest.approx(0.0235) and t["total"] == pytest.approx(14.8736)
