@@ -155,3 +155,14 @@ def test_the_own_front_is_the_studys_own_complete_trials_in_trial_order() -> Non
     own = {t.number: t for t in study.get_trials(deepcopy=False)}
     assert all(t is own[t.number] for t in got)
     assert [t.values for t in got] == [[3.0, 3.0], [1.0, 1.0], [2.0, 2.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("direction", ["minimize", "maximize"])
+def test_the_own_front_orders_figures_up_to_the_largest_floats(direction: str) -> None:
+    """The sweep only flips the sign of a maximised value: figures near the largest float
+    (1.797e308) stay distinct and ordered, nothing is scaled into infinity."""
+    better, worse = (1.0e308, 1.5e308) if direction == "minimize" else (1.5e308, 1.0e308)
+    study = optuna.create_study(directions=[direction, "minimize"])
+    study.add_trial(_frozen(0, [worse, 0.0]))
+    study.add_trial(_frozen(1, [better, 0.0]))
+    assert [t.number for t in own_best_trials(study)] == [1]
