@@ -128,7 +128,12 @@ class SpaceSpec(_Strict):
         default_factory=lambda: ["none", "first_last"]
     )
     profile: str | None = Field(None, description="sensitivity profile (Arrow/Parquet table)")
-    max_keep_bf16: int | None = Field(None, ge=0, description="sensitivity: largest k searched")
+    max_keep_bf16: int | None = Field(
+        None,
+        ge=0,
+        description="sensitivity: largest k searched (0: no tensor kept in bf16; absent: "
+        "up to every tensor of the profile)",
+    )
 
     @field_validator(
         "weight_formats",
