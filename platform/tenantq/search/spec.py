@@ -162,6 +162,17 @@ class SpaceSpec(_Strict):
             raise ValueError(f"choices must be >= 0, got {v}")
         return v
 
+    @field_validator("max_keep_bf16", mode="before")
+    @classmethod
+    def _whole_count(cls, v: Any) -> Any:
+        # A count of tensors: `true`, "2" or 2.0 is refused, not read as 1 or 2.
+        if v is not None and (type(v) is not int or v < 0):
+            raise ValueError(
+                "must be a whole number >= 0 (the most tensors kept in bf16; 0: none); "
+                "leave it out for no limit"
+            )
+        return v
+
     @model_validator(mode="after")
     def _profile_for_sensitivity(self) -> SpaceSpec:
         if self.kind == "sensitivity" and not self.profile:
