@@ -28,7 +28,7 @@ from tenantq.quant.awq import (
     output_error,
     search_scale,
 )
-from tenantq.quant.folding import FoldSite
+from tenantq.quant.folding import FoldSite, fold
 from tenantq.quant.input_stats import InputStats
 
 
@@ -167,6 +167,107 @@ def test_the_default_grid_is_twenty_alphas_from_zero():
     want_s, want_alpha = numpy_scale_search(x, weights, plans, 20)
     assert alpha == want_alpha
     np.testing.assert_allclose(s, want_s, rtol=1e-9)
+
+
+def numpy_folded_scale_search(x, params, site, plans, grid, source=None, float32_products=False):
+    """The paper's grid search scored on the tensors `folding.fold` stores for each α: the
+    consumers' rows times s and the producer's columns divided by s, taken in float64 and
+    rounded to float32, then quantized; the error is against the checkpoint's own values.
+    `float32_products`: the float32 arithmetic fold does not do (float32(w) * float32(s))."""
+    m = np.maximum(np.abs(x).mean(axis=0), 1e-8)
+    best = None
+    for k in range(grid):
+        s = m ** (k / grid)
+        s = s / np.sqrt(s.max() * s.min())
+        if float32_products:
+            s32 = s.astype(np.float32)
+            stored = {p: np.float32(params[p]) * s32[:, None] for p in site.consumers}
+            if source is not None:
+                stored[site.source] = np.float32(params[site.source]) / s32[None, :]
+        else:
+            stored = fold(params, None, site, s)
+        err = 0.0
+        for p, how in plans.items():
+            q = _deq(quantize(stored[p], how.format, axis=0, group_size=how.group_size))
+            err += _err(x, params[p], q / s[:, None])  # (x / s) @ Q(stored)
+        if source is not None:
+            how, x_v = source
+            q = _deq(quantize(stored[site.source], how.format, axis=0, group_size=how.group_size))
+            err += _err(x_v, params[site.source], q * s[None, :])  # (x_v @ Q(stored)) * s
+        if best is None or err < best[0]:
+            best = (err, s, k / grid)
+    return best[1], best[2]
+
+
+def _top_of_an_mx_block(near, stored, float32_stored):
+    """Per channel, a float64 value within 2^-26 of `near` that fold stores as >= 4 (so an
+    E2M1 block holding it takes the scale 2^0 and keeps 4 exactly) while float32 arithmetic
+    would store it below 4 (scale 2^-1: it saturates at 3); nan where no candidate does."""
+    out = np.full(near.shape, np.nan)
+    for d in np.linspace(-(2.0**-26), 2.0**-26, 65):
+        v = near * (1 + d)
+        ok = np.isnan(out) & (stored(v) >= 4) & (float32_stored(v) < 4)
+        out[ok] = v[ok]
+    return out
+
+
+def test_the_scale_search_scores_the_consumers_as_fold_stores_them():
+    # A float64 checkpoint whose consumer, folded at α = 2/4, is exactly on the mxfp4 grid at
+    # block scale 1, with 4 (the grid's top but one, amax) in many rows: fold stores those
+    # as 4.0 (w * s in float64, then float32), so that α costs next to nothing; float32(w) *
+    # float32(s) would put them a float32 ulp below 4, the blocks' scale one binade lower and
+    # the 4s at 3. The search must score what fold stores.
+    rng = np.random.default_rng(13)
+    n, grid = 32, 4
+    x = _x(rng, 64, n)
+    m = np.abs(x).mean(axis=0)
+    s = m**0.5 / np.sqrt(m.max() ** 0.5 * m.min() ** 0.5)  # α = 2/4
+    s32 = s.astype(np.float32)
+    top = _top_of_an_mx_block(
+        4 / s, lambda v: np.float32(v * s), lambda v: np.float32(v) * s32
+    )  # fmt: skip
+    assert 3 <= np.sum(~np.isnan(top)) <= n - 3  # seeded: some rows, not all
+    g = rng.choice([0.5, 1.0, 1.5, 2.0, 3.0], (n, 6)) / s[:, None]  # on the grid once folded
+    w = np.where(np.isnan(top)[:, None], g, top[:, None]) * rng.choice([-1, 1], (n, 6))
+    params = {"a": w, "norm": np.ones(n)}
+    plans = {"a": _tq("mxfp4", path="a")}
+    site = FoldSite("site", ("a",), "norm", "norm")
+    got_s, got = search_scale(params, None, site, _site_stats(x, ("a",)), plans, grid=grid,
+                              clip=False)  # fmt: skip
+    want_s, want = numpy_folded_scale_search(x, params, site, plans, grid)
+    _, float32_alpha = numpy_folded_scale_search(x, params, site, plans, grid, None, True)
+    assert got == want == 0.5 and float32_alpha != want  # seeded: the arithmetic decides
+    np.testing.assert_allclose(got_s, want_s, rtol=1e-12)
+
+
+def test_the_scale_search_scores_a_quantized_producer_as_fold_stores_it():
+    # The producer's side of the same: up_proj's columns divided by s (float64, then float32)
+    # land on 4 exactly at α = 2/4 in the columns `_top_of_an_mx_block` found; the consumer
+    # is int8 on plain float64 weights.
+    rng = np.random.default_rng(14)
+    n, n_v, grid = 16, 32, 4
+    x, x_v = _x(rng, 64, n), _x(rng, 64, n_v)
+    m = np.abs(x).mean(axis=0)
+    s = m**0.5 / np.sqrt(m.max() ** 0.5 * m.min() ** 0.5)
+    s32 = s.astype(np.float32)
+    top = _top_of_an_mx_block(
+        4 * s, lambda v: np.float32(v / s), lambda v: np.float32(v) / s32
+    )  # fmt: skip
+    assert 3 <= np.sum(~np.isnan(top)) <= n - 3  # seeded: some columns, not all
+    g = rng.choice([0.5, 1.0, 1.5, 2.0, 3.0], (n_v, n)) * s[None, :]
+    up = np.where(np.isnan(top)[None, :], g, top[None, :]) * rng.choice([-1, 1], (n_v, n))
+    params = {"down": rng.standard_normal((n, 8)), "up": up}
+    plans = {"down": _tq("int8", path="down")}
+    site = FoldSite("site", ("down",), "up", "columns")
+    how_u = _tq("mxfp4", path="up")
+    got_s, got = search_scale(
+        params, None, site, _site_stats(x, ("down",)), plans, grid=grid, clip=False,
+        source=(how_u, x_v.T @ x_v),
+    )  # fmt: skip
+    want_s, want = numpy_folded_scale_search(x, params, site, plans, grid, (how_u, x_v))
+    _, float32_alpha = numpy_folded_scale_search(x, params, site, plans, grid, (how_u, x_v), True)
+    assert got == want == 0.5 and float32_alpha != want  # seeded: the arithmetic decides
+    np.testing.assert_allclose(got_s, want_s, rtol=1e-12)
 
 
 def test_at_mx_formats_the_scale_search_scores_the_exponent_search():
