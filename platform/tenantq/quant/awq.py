@@ -38,9 +38,10 @@ MX_EXPONENT_STEPS = (0, 1, -1)
 
 
 def output_error(w_hat, w, gram) -> float:
-    """‖X W − X Ŵ‖_F² = tr(Δᵀ G Δ) with G = XᵀX, Δ = Ŵ − W (float64)."""
+    """‖X W − X Ŵ‖_F² = tr(Δᵀ G Δ) with G = XᵀX, Δ = Ŵ − W (float64): the column errors
+    summed (G Δ as one matrix product)."""
     d = np.asarray(w_hat, np.float64) - np.asarray(w, np.float64)
-    return float(np.einsum("ic,ij,jc->", d, gram, d, optimize=True))
+    return float(np.sum(column_errors(d, gram)))
 
 
 def _rtn(w, how: TensorQuant) -> np.ndarray:
