@@ -28,8 +28,9 @@ from tenantq.quant.awq import (
     output_error,
     search_scale,
 )
-from tenantq.quant.folding import FoldSite, fold
+from tenantq.quant.folding import FoldSite, fold, fold_sites
 from tenantq.quant.input_stats import InputStats
+from tenantq.testing import tiny_config
 
 
 def _tq(fmt, group=None, symmetric=True, path="layers/0/mlp/up_proj", axis=0):
@@ -74,7 +75,8 @@ def numpy_scale_search(x, weights, plans, grid, source=None, floor=1e-8):
         err = 0.0
         for p, w in weights.items():
             how = plans[p]
-            q = _deq(quantize(w * s32[:, None], how.format, axis=0, group_size=how.group_size))
+            q = _deq(quantize(w * s32[:, None], how.format, axis=0, group_size=how.group_size,
+                              symmetric=how.symmetric))  # fmt: skip
             err += _err(x, w, q / s32[:, None])  # (x / s) @ Q(diag(s) W)
         if source is not None:
             how, x_v, w_v = source
@@ -169,31 +171,49 @@ def test_the_default_grid_is_twenty_alphas_from_zero():
     np.testing.assert_allclose(s, want_s, rtol=1e-9)
 
 
-def numpy_folded_scale_search(x, params, site, plans, grid, source=None, float32_products=False):
+def _round(w, how, gram, clip):
+    """How `awq_weight` will round `w`: the exponent search at MX formats with clip (on the
+    Gram of the tensor's own input), plain rounding otherwise."""
+    if clip and how.format.startswith("mx"):
+        return _deq(exponent_search(w, how, gram))
+    kw = dict(axis=0, group_size=how.group_size, symmetric=how.symmetric)
+    return _deq(quantize(w, how.format, **kw))
+
+
+def numpy_folded_scale_search(
+    x, params, site, plans, grid, source=None, float32_products=False, *, config=None,
+    clip=False, kv_groups=None,
+):  # fmt: skip
     """The paper's grid search scored on the tensors `folding.fold` stores for each α: the
     consumers' rows times s and the producer's columns divided by s, taken in float64 and
-    rounded to float32, then quantized; the error is against the checkpoint's own values.
+    rounded to float32, then rounded as `awq_weight` will (`_round`, on the Gram of x / s
+    for a consumer, of x_v for the producer); the error is against the checkpoint's own
+    values. `kv_groups` (kv heads, heads per kv head, head dim): o_proj's channels take
+    their KV group's largest mean |x|, and v_proj's column (g, j) is divided by that s.
     `float32_products`: the float32 arithmetic fold does not do (float32(w) * float32(s))."""
     m = np.maximum(np.abs(x).mean(axis=0), 1e-8)
+    if kv_groups is not None:
+        m = np.broadcast_to(m.reshape(kv_groups).max(axis=1, keepdims=True), kv_groups).ravel()
     best = None
     for k in range(grid):
         s = m ** (k / grid)
         s = s / np.sqrt(s.max() * s.min())
+        t = s if kv_groups is None else s.reshape(kv_groups)[:, 0, :].ravel()
         if float32_products:
             s32 = s.astype(np.float32)
             stored = {p: np.float32(params[p]) * s32[:, None] for p in site.consumers}
             if source is not None:
                 stored[site.source] = np.float32(params[site.source]) / s32[None, :]
         else:
-            stored = fold(params, None, site, s)
+            stored = fold(params, config, site, s)
         err = 0.0
         for p, how in plans.items():
-            q = _deq(quantize(stored[p], how.format, axis=0, group_size=how.group_size))
+            q = _round(stored[p], how, (x / s).T @ (x / s), clip)
             err += _err(x, params[p], q / s[:, None])  # (x / s) @ Q(stored)
         if source is not None:
             how, x_v = source
-            q = _deq(quantize(stored[site.source], how.format, axis=0, group_size=how.group_size))
-            err += _err(x_v, params[site.source], q * s[None, :])  # (x_v @ Q(stored)) * s
+            q = _round(stored[site.source], how, x_v.T @ x_v, clip)
+            err += _err(x_v, params[site.source], q * t[None, :])  # (x_v @ Q(stored)) * t
         if best is None or err < best[0]:
             best = (err, s, k / grid)
     return best[1], best[2]
@@ -271,30 +291,104 @@ def test_the_scale_search_scores_a_quantized_producer_as_fold_stores_it():
 
 
 def test_at_mx_formats_the_scale_search_scores_the_exponent_search():
-    # With clip at an MX format each candidate is scored as awq_weight will round it (the
-    # exponent search on the folded Gram); without clip, by plain rounding.
-    rng = np.random.default_rng(6)
-    x = _x(rng, 64, 32)
-    weights = {"a": (rng.standard_normal((32, 8)) * 5).astype(np.float32)}
-    how = _tq("mxfp4")
-    plans, stats = {"a": how}, _site_stats(x, ("a",))
+    # With clip (the default, as for awq_weight) at an MX format each candidate is scored as
+    # awq_weight will round it: the exponent search on the Gram of x / s; without clip, by
+    # plain rounding. Seeded so the two scorings choose different α, and the Gram of x * s
+    # yet another.
+    rng = np.random.default_rng(5)
+    x = _x(rng, 64, 64)
+    weights = {"a": (rng.standard_normal((64, 8)) * 5).astype(np.float32)}
+    params = {**weights, "norm": np.ones(64, np.float32)}
+    plans, stats = {"a": _tq("mxfp4")}, _site_stats(x, ("a",))
     site = FoldSite("site", ("a",), "norm", "norm")
-    m = np.maximum(np.abs(x).mean(axis=0), 1e-8)
-    best = None
-    for k in range(6):
-        s = m ** (k / 6)
-        s = s / np.sqrt(s.max() * s.min())
-        s32 = s.astype(np.float32)
-        w = weights["a"]
-        q = _deq(exponent_search(w * s32[:, None], how, stats.gram / np.outer(s, s)))
-        err = _err(x, w, q / s32[:, None])
-        if best is None or err < best[0]:
-            best = (err, s, k / 6)
+    want_s, want = numpy_folded_scale_search(x, params, site, plans, 6, clip=True)
     s, alpha = search_scale(weights, None, site, stats, plans, grid=6, clip=True)
-    assert alpha == best[2]
-    np.testing.assert_allclose(s, best[1], rtol=1e-9)
+    assert alpha == want
+    np.testing.assert_allclose(s, want_s, rtol=1e-12)
+    assert search_scale(weights, None, site, stats, plans, grid=6)[1] == want  # clip's default
     _, plain_alpha = search_scale(weights, None, site, stats, plans, grid=6, clip=False)
-    assert plain_alpha == numpy_scale_search(x, weights, plans, 6)[1]
+    assert plain_alpha == numpy_folded_scale_search(x, params, site, plans, 6)[1] != want
+
+
+def test_an_asymmetric_consumer_is_scored_with_its_zero_point():
+    # Weights centred off zero: asymmetric int4 (amin and amax, a zero point) rounds them
+    # differently from symmetric int4, and the search must score the plan's own rounding.
+    rng = np.random.default_rng(0)
+    x = _x(rng, 64, 16)
+    weights = {"a": (rng.standard_normal((16, 12)) + 0.8).astype(np.float32)}
+    params = {**weights, "norm": np.ones(16, np.float32)}
+    plans = {"a": _tq("int4", 8, symmetric=False)}
+    site = FoldSite("site", ("a",), "norm", "norm")
+    s, alpha = search_scale(weights, None, site, _site_stats(x, ("a",)), plans, grid=8, clip=False)
+    want_s, want = numpy_folded_scale_search(x, params, site, plans, 8)
+    _, symmetric = numpy_folded_scale_search(x, params, site, {"a": _tq("int4", 8)}, 8)
+    assert alpha == want != symmetric  # seeded: the zero point changes the choice
+    np.testing.assert_allclose(s, want_s, rtol=1e-12)
+
+
+def test_an_mx_producer_is_scored_by_its_exponent_search_on_its_own_gram():
+    # With clip, the producer (mxfp4 up_proj) is scored as awq_weight will round it: the
+    # exponent search on the Gram of its own input x_v; both terms count. Seeded so that
+    # plain rounding of the producer, or the producer's term alone, would choose another α.
+    rng = np.random.default_rng(8)
+    x, x_v = _x(rng, 64, 16), _x(rng, 64, 32)
+    params = {
+        "down": (rng.standard_normal((16, 8)) * 4).astype(np.float32),
+        "up": rng.standard_normal((32, 16)).astype(np.float32),
+    }
+    how_d, how_u = _tq("int4", 8, path="down"), _tq("mxfp4", path="up")
+    site = FoldSite("site", ("down",), "up", "columns")
+    s, alpha = search_scale(
+        params, None, site, _site_stats(x, ("down",)), {"down": how_d}, grid=10, clip=True,
+        source=(how_u, x_v.T @ x_v),
+    )  # fmt: skip
+    want_s, want = numpy_folded_scale_search(
+        x, params, site, {"down": how_d}, 10, (how_u, x_v), clip=True
+    )
+    _, rounded = numpy_folded_scale_search(x, params, site, {"down": how_d}, 10, (how_u, x_v))
+    _, alone = numpy_folded_scale_search(x, params, site, {}, 10, (how_u, x_v), clip=True)
+    assert alpha == want and rounded != want and alone != want
+    np.testing.assert_allclose(s, want_s, rtol=1e-12)
+
+
+def test_o_proj_is_scored_with_scales_shared_within_kv_groups():
+    # GQA (4 query heads over 2 KV heads of dim 8): o_proj's channel (h, j) takes the largest
+    # mean |x| of its KV group's heads, and v_proj's column (g, j) is divided by that one s.
+    config = tiny_config()
+    site = fold_sites(config)["layers/0/attn/o_in"]
+    rng = np.random.default_rng(15)
+    x, x_v = _x(rng, 64, 32), _x(rng, 64, 32)
+    params = {
+        "layers/0/attn/o_proj": rng.standard_normal((32, 32)).astype(np.float32),
+        "layers/0/attn/v_proj": (rng.standard_normal((32, 16)) * 2).astype(np.float32),
+    }
+    plans = {"layers/0/attn/o_proj": _tq("int4", 8, path="layers/0/attn/o_proj")}
+    how_v = _tq("mxfp4", path="layers/0/attn/v_proj")
+    stats = _site_stats(x, site.consumers)
+    s, alpha = search_scale(params, config, site, stats, plans, grid=8, clip=False,
+                            source=(how_v, x_v.T @ x_v))  # fmt: skip
+    want_s, want = numpy_folded_scale_search(
+        x, params, site, plans, 8, (how_v, x_v), config=config, kv_groups=(2, 2, 8)
+    )
+    assert alpha == want > 0  # seeded: the search moves off s = 1
+    np.testing.assert_allclose(s, want_s, rtol=1e-12)
+    np.testing.assert_array_equal(s.reshape(2, 2, 8)[:, 0], s.reshape(2, 2, 8)[:, 1])
+
+
+def test_when_no_alpha_scores_a_finite_error_the_scale_stays_one():
+    # A Gram with an inf entry (activations overflowing float64): every error is inf or NaN,
+    # none is below the starting inf, and the search keeps α = 0, s = 1 (nothing folded).
+    rng = np.random.default_rng(16)
+    x = _x(rng, 32, 8)
+    stats = _site_stats(x, ("a",))
+    stats.gram[2, 2] = np.inf
+    weights = {"a": rng.standard_normal((8, 4)).astype(np.float32)}
+    site = FoldSite("site", ("a",), "norm", "norm")
+    with np.errstate(invalid="ignore"):  # inf * 0 in G Δ: NaN, as it should be
+        s, alpha = search_scale(weights, None, site, stats, {"a": _tq("int4", 8)}, grid=5,
+                                clip=False)  # fmt: skip
+    assert alpha == 0.0 and s.shape == (8,)  # one scale per channel, as fold requires
+    np.testing.assert_array_equal(s, np.ones(8))
 
 
 def _int4_by_hand(w, amax):
