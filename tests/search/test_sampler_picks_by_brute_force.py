@@ -157,9 +157,15 @@ def _brute_force(space, study, sampler, quality, prior=None, seed=0):
     kv_names = {"kv.k"}
     measured, held, believed = {}, set(), {}
     for t in study.get_trials(deepcopy=False):
-        k = _key(t.params)
+        if t.state == TrialState.RUNNING and not t.params:
+            continue  # the trial being asked
+        k = _key(t.params or t.system_attrs["fixed_params"])  # enqueued: no params yet
         if t.state == TrialState.COMPLETE:
-            measured[k] = [sign * t.values[i] for i, sign in quality]
+            losses = [sign * t.values[i] for i, sign in quality]
+            if not all(math.isfinite(x) for x in losses):
+                held.add(k)  # a non-finite measurement: held, neither measured nor incumbent
+            elif k not in measured or losses[0] < measured[k][0]:
+                measured[k] = losses  # measured twice: the better (first objective) counts
         elif t.state == TrialState.FAIL:
             if t.user_attrs["failure_reason"] == "error":
                 held.add(k)  # settled by its own failure; one worker death leaves it open
@@ -188,21 +194,24 @@ def _brute_force(space, study, sampler, quality, prior=None, seed=0):
               for k, v in believed.items()]  # fmt: skip
     span = max(v for _, v in known) - min(v for _, v in known)
     assert span > 0
-    keys = {}
+    keys, _preds = {}, {}
     for k, (params, _, _) in space.plans.items():
         if k in measured or k in held:
             continue
         feats = _features(params, reference)
         kv = [f for f in feats if f[0] in kv_names]
-        pred = 0.0
+        pred, per = 0.0, []
         for j, fit in enumerate(fits):
             pj = measured[ref][j] + sum(fit.lcb(f) for f in feats)
             pj += sum(fit.pair(f, g) for f in feats for g in kv)
             pred += lam[j] * pj
+            per.append(pj)
         t = space.tenants(params)
         inc = min((v for tt, v in known if tt >= t), default=math.inf)
         gain = math.inf if math.isinf(inc) else round((inc - pred) / span, 9)
         keys[k] = (gain, t, -round(pred / span, 9))
+        _preds[k] = (per, pred, span)
+    _brute_force.predictions = _preds  # per plan: (prediction per objective, scalarised, span)
     return max(keys.values()), keys
 
 
@@ -226,6 +235,16 @@ def _check(space, sampler, study, quality=((1, 1.0),), prior=None, seed=0):
     # the pick is the best plan: same gain (to 1e-9 of the range), tenants, prediction
     got = keys[k]
     assert got[:2] == best[:2] and got[2] == pytest.approx(best[2], abs=1e-8), (got, best)
+    # what the sampler reports: its gain, level and prediction, and the prediction per
+    # objective stored on the trial (in the objective's own sign)
+    per, pred, span = _brute_force.predictions[k]
+    assert pick["gain"] == pytest.approx(got[0], abs=1e-8)
+    assert pick["predicted"] == pytest.approx(pred, abs=1e-8 * span)
+    assert pick["level"] <= pick["tenants"]
+    stored = study.trials[-1].system_attrs[quality_model.PREDICTED_ATTR]
+    assert stored.keys() == {str(i) for i, _ in quality}
+    for (i, sign), pj in zip(quality, per, strict=True):
+        assert stored[str(i)] == pytest.approx(sign * pj, rel=1e-9, abs=1e-12)
     return params
 
 
@@ -560,3 +579,62 @@ def test_the_sampler_for_a_context_reads_its_spec():
     assert draws[1] == np.random.RandomState(99).random()
     assert sampler.problem == capacity_aware.build_problem(ctx)
     assert set(sampler._space) == set(sampler.reference)
+
+
+@pytest.mark.parametrize("limit", [capacity_aware.ENUMERATE_LIMIT, 0], ids=["enumerate", "dp"])
+def test_repeats_infinite_losses_and_enqueued_plans_are_read_as_the_rule_says(monkeypatch, limit):
+    # a plan measured twice counts at its better loss; a plan measured at an infinite loss is
+    # held (neither proposed nor an incumbent); an enqueued plan (WAITING, its parameters
+    # only in fixed_params) is held. The trial asked is made by hand so the WAITING one stays.
+    monkeypatch.setattr(capacity_aware, "ENUMERATE_LIMIT", limit)
+    space = Space(1)
+    sampler = _sampler(space)
+    study = _study(space, sampler, 1, 6)
+    measured = [t for t in study.trials if t.params != sampler.reference]
+    again = measured[0]
+    study.add_trial(create_trial(params=again.params, distributions=space.dists,
+                                 values=[again.values[0], again.values[1] / 4]))  # fmt: skip
+    study.add_trial(create_trial(params=measured[1].params, distributions=space.dists,
+                                 values=[again.values[0], again.values[1] + 1.0]))  # fmt: skip
+    _, keys = _brute_force(space, study, sampler, [(1, 1.0)])
+    top = max(keys, key=keys.get)
+    study.add_trial(create_trial(params=space.plans[top][0], distributions=space.dists,
+                                 values=[1, math.inf]))  # fmt: skip
+    _check(space, sampler, study)
+    best, keys = _brute_force(space, study, sampler, [(1, 1.0)])
+    assert top not in keys
+    nxt = max(keys, key=keys.get)
+    study.enqueue_trial(space.plans[nxt][0])
+    tid = study._storage.create_new_trial(study._study_id)
+    trial = study._storage.get_trial(tid)
+    got = sampler.sample_relative(study, trial, sampler._space)
+    best, keys = _brute_force(space, study, sampler, [(1, 1.0)])
+    assert nxt not in keys and keys[_key(got)] == best
+
+
+def test_an_enqueued_trial_keeps_its_own_parameters():
+    space = Space(0)
+    sampler = _sampler(space)
+    study = _study(space, sampler, 0, 4)
+    plan = next(p for p, _, _ in space.plans.values() if p != sampler.reference)
+    study.enqueue_trial(plan)
+    trial = study.ask()
+    assert {n: trial.suggest_categorical(n, d.choices) for n, d in space.dists.items()} == plan
+    assert sampler.sample_relative(study, trial, {}) == {}
+
+
+def test_a_parameter_outside_the_space_is_drawn_by_the_seeded_fallback():
+    # a parameter the space does not have: the fallback RandomSampler, seeded by the sampler's
+    # seed (same seed, same draws); reseed_rng reseeds it (a fresh, unseeded stream)
+    draws = []
+    for seed, reseed in ((3, False), (3, False), (4, False), (3, True)):
+        sampler = _sampler(Space(0), seed=seed)
+        study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+        trial = study.ask()
+        draws.append([trial.suggest_float("extra", 0.0, 1.0)])
+        if reseed:
+            sampler.reseed_rng()
+        draws[-1].append(study.ask().suggest_float("extra", 0.0, 1.0))
+    assert draws[0] == draws[1] and draws[2][0] != draws[0][0]
+    assert draws[3][0] == draws[0][0] and draws[3][1] != draws[0][1]
+    assert all(0.0 <= x <= 1.0 for d in draws for x in d)
