@@ -109,7 +109,7 @@ def _loss(params, seed) -> float:
     return out + 0.004 * (params["w.a"] == "int4" and params["kv.k"] == "int4")
 
 
-def _study(space, sampler, seed, n_measured, *, running=0, failed=0, two=False):
+def _study(space, sampler, seed, n_measured, *, running=0, failed=0, two=False, ref_failed=False):
     """A study holding the reference and n_measured - 1 other plans measured, `running` in
     flight (with a prediction stored) and `failed` failed: every other one by its own error
     (settled), the others by one worker death (open again under a failure budget of 2)."""
@@ -120,6 +120,12 @@ def _study(space, sampler, seed, n_measured, *, running=0, failed=0, two=False):
     order = [_key(sampler.reference)] + [
         k for k in rng.permutation(keys).tolist() if k != _key(sampler.reference)
     ]
+    if ref_failed:  # the reference failed by its own error; n_measured others measured
+        study.add_trial(create_trial(
+            params=sampler.reference, distributions=space.dists, state=TrialState.FAIL,
+            user_attrs={"failure_reason": "error", "dispatched_trial": 0},
+        ))  # fmt: skip
+        order = order[1:]
     for k in order[:n_measured]:
         params = space.plans[k][0]
         values = [space.tenants(params), _loss(params, seed)]
@@ -176,9 +182,14 @@ def _brute_force(space, study, sampler, quality, prior=None, seed=0):
                 believed[k] = [sign * pred[str(i)] for i, sign in quality]
     ref = _key(reference)
     rows = [_features(space.plans[k][0], reference) for k in measured if k != ref]
+    # the base: the reference's loss; the least measured one when the reference failed
+    base = [
+        measured[ref][j] if ref in measured else min((v[j] for v in measured.values()), default=0.0)
+        for j in range(len(quality))
+    ]
     fits = [
         quality_model.fit(rows, [measured[k][j] for k in measured if k != ref],
-                          measured[ref][j], prior or {}, is_kv=lambda f: f[0] in kv_names)
+                          base[j], prior or {}, is_kv=lambda f: f[0] in kv_names)
         for j in range(len(quality))
     ]  # fmt: skip
     if len(quality) == 1:
@@ -192,8 +203,11 @@ def _brute_force(space, study, sampler, quality, prior=None, seed=0):
              for k, v in measured.items()]  # fmt: skip
     known += [(space.tenants(space.plans[k][0]), sum(l * x for l, x in zip(lam, v, strict=True)))
               for k, v in believed.items()]  # fmt: skip
-    span = max(v for _, v in known) - min(v for _, v in known)
-    assert span > 0
+    span = max(v for _, v in known) - min(v for _, v in known) if known else 0.0
+    if span <= 0:  # one loss known, or all equal: the largest predicted excess of a value
+        span = max((lam[j] * fit.weight(f) for j, fit in enumerate(fits)
+                    for f in (*fit.prior, *fit.weights)), default=0.0)  # fmt: skip
+        span = span if span > 0 else 1.0
     keys, _preds = {}, {}
     for k, (params, _, _) in space.plans.items():
         if k in measured or k in held:
@@ -202,7 +216,7 @@ def _brute_force(space, study, sampler, quality, prior=None, seed=0):
         kv = [f for f in feats if f[0] in kv_names]
         pred, per = 0.0, []
         for j, fit in enumerate(fits):
-            pj = measured[ref][j] + sum(fit.lcb(f) for f in feats)
+            pj = base[j] + sum(fit.lcb(f) for f in feats)
             pj += sum(fit.pair(f, g) for f in feats for g in kv)
             pred += lam[j] * pj
             per.append(pj)
@@ -638,3 +652,36 @@ def test_a_parameter_outside_the_space_is_drawn_by_the_seeded_fallback():
     assert draws[0] == draws[1] and draws[2][0] != draws[0][0]
     assert draws[3][0] == draws[0][0] and draws[3][1] != draws[0][1]
     assert all(0.0 <= x <= 1.0 for d in draws for x in d)
+
+
+@pytest.mark.parametrize("limit", [capacity_aware.ENUMERATE_LIMIT, 0], ids=["enumerate", "dp"])
+@pytest.mark.parametrize(("seed", "n"), [(0, 0), (1, 1), (2, 4), (3, 7)])
+def test_a_failed_reference_leaves_the_least_measured_loss_as_the_base(monkeypatch, limit, seed, n):
+    # the reference failed for good: predictions start from the least measured loss (0 when
+    # nothing is measured: every level then has an infinite gain, ties to more tenants)
+    monkeypatch.setattr(capacity_aware, "ENUMERATE_LIMIT", limit)
+    space = Space(seed)
+    sampler = _sampler(space)
+    _check(space, sampler, _study(space, sampler, seed, n, ref_failed=True))
+
+
+@pytest.mark.parametrize("limit", [capacity_aware.ENUMERATE_LIMIT, 0], ids=["enumerate", "dp"])
+@pytest.mark.parametrize("prior", [False, True])
+def test_with_one_loss_known_gains_are_in_units_of_the_largest_predicted_excess(
+    monkeypatch, limit, prior
+):
+    # the reference and the lightest plan measured at the same loss (no range): the gain's
+    # unit is the largest predicted value excess (the prior's, or the fitted ones), 1 if none
+    monkeypatch.setattr(capacity_aware, "ENUMERATE_LIMIT", limit)
+    space = Space(2)
+    prior = (
+        {("w.a", "int4"): 0.02, ("w.b", "int8"): 0.004, ("kv.k", "int8"): 0.01} if prior else None
+    )
+    sampler = _sampler(space, prior=prior)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    lightest = max(space.plans.values(), key=lambda p: space.tenants(p[0]))[0]
+    for params in (sampler.reference, lightest):
+        study.add_trial(create_trial(params=params, distributions=space.dists,
+                                     values=[space.tenants(params), 0.05]))  # fmt: skip
+    _check(space, sampler, study, prior=prior)
+    assert sampler.last_pick["gain"] != math.inf
