@@ -351,8 +351,13 @@ def test_a_pool_too_small_for_the_suite_is_a_one_line_value_error() -> None:
     def full(plan):
         raise CacheFull("needs 9 pages, has 4")
 
-    with pytest.raises(ValueError, match=r"does not fit .*needs 9 pages, has 4.*pool_bytes"):
+    with pytest.raises(ValueError) as err:
         ev.Evaluator.evaluate(SimpleNamespace(_evaluate=full), object())
+    assert str(err.value) == (
+        "the suite does not fit the engine's KV pool under this plan (needs 9 pages, has 4); "
+        "give the pool more bytes (engine_options pool_bytes / --pool-bytes)"
+    )
+    assert err.value.__cause__ is None and err.value.__suppress_context__
     sentinel = object()
     assert ev.Evaluator.evaluate(SimpleNamespace(_evaluate=lambda p: (sentinel, p)), 7) == (
         sentinel, 7
