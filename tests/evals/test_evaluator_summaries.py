@@ -351,8 +351,13 @@ def test_a_pool_too_small_for_the_suite_is_a_one_line_value_error() -> None:
     def full(plan):
         raise CacheFull("needs 9 pages, has 4")
 
-    with pytest.raises(ValueError, match=r"does not fit .*needs 9 pages, has 4.*pool_bytes"):
+    with pytest.raises(ValueError) as err:
         ev.Evaluator.evaluate(SimpleNamespace(_evaluate=full), object())
+    assert str(err.value) == (
+        "the suite does not fit the engine's KV pool under this plan (needs 9 pages, has 4); "
+        "give the pool more bytes (engine_options pool_bytes / --pool-bytes)"
+    )
+    assert err.value.__cause__ is None and err.value.__suppress_context__
     sentinel = object()
     assert ev.Evaluator.evaluate(SimpleNamespace(_evaluate=lambda p: (sentinel, p)), 7) == (
         sentinel, 7
@@ -1126,3 +1131,65 @@ def test_an_evaluations_timings_are_each_phases_seconds_to_a_tenth_of_a_millisec
         "total": round(7.0 + 4.25 + 0.00006 + 0.123456 + 2.0000444 + 1.5, 4),
     }  # fmt: skip
     assert t["fidelity"] == pytest.approx(0.0235) and t["total"] == pytest.approx(14.8736)
+
+
+def test_the_fidelity_intervals_draw_the_suites_resamples() -> None:
+    # 12 uneven windows (enough distinct resampled means that the interval moves with the
+    # number of resamples): the agreement and perplexity CIs are the paired bootstrap with
+    # the task's resamples and seed, not the bootstrap's default 10,000
+    rng = np.random.default_rng(7)
+    n, p = 12, 9
+    base_logp = -rng.exponential(2.0, size=(n, p))
+    cand = {
+        "kl": rng.exponential(0.02, size=(n, p)),
+        "top1_agree": rng.random((n, p)) < 0.8,
+        "target_logp": base_logp - rng.exponential(0.3, size=(n, p)),
+    }
+    base = SimpleNamespace(target_logp=base_logp, margin=np.ones((n, p)), exact=True)
+    me = FidelityTask(np.zeros((n, p + 1), np.int32), None, 150, 3)
+    measured = ev.fidelity.KLMeasurement.of(cand, resamples=150, seed=3)
+    out = me.summarize(base, measured, [])
+    nll_b, nll_c = -base_logp.mean(axis=1), -cand["target_logp"].mean(axis=1)
+    agree_seq = cand["top1_agree"].mean(axis=1)
+
+    def ratio(c, b):
+        return np.exp(c - b)
+
+    for resamples, same in ((150, True), (stats.DEFAULT_RESAMPLES, False)):
+        ppl = stats.paired_bootstrap(nll_b, nll_c, resamples=resamples, seed=3, contrast=ratio)
+        agree = stats.paired_bootstrap(np.ones(n), agree_seq, resamples=resamples, seed=3)
+        got = (
+            out["fidelity.ppl_ratio.ci_low"], out["fidelity.ppl_ratio.ci_high"],
+            out["fidelity.top1_agree_delta.ci_low"], out["fidelity.top1_agree_delta.ci_high"],
+        )  # fmt: skip
+        assert (got == (ppl.ci_low, ppl.ci_high, agree.ci_low, agree.ci_high)) is same
+
+
+def test_a_baseline_reads_only_the_caches_its_suite_measures(tmp_path, monkeypatch) -> None:
+    # both caches on disk under one key (the key is a stand-in here): an evaluator without
+    # fidelity rows leaves the fidelity cache alone, one without items the generations
+    calls = []
+    monkeypatch.setattr(ev.fidelity, "compute_baseline", _fake_baseline(calls))
+    _BaselineMe(tmp_path).baseline()
+    no_fid = _BaselineMe(tmp_path, fidelity=False)
+    out = no_fid.baseline()
+    assert out["fidelity"] is None and len(out["generations"]) == 2
+    assert no_fid.engines == [] and no_fid.generated == []  # generations read from disk
+    no_items = _BaselineMe(tmp_path, items=False)
+    out = no_items.baseline()
+    assert out["generations"] == [] and out["fidelity"] is not None
+    assert no_items.engines == [] and len(calls) == 1  # fidelity read from disk
+
+
+def test_a_gate_names_its_metric_and_judges_in_its_own_direction() -> None:
+    # a higher-is-better delta whose CI is all below 0 by more than the tolerance: not shown
+    # non-inferior (read as lower-is-better, the same CI would pass)
+    suite = _suite(("needle.acc_delta.len64", 0.1, True))
+    summary = {
+        "needle.acc_delta.len64": -0.2, "needle.acc_delta.len64.ci_low": -0.3,
+        "needle.acc_delta.len64.ci_high": -0.05, "needle.mcnemar_p.len64": 0.01,
+    }  # fmt: skip
+    gate = ev.gates_for(suite, summary)["needle.acc_delta.len64"]
+    assert gate.metric == "needle.acc_delta.len64" and gate.higher_is_better
+    assert gate.verdict == stats.NOT_SHOWN_NON_INFERIOR
+    assert stats.verdict(-0.3, -0.05, 0.1, higher_is_better=False) == stats.NON_INFERIOR
