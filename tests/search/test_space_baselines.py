@@ -118,6 +118,24 @@ def test_a_trial_is_asked_each_parameter_with_the_declared_distribution() -> Non
     assert asked <= {0, 1, 2} and len(asked) > 1
 
 
+def test_max_keep_bf16_zero_keeps_no_tensor_in_bf16() -> None:
+    # `max_keep_bf16` caps k, the number of most sensitive tensors kept in bf16 (spec.py):
+    # 0 means none (it was read as "no limit", a falsy check); absent means every tensor of
+    # the profile (3 here), and a cap above that is the profile's length.
+    from tenantq.search.space import plan_from_params
+
+    space, profile = _sensitivity(max_keep_bf16=0, weight_formats=["int4"])
+    choices = parameter_choices(space, CONFIG, profile)
+    assert choices["sens.keep_bf16"] == range(0, 1)
+    assert distributions(choices)["sens.keep_bf16"] == IntDistribution(0, 0)
+    params = {name: (c[0] if isinstance(c, list) else c.start) for name, c in choices.items()}
+    resolved = plan_from_params(space, params, CONFIG, profile=profile).resolve(CONFIG)
+    assert {resolved[t].format for t in profile.tensor_order} == {"int4"}  # none kept bf16
+    for cap, top in ((None, 3), (1, 1), (3, 3), (7, 3)):
+        space, profile = _sensitivity(max_keep_bf16=cap)
+        assert parameter_choices(space, CONFIG, profile)["sens.keep_bf16"] == range(0, top + 1)
+
+
 def test_edge_layer_choices_up_to_the_model_depth_are_accepted() -> None:
     space = SpaceSpec(bf16_first_layers=[0, 4], bf16_last_layers=[4])
     assert parameter_choices(space, CONFIG)["bf16_first_layers"] == [0, 4]

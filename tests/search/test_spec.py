@@ -420,3 +420,26 @@ def test_a_calibration_field_under_its_old_name_is_refused_naming_the_new_one(ol
         parse_spec(raw)
     with pytest.raises(ValueError, match=rf"'{old}' is now '{new}'"):
         CalibrationData(**{old: 8})
+
+
+@pytest.mark.parametrize("value", [True, False, "2", 2.0, 2.5, -1])
+def test_max_keep_bf16_is_a_strict_integer(value):
+    # A count of tensors kept in bf16 (search/space.py): pydantic's lax int read `true` as 1,
+    # `false` as 0, "2" and 2.0 as 2; each is refused in one line naming the field and what
+    # is right, with the value given.
+    raw = _with(lambda d: d.update(space={"kind": "sensitivity", "profile": "p.parquet",
+                                          "max_keep_bf16": value}))  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        parse_spec(raw)
+    assert str(err.value) == (
+        "spec: space.max_keep_bf16: must be a whole number >= 0 (the most tensors kept in "
+        f"bf16; 0: none); leave it out for no limit (got {value!r})"
+    )
+
+
+@pytest.mark.parametrize("value", [None, 0, 3])
+def test_max_keep_bf16_takes_a_whole_number_or_nothing(value):
+    raw = _with(lambda d: d.update(space={"kind": "sensitivity", "profile": "p.parquet",
+                                          "max_keep_bf16": value}))  # fmt: skip
+    got = parse_spec(raw).space.max_keep_bf16
+    assert got == value and type(got) is type(value)

@@ -94,7 +94,9 @@ def parameter_choices(
             raise ValueError("the sensitivity space needs its profile loaded")
         out["sens.format"] = [f for f in space.weight_formats if f != "bf16"] or ["bf16"]
         top = len(profile.tensor_order)
-        out["sens.keep_bf16"] = range(0, min(top, space.max_keep_bf16 or top) + 1)
+        # max_keep_bf16 = 0 keeps no tensor in bf16; absent (None), every ranked one may be
+        cap = top if space.max_keep_bf16 is None else min(top, space.max_keep_bf16)
+        out["sens.keep_bf16"] = range(0, cap + 1)
         if profile.kv_layer_order:
             out["sens.kv_keep_bf16"] = range(0, len(profile.kv_layer_order) + 1)
     out["kv.key_format"] = space.key_formats

@@ -128,7 +128,12 @@ class SpaceSpec(_Strict):
         default_factory=lambda: ["none", "first_last"]
     )
     profile: str | None = Field(None, description="sensitivity profile (Arrow/Parquet table)")
-    max_keep_bf16: int | None = Field(None, ge=0, description="sensitivity: largest k searched")
+    max_keep_bf16: int | None = Field(
+        None,
+        ge=0,
+        description="sensitivity: largest k searched (0: no tensor kept in bf16; absent: "
+        "up to every tensor of the profile)",
+    )
 
     @field_validator(
         "weight_formats",
@@ -155,6 +160,17 @@ class SpaceSpec(_Strict):
     def _non_negative(cls, v: list[int]) -> list[int]:
         if any(x < 0 for x in v):
             raise ValueError(f"choices must be >= 0, got {v}")
+        return v
+
+    @field_validator("max_keep_bf16", mode="before")
+    @classmethod
+    def _whole_count(cls, v: Any) -> Any:
+        # A count of tensors: `true`, "2" or 2.0 is refused, not read as 1 or 2.
+        if v is not None and (type(v) is not int or v < 0):
+            raise ValueError(
+                "must be a whole number >= 0 (the most tensors kept in bf16; 0: none); "
+                "leave it out for no limit"
+            )
         return v
 
     @model_validator(mode="after")
