@@ -71,7 +71,10 @@ def test_an_exact_baseline_keeps_each_rows_log_distribution_and_summary() -> Non
     top2 = np.sort(want, -1)[..., -2:]
     np.testing.assert_allclose(base.margin, top2[..., 1] - top2[..., 0], atol=2e-5)
     np.testing.assert_array_equal(base.tokens, _rows()[:, 1:])
-    assert base.tokens.dtype == np.int32
+    # the dataclass's declared dtypes, which the Parquet cache keeps (ids int32, log-probs
+    # float32: half the bytes of numpy's default float64)
+    assert base.tokens.dtype == base.top1.dtype == np.int32
+    assert base.margin.dtype == base.target_logp.dtype == np.float32
     np.testing.assert_array_equal(base.target_logp, _tlogp_expected())
 
 
@@ -124,6 +127,7 @@ def test_compare_gives_per_token_kl_agreement_and_the_candidates_logp() -> None:
     np.testing.assert_array_equal(out["top1_agree"], p.argmax(-1) == q.argmax(-1))
     assert out["top1_agree"].dtype == bool and not out["top1_agree"].all()
     np.testing.assert_array_equal(out["target_logp"], _tlogp_expected())
+    assert out["target_logp"].dtype == np.float32
     same = fidelity.compare(_Engine(base_logits), _rows(), base)
     assert np.abs(same["kl"]).max() < 1e-6 and same["top1_agree"].all()
 
@@ -175,8 +179,12 @@ def test_a_saved_baseline_reads_back_equal(tmp_path, exact: bool) -> None:
     table = pq.read_table(path)
     assert table.column("row").to_pylist()[:6] == [0, 0, 0, 0, 0, 1]
     assert table.column("pos").to_pylist()[:6] == [0, 1, 2, 3, 4, 0]
-    # the file's row and position columns are int32, as its other id columns
+    # the file's row and position columns are int32, as its other id columns; the per-token
+    # log-probs are float32
     assert table.schema.field("row").type == table.schema.field("pos").type == pa.int32()
+    assert table.schema.field("token").type == table.schema.field("top1").type == pa.int32()
+    for name in ("target_logp", "margin"):
+        assert table.schema.field(name).type == pa.float32(), name
 
 
 def test_a_baseline_of_other_rows_is_refused(tmp_path) -> None:

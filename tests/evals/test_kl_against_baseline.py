@@ -102,6 +102,7 @@ def test_kl_is_of_the_baseline_against_the_candidate_per_token_and_per_window(ex
     assert (np.abs(want - reverse) > 100 * (1e-4 * want + 1e-6)).all()
     np.testing.assert_allclose(got.per_token["kl"], want, rtol=1e-4, atol=1e-6)
     assert got.per_token["kl"].shape == (N, P) and got.per_token["kl"].dtype == np.float32
+    assert got.per_token["target_logp"].dtype == np.float32
     np.testing.assert_allclose(got.per_window, want.mean(axis=1), rtol=1e-4)
     assert got.per_window.shape == (N,)
     np.testing.assert_allclose(got.ci.delta, want.mean(), rtol=1e-4)
@@ -227,5 +228,8 @@ def test_the_interval_is_the_seeded_paired_bootstrap_of_the_window_means() -> No
             np.zeros(N), got.per_window, resamples=400, seed=seed
         )
         np.testing.assert_allclose(_bootstrap(want, 400, seed), (lo, hi), rtol=1e-4)
+    # KLMeasurement.of, the same figure from `compare`'s output, also draws from seed 0
+    # unless told
+    assert fidelity.KLMeasurement.of(default.per_token, resamples=400).ci == default.ci
     fewer = measure(resamples=40, seed=7)  # `resamples` reaches the bootstrap
     assert (fewer.ci.ci_low, fewer.ci.ci_high) == pytest.approx(_bootstrap(fewer.per_window, 40, 7))
