@@ -49,7 +49,8 @@ def _spec(suite: str | None = SUITE, objectives=OBJ, constraints=None):
 class _Pool:
     """A pool of `workers` stand-in workers: `outcomes` maps a trial to the summary and gates
     its confirmation returns, or to the exception it raises. Each `wait` hands back the
-    oldest submission; submitting with no idle worker is an error, as in WorkerPool."""
+    oldest submission; submitting with no idle worker is an error, as in WorkerPool, and so
+    is waiting with nothing in flight (a stand-in without workers would never finish)."""
 
     def __init__(self, outcomes: dict, workers: int = 1) -> None:
         self.outcomes, self.workers = outcomes, workers
@@ -73,8 +74,8 @@ class _Pool:
 
     def wait(self, timeout_s):
         self.waits.append(timeout_s)
-        if not self._running:
-            return []
+        if not self._running:  # nothing submitted and no idle worker: it would wait forever
+            raise AssertionError("waited with nothing in flight")
         key = self._running.pop(0)
         got = self.outcomes[key[1]]
         if isinstance(got, BaseException):

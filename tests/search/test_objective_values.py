@@ -98,6 +98,18 @@ def step_model(monkeypatch):
     return calls
 
 
+def test_the_capacity_objective_of_a_spec_takes_its_metric_slo_and_context() -> None:
+    spec = SimpleNamespace(
+        capacity_metric="tenants_at_slo",
+        deployment=SimpleNamespace(slo="20tok/s", context_tokens=4096),
+    )
+    cap = CapacityObjective.for_spec(spec, "cfg", "dep")
+    assert (cap.metric, cap.slo, cap.config, cap.deployment, cap.context_tokens) == (
+        "tenants_at_slo", "20tok/s", "cfg", "dep", 4096,
+    )  # fmt: skip
+    assert cap == CapacityObjective("tenants_at_slo", "20tok/s", "cfg", "dep", 4096)
+
+
 def test_the_slo_capacity_value_is_the_service_levels_tenants(step_model) -> None:
     cap = _objective("tenants_at_slo", "20tok/s")
     plan = _Plan("p1")
