@@ -8,6 +8,7 @@ against scipy's exact binomial test, the perplexity ratio and the KL mean by dir
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from types import SimpleNamespace
@@ -888,3 +889,240 @@ def test_a_baseline_holding_a_record_too_many_is_an_error(monkeypatch) -> None:
 
     with pytest.raises(ValueError, match="7 generations for 6 needle and structured items"):
         me._evaluate(QuantPlan())
+
+
+def test_paired_verdicts_are_read_by_their_truth_value() -> None:
+    # a scorer may answer with any truthy value (a count of matched tokens, numpy's bool): a
+    # pass is a pass, whatever its size, so the figures are those of the booleans
+    items = [_needle(64, k) for k in range(6)]
+    gens = [Generated([1], [1.0]) for _ in items]
+    as_bool = PassFailTask("needles", items, "len", None, None)
+    want = as_bool.pair(
+        [True, True, False, True, False, True],
+        [True, False, False, True, True, False],
+        gens,
+        gens,
+        rows := [],
+    )
+    loose = PassFailTask("needles", items, "len", None, None)
+    got = loose.pair([2, 5, 0, 1, 0, 3], [7, 0, 0, 2, 9, 0], gens, gens, loose_rows := [])
+    assert got == want and loose.baseline_passes == as_bool.baseline_passes == {
+        "needle.len64": (4, 6)
+    }
+    drop = ("kl", "top1_agree")  # nan in both
+    assert [{k: v for k, v in r.items() if k not in drop} for r in loose_rows] == [
+        {k: v for k, v in r.items() if k not in drop} for r in rows
+    ]
+    assert [r["flip"] for r in loose_rows] == [
+        "",
+        "correct_to_wrong",
+        "",
+        "",
+        "wrong_to_correct",
+        "correct_to_wrong",
+    ]
+    assert [r["baseline_score"] for r in loose_rows] == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_pass_fail_row_without_a_length_or_depth_takes_its_prompts_length() -> None:
+    rows = []
+    me = PassFailTask(
+        "structured",
+        [SimpleNamespace(task="structured", task_name="t", example_id="s/0", prompt=[1, 2, 3])],
+        "task",
+        None,
+        None,
+    )
+    me.pair([True], [True], [Generated([1], [])], [Generated([1], [])], rows)
+    assert rows[0]["length"] == 3 and math.isnan(rows[0]["depth"])
+
+
+@pytest.mark.parametrize(
+    ("everyone_has", "computed"),
+    [
+        ((True, True), []),  # every host holds both caches: all read them
+        ((False, True), ["fidelity"]),  # a host lacks the fidelity cache: all recompute it
+        ((True, False), ["generations"]),
+        ((False, False), ["fidelity", "generations"]),
+    ],
+)
+def test_hosts_of_a_slice_take_the_cached_baseline_only_when_every_host_has_it(
+    tmp_path, monkeypatch, everyone_has, computed
+) -> None:
+    from tenantq.engine import sharding
+
+    calls = []
+    monkeypatch.setattr(ev.fidelity, "compute_baseline", _fake_baseline(calls))
+    _BaselineMe(tmp_path).baseline()  # both caches on this host's disk
+    calls.clear()
+    asked, answers = [], iter(everyone_has)
+
+    def on_every_host(flag):
+        inspect.signature(sharding.on_every_host).bind(flag)
+        asked.append(flag)
+        return next(answers)
+
+    monkeypatch.setattr(sharding, "on_every_host", on_every_host)
+    monkeypatch.setattr(ev.jax, "process_count", lambda: 2)
+    me = _BaselineMe(tmp_path)
+    out = me.baseline()
+    assert asked == [True, True]  # this host's own answer for each cache, fidelity first
+    assert ("fidelity" in computed) == (len(calls) == 1)
+    assert me.generated == ([("engine", 2)] if "generations" in computed else [])
+    assert out["fidelity"] is not None and len(out["generations"]) == 2
+    # one process: nobody else to ask
+    monkeypatch.setattr(ev.jax, "process_count", lambda: 1)
+    asked.clear()
+    _BaselineMe(tmp_path).baseline()
+    assert asked == []
+
+
+@pytest.mark.parametrize(("mesh", "processes", "host"), [
+    ("mesh", 2, True), (None, 2, False), ("mesh", 1, False),
+])  # fmt: skip
+def test_a_sharded_evaluation_on_a_slice_reports_this_hosts_memory(
+    monkeypatch, mesh, processes, host
+) -> None:
+    monkeypatch.setattr(ev.fidelity, "compare", lambda e, r, b, **kw: {
+        "kl": np.zeros((3, 7)), "top1_agree": np.ones((3, 7), bool),
+        "target_logp": np.full((3, 7), -2.0)})  # fmt: skip
+    monkeypatch.setattr(
+        ev.needle_grid, "run_needles", lambda e, items, **kw: [Generated([5, 6], [])] * 4
+    )
+    monkeypatch.setattr(
+        ev.structured, "run_items", lambda e, items, n: [Generated([ord(")")], [])] * 2
+    )
+    monkeypatch.setattr(ev.jax, "process_count", lambda: processes)
+    from tenantq.quant.plan import QuantPlan
+
+    me = _EvalMe()
+    me.engine.mesh, me.engine.host_memory = mesh, lambda: {"rss_bytes": 5}
+    memory = me._evaluate(QuantPlan()).memory_report
+    assert memory == ({"pool_bytes": 10, "host": {"rss_bytes": 5}} if host else {"pool_bytes": 10})
+
+
+def test_the_progress_bar_counts_tasks_and_leaves_no_line(monkeypatch) -> None:
+    from tenantq.model import terminal
+
+    real, seen = terminal.progress_bar, []
+
+    def progress_bar(*args, **kwargs):
+        bound = inspect.signature(real).bind(*args, **kwargs)
+        bound.apply_defaults()
+        seen.append(dict(bound.arguments))
+        return "bar"
+
+    monkeypatch.setattr(terminal, "progress_bar", progress_bar)
+    assert ev._progress(True, 5) == "bar" and ev._progress(False, 0) == "bar"
+    assert seen == [
+        {"total": 5, "enabled": True, "initial": 0, "options": {"unit": "task", "leave": False}},
+        {"total": 0, "enabled": False, "initial": 0, "options": {"unit": "task", "leave": False}},
+    ]
+
+
+def test_a_results_parquet_keeps_the_tables_own_metadata(tmp_path) -> None:
+    table = ev._examples_table([]).replace_schema_metadata({b"origin": b"test"})
+    result = ev.EvalResult({"a": 1}, {}, table, {"total": 1.0}, {})
+    meta = pq.read_table(result.to_parquet(tmp_path / "r.parquet")).schema.metadata
+    assert meta[b"origin"] == b"test" and b"tenantq.summary" in meta
+
+
+def test_a_groups_mcnemar_p_is_found_when_its_name_holds_acc_delta() -> None:
+    # the p-value's key replaces the figure's name only (`pass_fail_key`), so a structured
+    # task whose own name begins with "acc_delta" keeps it: structured.mcnemar_p.acc_delta
+    items = [_struct("acc_delta", k) for k in range(8)]
+    gens = [Generated([1], [])] * 8
+    summary = PassFailTask("structured", items, "task", None, None).pair(
+        [1] * 8, [0] * 7 + [1], gens, gens, []
+    )
+    assert "structured.mcnemar_p.acc_delta" in summary
+    metric = "structured.acc_delta.acc_delta"
+    # model_copy: the suite's validation does not know this task's name
+    suite = _suite().model_copy(
+        update={"gates": (GateSpec(metric=metric, tolerance=0.2, higher_is_better=True),)}
+    )
+    gate = ev.gates_for(suite, summary)[metric]
+    # 7 correct->wrong flips of 8: McNemar p = 2 / 2^7 = 1/64 <= 0.05
+    assert summary["structured.mcnemar_p.acc_delta"] == 1 / 64 and gate.changed
+    assert gate.value == -7 / 8
+
+
+def test_cached_generations_keep_int32_tokens_and_float64_margins(tmp_path) -> None:
+    # the columns' types are fixed, not inferred from the records: a cache whose records
+    # happen to hold no margins (a needle failed at its first token) still reads as floats
+    items = [_needle(64, 0), _struct("close_line", 1)]
+    path = tmp_path / "g.parquet"
+    ev._save_generations([Generated([3, 4], [0.5]), Generated([7], [])], items, path)
+    schema = pq.read_schema(path)
+    assert schema.field("tokens").type == pa.list_(pa.int32())
+    assert schema.field("margins").type == pa.list_(pa.float64())
+    ev._save_generations([Generated([], []), Generated([1], [])], items, path)
+    assert pq.read_schema(path).field("margins").type == pa.list_(pa.float64())
+    assert pq.read_schema(path).field("tokens").type == pa.list_(pa.int32())
+
+
+def test_the_baseline_cache_folder_is_made_with_its_parents(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(ev.fidelity, "compute_baseline", _fake_baseline([]))
+    folder = tmp_path / "a" / "b" / "cache"
+    _BaselineMe(folder).baseline()
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "baseline-k1-fidelity.parquet", "baseline-k1-generations.parquet"
+    ]  # fmt: skip
+    # an existing folder is used as it is (another key's baseline into the same folder)
+    _BaselineMe(folder, key="k2").baseline()
+    assert len(list(folder.iterdir())) == 4
+
+
+@pytest.mark.parametrize("short", ["baseline", "candidate"])
+def test_pairing_verdicts_with_a_record_missing_is_an_error(short) -> None:
+    # four items, four verdicts each side, one generation record short on one side: the
+    # rows would pair the rest with the wrong items (or drop the last) without a word
+    items = [_needle(64, k) for k in range(4)]
+    gens = [Generated([k], [1.0]) for k in range(4)]
+    base_gens, cand_gens = (gens[:3], gens) if short == "baseline" else (gens, gens[:3])
+    me = PassFailTask("needles", items, "len", None, None)
+    with pytest.raises(ValueError, match="zip"):
+        me.pair([1, 1, 0, 1], [1, 0, 0, 1], base_gens, cand_gens, [])
+
+
+def test_an_evaluations_timings_are_each_phases_seconds_to_a_tenth_of_a_millisecond(
+    monkeypatch,
+) -> None:
+    # a clock that moves only when a stand-in works: each phase's seconds are known exactly,
+    # and reported rounded to 4 decimals (0.1 ms)
+    clock = {"now": 50.0}
+    monkeypatch.setattr(ev.time, "perf_counter", lambda: clock["now"])
+
+    def spend(seconds, compiled=0.0):
+        clock["now"] += seconds
+        me.engine.stats.compile_s += compiled
+
+    def compare(engine, rows, base, *, kv_tokens=None):
+        spend(0.123456, compiled=0.1)
+        return {"kl": np.zeros((3, 7)), "top1_agree": np.ones((3, 7), bool),
+                "target_logp": np.full((3, 7), -2.0)}  # fmt: skip
+
+    def run_needles(engine, items, **kw):
+        spend(2.0000444)
+        return [Generated([5, 6], [])] * 4
+
+    def run_items(engine, items, n):
+        spend(1.5)
+        return [Generated([ord(")")], [])] * 2
+
+    monkeypatch.setattr(ev.fidelity, "compare", compare)
+    monkeypatch.setattr(ev.needle_grid, "run_needles", run_needles)
+    monkeypatch.setattr(ev.structured, "run_items", run_items)
+    from tenantq.quant.plan import QuantPlan
+
+    me = _EvalMe()
+    base, build = me.baseline, me.build_engine
+    monkeypatch.setattr(me, "baseline", lambda: spend(4.25) or base())
+    monkeypatch.setattr(me, "build_engine", lambda plan: spend(0.00006) or build(plan))
+    t = me._evaluate(QuantPlan()).timings_s
+    assert t == {
+        "load": 7.0, "baseline": 4.25, "quantize": 0.0001, "compile": 1.35,
+        "fidelity": round(0.123456 - 0.1, 4), "needles": 2.0, "structured": 1.5,
+        "total": round(7.0 + 4.25 + 0.00006 + 0.123456 + 2.0000444 + 1.5, 4),
+    }  # fmt: skip
+    assert t["fidelity"] == pytest.approx(0.0235) and t["total"] == pytest.approx(14.8736)

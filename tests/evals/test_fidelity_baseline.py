@@ -146,7 +146,7 @@ def test_compare_on_a_topk_baseline_samples_or_lumps_the_tail() -> None:
     # the same draws as the sampler's own function with the seed's key
     parts = fidelity._top_k_tail(exact.logp, 6, 256, jax.random.PRNGKey(1))
     np.testing.assert_array_equal(np.asarray(topk.tail_ids), np.asarray(parts[3]))
-    with pytest.raises(ValueError, match="needs an exact baseline"):
+    with pytest.raises(ValueError, match=r"^topk_from_exact needs an exact baseline$"):
         fidelity.topk_from_exact(topk, 4)
 
 
@@ -183,12 +183,18 @@ def test_a_baseline_of_other_rows_is_refused(tmp_path) -> None:
     base = fidelity.compute_baseline(_Engine(_logits()), _rows(), exact=True, top_k=3)
     path = tmp_path / "b.parquet"
     fidelity.save_baseline(base, path)
-    with pytest.raises(ValueError, match=r"b\.parquet holds 15 tokens, need 10"):
+    # the whole one-line message: which file, what it holds, what was needed
+    with pytest.raises(ValueError) as err:
         fidelity.load_baseline(path, _rows()[:2])
+    assert str(err.value) == f"baseline cache {path} holds 15 tokens, need 10"
+    with pytest.raises(ValueError) as err:  # 3 rows of 4 predicted positions
+        fidelity.load_baseline(path, np.zeros((3, 5), np.int32))
+    assert str(err.value) == f"baseline cache {path} holds 15 tokens, need 12"
     other = _rows().copy()
     other[2, 5] += 1
-    with pytest.raises(ValueError, match=r"b\.parquet was computed on other tokens"):
+    with pytest.raises(ValueError) as err:
         fidelity.load_baseline(path, other)
+    assert str(err.value) == f"baseline cache {path} was computed on other tokens"
     first = _rows().copy()
     first[:, 0] = 99  # the BOS column is not predicted: not compared
     assert fidelity.load_baseline(path, first).exact
@@ -230,3 +236,45 @@ def test_a_topk_comparison_is_the_top_k_terms_plus_the_sampled_or_lumped_tail() 
     np.testing.assert_allclose(got, sampled, rtol=1e-3, atol=1e-5)
     got = fidelity.compare(_Engine(cand_logits), _rows(), topk, lumped_tail=True)["kl"]
     np.testing.assert_allclose(got, lumped, rtol=1e-3, atol=1e-5)
+
+
+def test_draw_counts_seeds_and_the_kv_window_default_to_64_draws_seed_0_and_none() -> None:
+    # The signatures' defaults (compute_baseline, topk_from_exact: 64 tail draws from seed 0;
+    # no KV window floor) are what the evaluator relies on when it passes none of them.
+    logits = _logits(3)
+    engine = _Engine(logits)
+    base = fidelity.compute_baseline(engine, _rows(), exact=False, top_k=4)
+    assert engine.calls == [(N, None)]
+    assert np.asarray(base.tail_ids).shape == (N, LENGTH - 1, 64)
+    seeded = fidelity.compute_baseline(
+        _Engine(logits), _rows(), exact=False, top_k=4, tail_samples=64, seed=0
+    )
+    np.testing.assert_array_equal(np.asarray(base.tail_ids), np.asarray(seeded.tail_ids))
+    exact = fidelity.compute_baseline(_Engine(logits), _rows(), exact=True, top_k=4)
+    engine = _Engine(logits)
+    fidelity.compare(engine, _rows(), exact)
+    assert engine.calls == [(N, None)]
+    topk = fidelity.topk_from_exact(exact, 4)
+    parts = fidelity._top_k_tail(exact.logp, 4, 64, jax.random.PRNGKey(0))
+    for name, want in zip(
+        ("topk_ids", "topk_logp", "tail_logp", "tail_ids", "tail_sample_logp"), parts, strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(getattr(topk, name)), np.asarray(want), name)
+    # the per-token summaries are the exact baseline's own arrays
+    for name in ("tokens", "target_logp", "top1", "margin"):
+        assert getattr(topk, name) is getattr(exact, name), name
+    assert topk.logp is None and not topk.exact
+
+
+def test_a_saved_baseline_is_zstd_compressed(tmp_path) -> None:
+    # The cache holds a [rows, positions, V] log-distribution in exact mode: zstd keeps it a
+    # fraction of its raw size (the column chunks' codec, read from the file's metadata).
+    import pyarrow.parquet as pq
+
+    base = fidelity.compute_baseline(_Engine(_logits()), _rows(), exact=True, top_k=3)
+    path = tmp_path / "b.parquet"
+    fidelity.save_baseline(base, path)
+    meta = pq.ParquetFile(path).metadata
+    group = meta.row_group(0)
+    codecs = {group.column(i).compression for i in range(group.num_columns)}
+    assert codecs == {"ZSTD"}

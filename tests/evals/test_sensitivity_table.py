@@ -5,21 +5,51 @@ A tiny config (2 layers, vocabulary 64) is written as a checkpoint folder; the e
 stand-in whose logits depend on the fed tokens, plus noise whose size depends on which KV
 layer the plan quantizes, so every unit has its own KL. Reference: KL(p || q) per token by
 direct numpy, averaged per window, and the paired bootstrap of `evals.stats` on those means.
+The stand-ins (engine, params loader, tokenizer, `jax.device_put`, progress bar) bind every
+call to the real callee's signature and record its arguments, so a call the real one would
+refuse, or one handed the wrong value, fails here; two named stand-in devices check the
+parallel path without a second real device.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import inspect
 import json
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from tenantq.evals import sensitivity, stats, windows
+import tenantq.engine
+import tenantq.model.loader
+import tenantq.model.tokenizer
+from tenantq.evals import data, fidelity, sensitivity, stats, windows
+from tenantq.evals.identity import cache_key, model_identity
+from tenantq.model import terminal
 from tenantq.model.config import ModelConfig
-from tenantq.quant.plan import QuantPlan
+from tenantq.quant.plan import FORMAT_NAMES, KV_FORMAT_NAMES, QuantPlan
+
+# The real callees whose signatures the stand-ins bind their calls to: a call the real
+# function would refuse (an argument missing, one too many) fails the stand-in too.
+REAL_ENGINE = tenantq.engine.Engine
+REAL_LOAD_PARAMS = tenantq.model.loader.load_params
+REAL_TOKENIZER = tenantq.model.tokenizer.require_tokenizer
+REAL_DEVICE_PUT = jax.device_put
+REAL_BASELINE = fidelity.compute_baseline
+
+
+def _bound(real, *args, **kwargs) -> dict:
+    """The call's arguments by parameter name, defaults filled in, as `real` takes them."""
+    call = inspect.signature(real).bind(*args, **kwargs)
+    call.apply_defaults()
+    return dict(call.arguments)
+
 
 VOCAB = 64
 
@@ -59,14 +89,30 @@ def _scale(plan: QuantPlan) -> float:
     return 0.3 * (layer + 1) + (0.4 if key_format != "bf16" else 0.0)
 
 
+_WHERE = threading.local()  # the device a stand-in `jax.default_device` entered
+
+
+def _default_device():
+    """The device `jax.default_device` made current in this thread (stand-in's or JAX's)."""
+    return getattr(_WHERE, "device", jax.config.jax_default_device)
+
+
 class _Engine:
-    """`device_logits` in batches of `max_seqs`: W[token] + scale * NOISE[token]."""
+    """`device_logits` in batches of `max_seqs`: W[token] + scale * NOISE[token]. Records
+    each construction: its arguments bound to the real `Engine`'s signature, the default
+    device and the thread it was built in."""
 
     made: list[dict] = []
 
-    def __init__(self, config, params, plan, **options):
-        self.scale, self.batch = _scale(plan), options["max_seqs"]
-        _Engine.made.append({"plan": plan, "options": options, "params": params})
+    def __init__(self, *args, **kwargs):
+        bound = _bound(REAL_ENGINE, *args, **kwargs)
+        options = bound["pool_options"]
+        self.scale, self.batch = _scale(bound["plan"]), options["max_seqs"]
+        _Engine.made.append(
+            {"plan": bound["plan"], "options": options, "params": bound["params"],
+             "config": bound["config"], "bound": bound, "device": _default_device(),
+             "thread": threading.current_thread(), "engine": self}
+        )  # fmt: skip
 
     def device_logits(self, rows, kv_tokens=None):
         rows = np.asarray(rows)
@@ -74,6 +120,9 @@ class _Engine:
             part = rows[start : start + self.batch]
             logits = W[part] + self.scale * NOISE[part]
             yield start, jnp.asarray(logits), jnp.zeros(part.shape, jnp.float32)
+
+
+CALLS: dict[str, list] = {}  # what the checkpoint's stand-ins were called with
 
 
 @pytest.fixture
@@ -84,9 +133,35 @@ def checkpoint(tmp_path, monkeypatch):
     source = tmp_path / "text.txt"
     source.write_text(TEXT)
     _Engine.made = []
+    CALLS.clear()
+    CALLS.update(load_params=[], tokenizer=[], params=[], baseline=[], kl=[])
+
+    def load_params(*args, **kwargs):
+        CALLS["load_params"].append(_bound(REAL_LOAD_PARAMS, *args, **kwargs))
+        CALLS["params"].append(params := {"w": np.ones(2)})
+        return params
+
+    def require_tokenizer(*args, **kwargs):
+        CALLS["tokenizer"].append(_bound(REAL_TOKENIZER, *args, **kwargs))
+        return _Tok()
+
+    real_kl = fidelity.kl_against_baseline
+
+    def compute_baseline(*args, **kwargs):
+        bound = _bound(REAL_BASELINE, *args, **kwargs)
+        base = REAL_BASELINE(*args, **kwargs)
+        CALLS["baseline"].append({**bound, "returned": base})
+        return base
+
+    def kl_against_baseline(*args, **kwargs):
+        CALLS["kl"].append(_bound(real_kl, *args, **kwargs))
+        return real_kl(*args, **kwargs)
+
     monkeypatch.setattr("tenantq.engine.Engine", _Engine)
-    monkeypatch.setattr("tenantq.model.loader.load_params", lambda *a, **k: {"w": np.ones(2)})
-    monkeypatch.setattr("tenantq.model.tokenizer.require_tokenizer", lambda *a: _Tok())
+    monkeypatch.setattr("tenantq.model.loader.load_params", load_params)
+    monkeypatch.setattr("tenantq.model.tokenizer.require_tokenizer", require_tokenizer)
+    monkeypatch.setattr(fidelity, "compute_baseline", compute_baseline)
+    monkeypatch.setattr(fidelity, "kl_against_baseline", kl_against_baseline)
     return folder, source
 
 
@@ -199,8 +274,9 @@ def test_units_spread_over_devices_give_the_serial_table(checkpoint, tmp_path):
     # each device's engines get the model's params (copied there), not nothing
     for made in _Engine.made[-4:]:
         np.testing.assert_array_equal(np.asarray(made["params"]["w"]), np.ones(2))
-    with pytest.raises(ValueError, match="devices is empty"):
+    with pytest.raises(ValueError) as empty:
         sensitivity.profile(folder, "int8", cache_dir=tmp_path / "c", devices=[], **kw)
+    assert str(empty.value) == "devices is empty; pass at least one jax device (or None for all)"
 
 
 def test_the_first_error_on_a_device_stops_the_others_and_is_raised():
@@ -263,21 +339,32 @@ def test_windows_are_bos_then_disjoint_draws_of_the_text(tmp_path):
         windows.text_windows(_Tok(), _config(), source=str(source), rows=slots + 1, row_tokens=11)
 
 
-def test_windows_read_the_stream_only_to_four_times_what_is_drawn(tmp_path, monkeypatch):
-    docs = [TEXT[i * 100 : (i + 1) * 100] for i in range(len(TEXT) // 100)]
+def test_windows_read_documents_only_until_four_times_what_is_drawn(monkeypatch):
+    # eight documents of 101 tokens (100 characters and EOS); a draw of `rows` windows of
+    # `row_tokens - 1` ids reads documents until it holds at least 4x that many ids
+    docs = [chr(ord("a") + i) * 100 for i in range(8)]
     monkeypatch.setattr(windows.data, "load_documents", lambda s: docs)
     read = []
     real = windows.token_stream
     monkeypatch.setattr(windows, "token_stream", lambda t, d: read.append(d) or real(t, d))
-    windows.text_windows(_Tok(), _config(), source="x.txt", rows=2, row_tokens=51)
-    # 2 x 50 drawn: documents of 101 tokens are read until 400 are held, i.e. four
-    assert len(read) == 4
-    read.clear()
-    windows.text_windows(_Tok(), _config(), source="x.txt", rows=2, row_tokens=50)
-    assert len(read) == 4  # 2 x 49 = 98: 392 < 4 x 98 = 392? no: 404 >= 392 after four
+    for rows, row_tokens, documents in (
+        (1, 102, 4),  # 4 x 101 = 404: held reaches it exactly with the fourth (>=, not >)
+        (1, 77, 4),  # 4 x 76 = 304: three hold 303, one short
+        (1, 76, 3),  # 4 x 75 = 300: three hold 303
+        (2, 39, 4),  # 4 x 2 x 38 = 304
+    ):
+        read.clear()
+        got = windows.text_windows(_Tok(), _config(), source="x.txt", rows=rows,
+                                   row_tokens=row_tokens)  # fmt: skip
+        assert got.shape == (rows, row_tokens)
+        assert read == [[d] for d in docs[:documents]], (rows, row_tokens)
     monkeypatch.setattr(windows.data, "load_documents", lambda s: [])
-    with pytest.raises(ValueError, match="x.txt has 0 tokens"):
+    with pytest.raises(ValueError) as empty:
         windows.text_windows(_Tok(), _config(), source="x.txt", rows=1, row_tokens=5)
+    assert str(empty.value) == (
+        "x.txt has 0 tokens: 0 windows of 4 (+ BOS), 1 asked for; give more text, or fewer "
+        "or shorter windows"
+    )
 
 
 def test_calibration_and_held_out_windows_are_disjoint_seeded_draws(tmp_path):
@@ -313,12 +400,16 @@ def test_unit_errors_name_what_is_valid():
     config = _config()
     with pytest.raises(ValueError, match="unit kind 'layer' unknown; use one of tensor, block"):
         sensitivity.units(config, "int4", by="layer")
-    with pytest.raises(ValueError, match=r"KV format 'int3' unknown; valid: .*int8"):
+    with pytest.raises(ValueError) as kv_error:
         sensitivity.units(config, "int3", kv=True)
-    with pytest.raises(
-        ValueError, match=r"format 'int3' is not a quantized weight format; valid: "
-    ):
+    assert str(kv_error.value) == f"KV format 'int3' unknown; valid: {', '.join(KV_FORMAT_NAMES)}"
+    with pytest.raises(ValueError) as weight_error:
         sensitivity.units(config, "int3")
+    valid = [f for f in FORMAT_NAMES if f != "bf16"]
+    assert str(weight_error.value) == (
+        f"format 'int3' is not a quantized weight format; valid: {', '.join(valid)}"
+    )
+    assert "int8" in valid and "bf16" not in valid
     with pytest.raises(ValueError, match=r"valid: (?!bf16)"):
         sensitivity.units(config, "bf16")
     kv = sensitivity.units(config, "int8", kv=True, by="block")  # by is moot for KV
@@ -365,3 +456,285 @@ def test_matrix_text_is_layers_by_class_then_the_rest():
         "layer a_long_class_name",
         f"    3 {'2':>17}",
     ]
+
+
+def test_a_profile_gives_the_model_its_own_folder_config_dtype_and_windows(checkpoint, tmp_path):
+    folder, source = checkpoint
+    sensitivity.profile(
+        str(folder), "int8", kv=True, source=str(source), rows=5, row_tokens=9, resamples=300,
+        cache_dir=tmp_path / "c", progress=False,
+    )  # fmt: skip
+    config = ModelConfig.from_file(folder)
+    rows9 = windows.text_windows(_Tok(), config, source=str(source), rows=5, row_tokens=9)
+    # the folder's tokenizer, checked against the model's vocabulary; its params in bf16
+    assert CALLS["tokenizer"] == [{"folder": folder, "vocab_size": VOCAB}]
+    (load,) = CALLS["load_params"]
+    assert (load["folder"], load["config"]) == (folder, config)
+    assert jnp.dtype(load["dtype"]) == jnp.bfloat16
+    (params,) = CALLS["params"]
+    # one device: every engine holds the loaded params themselves (no second copy of the
+    # model), is built on the calling thread, and each unit's under that device
+    assert len(_Engine.made) == 1 + 4
+    for made in _Engine.made:
+        assert made["config"] == config and made["params"] is params
+        assert made["thread"] is threading.current_thread()
+    assert [m["device"] for m in _Engine.made[1:]] == [jax.local_devices()[0]] * 4
+    # the baseline: exact (vocabulary 64 is under the limit) on the drawn windows
+    (base,) = CALLS["baseline"]
+    assert base["engine"] is _Engine.made[0]["engine"]
+    assert (base["exact"], base["top_k"], base["kv_tokens"]) == (True, sensitivity.TOP_K, None)
+    np.testing.assert_array_equal(base["rows"], rows9)
+    # each unit's KL: its own engine against that baseline, `resamples` draws
+    assert len(CALLS["kl"]) == 4
+    for call, made in zip(CALLS["kl"], _Engine.made[1:], strict=True):
+        assert call["engine"] is made["engine"] and call["base"] is base["returned"]
+        assert (call["resamples"], call["seed"], call["kv_tokens"]) == (300, 0, None)
+        np.testing.assert_array_equal(call["rows"], rows9)
+
+
+class _Stop(Exception):
+    """Raised by a stand-in to end a profile once what the test needs is recorded."""
+
+
+def test_the_baseline_is_exact_up_to_the_vocabulary_limit_then_top_k(
+    checkpoint, tmp_path, monkeypatch
+):
+    # EXACT_VOCAB_LIMIT is the largest vocabulary still compared exactly (<=, as the suite)
+    folder, source = checkpoint
+    asked = []
+
+    def compute_baseline(*args, **kwargs):
+        asked.append(_bound(REAL_BASELINE, *args, **kwargs))
+        raise _Stop
+
+    monkeypatch.setattr(fidelity, "compute_baseline", compute_baseline)
+    for limit in (VOCAB, VOCAB - 1):
+        monkeypatch.setattr(sensitivity, "EXACT_VOCAB_LIMIT", limit)
+        with pytest.raises(_Stop):
+            sensitivity.profile(folder, "int8", kv=True, source=str(source), rows=2,
+                                row_tokens=9, cache_dir=tmp_path, progress=False)  # fmt: skip
+    assert [(a["exact"], a["top_k"]) for a in asked] == [(True, 64), (False, 64)]
+
+
+def test_the_cache_file_is_named_by_every_input_of_the_table(checkpoint, tmp_path):
+    # the model's identity, the format, unit kind, KV or not, the windows drawn and the
+    # bootstrap size, under the cache's version: any of them changed is another file
+    folder, source = checkpoint
+    sensitivity.profile(
+        folder, "int8", kv=True, source=str(source), rows=5, row_tokens=9, resamples=300,
+        cache_dir=tmp_path / "c", progress=False,
+    )  # fmt: skip
+    rows9 = windows.text_windows(_Tok(), _config(), source=str(source), rows=5, row_tokens=9)
+    key = cache_key(
+        version=sensitivity.CACHE_VERSION, model=model_identity(folder), format="int8",
+        by="tensor", kv=True, dataset=data.array_hash(rows9), resamples=300,
+    )  # fmt: skip
+    assert [f.name for f in (tmp_path / "c").iterdir()] == [f"sensitivity-{key}.parquet"]
+
+
+def test_a_cached_table_reads_back_in_the_tables_schema(checkpoint, tmp_path):
+    # a cache file whose integers were written narrower (int32) reads back as SCHEMA says
+    folder, source = checkpoint
+    kw = dict(kv=True, source=str(source), rows=4, row_tokens=9, resamples=100,
+              cache_dir=tmp_path / "c", progress=False)  # fmt: skip
+    table = sensitivity.profile(folder, "int8", **kw)
+    (path,) = (tmp_path / "c").iterdir()
+    narrow = pa.schema(
+        [f.with_type(pa.int32()) if f.type == pa.int64() else f for f in sensitivity.SCHEMA]
+    )
+    pq.write_table(table.cast(narrow), path)
+    _Engine.made = []
+    again = sensitivity.profile(folder, "int8", **kw)
+    assert _Engine.made == [] and again.schema == sensitivity.SCHEMA and again.equals(table)
+
+
+def test_a_profile_makes_its_cache_folder_and_the_folders_above(checkpoint, tmp_path):
+    folder, source = checkpoint
+    deep = tmp_path / "a" / "b"
+    sensitivity.profile(folder, "int8", kv=True, source=str(source), rows=4, row_tokens=9,
+                        resamples=100, cache_dir=deep, progress=False)  # fmt: skip
+    assert [f.name.startswith("sensitivity-") for f in deep.iterdir()] == [True]
+
+
+def test_the_progress_bar_counts_the_units_one_step_each(checkpoint, tmp_path, monkeypatch):
+    folder, source = checkpoint
+    bars = []
+
+    class _Bar:
+        def __init__(self, args):
+            self.args, self.steps, self.closed = args, [], False
+
+        def update(self, n=1):
+            self.steps.append(n)
+
+        def close(self):
+            self.closed = True
+
+    def progress_bar(*args, **kwargs):
+        bars.append(_Bar(_bound(terminal.progress_bar, *args, **kwargs)))
+        return bars[-1]
+
+    monkeypatch.setattr(sensitivity, "progress_bar", progress_bar)
+    for progress in (True, False):
+        sensitivity.profile(
+            folder, "int8", kv=True, source=str(source), rows=4, row_tokens=9, resamples=100,
+            cache_dir=tmp_path / str(progress), progress=progress,
+        )  # fmt: skip
+    # four units (keys and values of two layers): a bar of 4 "unit"s, one step each
+    for bar, progress in zip(bars, (True, False), strict=True):
+        assert bar.args == {
+            "total": 4, "enabled": progress, "initial": 0,
+            "options": {"desc": "sensitivity int8", "unit": "unit"},
+        }  # fmt: skip
+        assert bar.steps == [1, 1, 1, 1] and bar.closed
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class _Device:
+    """A named stand-in device; JAX refuses it, so `device_put` and `default_device` are
+    stand-ins wherever it is used."""
+
+    name: str
+
+
+@pytest.fixture
+def two_devices(monkeypatch):
+    """Two stand-in devices. `jax.device_put` (bound to its real signature) records what was
+    put where and returns arrays as they are, a dict (the params) with its device under
+    "on"; `jax.default_device` records the device entered for `_default_device`."""
+    placed = []
+
+    def device_put(*args, **kwargs):
+        bound = _bound(REAL_DEVICE_PUT, *args, **kwargs)
+        x, device = bound["x"], bound["device"]
+        placed.append((x, device))
+        return {**x, "on": device} if isinstance(x, dict) else x
+
+    @contextlib.contextmanager
+    def default_device(device):
+        _WHERE.device = device
+        try:
+            yield
+        finally:
+            del _WHERE.device
+
+    monkeypatch.setattr(jax, "device_put", device_put)
+    monkeypatch.setattr(jax, "default_device", default_device)
+    return [_Device("dev0"), _Device("dev1")], placed
+
+
+def test_units_on_two_devices_use_that_devices_copy_of_the_model_and_baseline(
+    checkpoint, tmp_path, two_devices
+):
+    folder, source = checkpoint
+    devices, placed = two_devices
+    kw = dict(kv=True, source=str(source), rows=4, row_tokens=9, resamples=200, progress=False)
+    serial = sensitivity.profile(folder, "int8", cache_dir=tmp_path / "a", **kw)
+    CALLS["params"].clear(), CALLS["baseline"].clear(), CALLS["kl"].clear()
+    _Engine.made = []
+    seen = []
+    spread = sensitivity.profile(
+        folder, "int8", cache_dir=tmp_path / "b", devices=devices,
+        on_unit=lambda u, d: seen.append(d), **kw,
+    )  # fmt: skip
+    assert spread.equals(serial)
+    (params,) = CALLS["params"]
+    base = CALLS["baseline"][0]["returned"]
+    # each device got its own copy of the params and of the baseline's log-probs (exact mode)
+    assert sorted(d for x, d in placed if x is params) == devices
+    assert sorted(d for x, d in placed if x is base.logp) == devices
+    # each unit's engine: built under a device with that device's params, in a daemon
+    # thread (an interrupted caller is not held up by units still running)
+    units = _Engine.made[1:]
+    assert len(units) == 4 and sorted(seen) == sorted(m["device"] for m in units)
+    for made in units:
+        assert made["device"] in devices and made["params"]["on"] == made["device"]
+        assert made["params"]["w"] is params["w"]
+        assert made["thread"] is not threading.current_thread() and made["thread"].daemon
+    for call in CALLS["kl"]:
+        assert call["base"] is not base and call["base"].logp is base.logp
+
+
+def test_a_baseline_is_put_field_by_field_on_the_device_asked(two_devices):
+    devices, placed = two_devices
+    base = sensitivity.fidelity.FidelityBaseline(
+        np.zeros((1, 2), np.int32), np.ones((1, 2)), np.zeros((1, 2)), np.ones((1, 2)),
+        topk_ids=np.ones((1, 2, 3), np.int32), tail_logp=np.full((1, 2), -3.0),
+    )  # fmt: skip
+    moved = sensitivity._baseline_on(base, devices[1])
+    assert [d for x, d in placed if x is base.topk_ids] == [devices[1]]
+    assert [d for x, d in placed if x is base.tail_logp] == [devices[1]]
+    assert moved.topk_ids is base.topk_ids and moved.logp is None
+
+
+def test_matrix_text_lists_layers_in_numeric_order():
+    # layer 10 after layer 9 (numbers, not strings: "10" < "9")
+    table = pa.Table.from_pylist(
+        [{"tensor": f"kv/{i}", "tensor_class": "keys", "layer": i, "kl_mean": 1.0}
+         for i in (10, 2, 9, 0)]
+    )  # fmt: skip
+    lines = sensitivity.matrix_text(table).splitlines()
+    assert [line.split()[0] for line in lines[1:]] == ["0", "2", "9", "10"]
+
+
+def test_token_windows_asking_for_every_slot_cut_the_whole_stream_in_order():
+    # rows == slots is allowed, and the slots are drawn without replacement: all of them
+    stream = np.arange(23, dtype=np.int32)  # 7 slots of 3, 2 ids left over
+    got = windows.token_windows(stream, 7, 3, np.random.default_rng(5))
+    np.testing.assert_array_equal(got, np.arange(21).reshape(7, 3))
+
+
+def test_token_windows_are_the_seeded_slots_in_stream_order():
+    # reference: the generator's draw of distinct slots, sorted, each slot's ids sliced
+    stream = np.arange(100, 200, dtype=np.int32)
+    got = windows.token_windows(stream, 4, 7, np.random.default_rng([0, 1]))
+    slots = sorted(np.random.default_rng([0, 1]).choice(100 // 7, 4, replace=False))
+    want = np.stack([np.arange(100 + 7 * s, 107 + 7 * s) for s in slots])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_stream_too_short_for_the_windows_is_one_line_naming_its_size():
+    with pytest.raises(ValueError) as err:
+        windows.token_windows(np.zeros(1234, np.int32), 3, 500, np.random.default_rng(0))
+    assert str(err.value) == (
+        "the dataset half has 1,234 tokens: 2 windows of 500, the suite asks for 3; use "
+        "fewer rows or shorter ones"
+    )
+
+
+def test_a_bos_id_of_zero_is_the_models_own_not_the_default():
+    got = windows.bos_windows(
+        np.arange(3, 40, dtype=np.int32), _config(bos_token_id=0), 2, 5, np.random.default_rng(0)
+    )
+    assert got.shape == (2, 5) and (got[:, 0] == 0).all()
+
+
+def test_a_bos_id_past_int32_is_refused_not_wrapped():
+    # rows are int32: a BOS id that does not fit must not become a negative id
+    config = _config(vocab_size=2**32, bos_token_id=2**31)
+    with pytest.raises(OverflowError):
+        windows.bos_windows(
+            np.arange(3, 40, dtype=np.int32), config, 2, 5, np.random.default_rng(0)
+        )
+
+
+def test_without_a_source_windows_come_from_the_reference_train_split(monkeypatch):
+    import tenantq.reference.corpus as corpus
+
+    asked = []
+
+    class _Corpus:
+        def texts(self, *args, **kwargs):
+            split = _bound(corpus.Corpus.texts, self, *args, **kwargs)["split"]
+            asked.append(split)
+            return [TEXT] if split == "train" else ["z" * 2000]
+
+    monkeypatch.setattr(corpus, "load_corpus", lambda *a, **k: _Corpus())
+    got = windows.text_windows(_Tok(), _config(), rows=3, row_tokens=11)
+    assert asked == ["train"]
+    stream = np.asarray(_Tok().encode(TEXT) + [2], np.int32)
+    want = windows.token_windows(stream, 3, 10, np.random.default_rng([0, 1]))
+    np.testing.assert_array_equal(got[:, 1:], want)
+    with pytest.raises(ValueError) as err:
+        windows.text_windows(_Tok(), _config(), rows=1000, row_tokens=11)
+    assert str(err.value).startswith(f"the train split has {len(TEXT) + 1:,} tokens: ")

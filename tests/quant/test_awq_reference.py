@@ -28,8 +28,9 @@ from tenantq.quant.awq import (
     output_error,
     search_scale,
 )
-from tenantq.quant.folding import FoldSite
+from tenantq.quant.folding import FoldSite, fold, fold_sites
 from tenantq.quant.input_stats import InputStats
+from tenantq.testing import tiny_config
 
 
 def _tq(fmt, group=None, symmetric=True, path="layers/0/mlp/up_proj", axis=0):
@@ -74,7 +75,8 @@ def numpy_scale_search(x, weights, plans, grid, source=None, floor=1e-8):
         err = 0.0
         for p, w in weights.items():
             how = plans[p]
-            q = _deq(quantize(w * s32[:, None], how.format, axis=0, group_size=how.group_size))
+            q = _deq(quantize(w * s32[:, None], how.format, axis=0, group_size=how.group_size,
+                              symmetric=how.symmetric))  # fmt: skip
             err += _err(x, w, q / s32[:, None])  # (x / s) @ Q(diag(s) W)
         if source is not None:
             how, x_v, w_v = source
@@ -169,31 +171,224 @@ def test_the_default_grid_is_twenty_alphas_from_zero():
     np.testing.assert_allclose(s, want_s, rtol=1e-9)
 
 
-def test_at_mx_formats_the_scale_search_scores_the_exponent_search():
-    # With clip at an MX format each candidate is scored as awq_weight will round it (the
-    # exponent search on the folded Gram); without clip, by plain rounding.
-    rng = np.random.default_rng(6)
-    x = _x(rng, 64, 32)
-    weights = {"a": (rng.standard_normal((32, 8)) * 5).astype(np.float32)}
-    how = _tq("mxfp4")
-    plans, stats = {"a": how}, _site_stats(x, ("a",))
-    site = FoldSite("site", ("a",), "norm", "norm")
+def _round(w, how, gram, clip):
+    """How `awq_weight` will round `w`: the exponent search at MX formats with clip (on the
+    Gram of the tensor's own input), plain rounding otherwise."""
+    if clip and how.format.startswith("mx"):
+        return _deq(exponent_search(w, how, gram))
+    kw = dict(axis=0, group_size=how.group_size, symmetric=how.symmetric)
+    return _deq(quantize(w, how.format, **kw))
+
+
+def numpy_folded_scale_search(
+    x, params, site, plans, grid, source=None, float32_products=False, *, config=None,
+    clip=False, kv_groups=None,
+):  # fmt: skip
+    """The paper's grid search scored on the tensors `folding.fold` stores for each α: the
+    consumers' rows times s and the producer's columns divided by s, taken in float64 and
+    rounded to float32, then rounded as `awq_weight` will (`_round`, on the Gram of x / s
+    for a consumer, of x_v for the producer); the error is against the checkpoint's own
+    values. `kv_groups` (kv heads, heads per kv head, head dim): o_proj's channels take
+    their KV group's largest mean |x|, and v_proj's column (g, j) is divided by that s.
+    `float32_products`: the float32 arithmetic fold does not do (float32(w) * float32(s))."""
     m = np.maximum(np.abs(x).mean(axis=0), 1e-8)
+    if kv_groups is not None:
+        m = np.broadcast_to(m.reshape(kv_groups).max(axis=1, keepdims=True), kv_groups).ravel()
     best = None
-    for k in range(6):
-        s = m ** (k / 6)
+    for k in range(grid):
+        s = m ** (k / grid)
         s = s / np.sqrt(s.max() * s.min())
-        s32 = s.astype(np.float32)
-        w = weights["a"]
-        q = _deq(exponent_search(w * s32[:, None], how, stats.gram / np.outer(s, s)))
-        err = _err(x, w, q / s32[:, None])
+        t = s if kv_groups is None else s.reshape(kv_groups)[:, 0, :].ravel()
+        if float32_products:
+            s32 = s.astype(np.float32)
+            stored = {p: np.float32(params[p]) * s32[:, None] for p in site.consumers}
+            if source is not None:
+                stored[site.source] = np.float32(params[site.source]) / s32[None, :]
+        else:
+            stored = fold(params, config, site, s)
+        err = 0.0
+        for p, how in plans.items():
+            q = _round(stored[p], how, (x / s).T @ (x / s), clip)
+            err += _err(x, params[p], q / s[:, None])  # (x / s) @ Q(stored)
+        if source is not None:
+            how, x_v = source
+            q = _round(stored[site.source], how, x_v.T @ x_v, clip)
+            err += _err(x_v, params[site.source], q * t[None, :])  # (x_v @ Q(stored)) * t
         if best is None or err < best[0]:
-            best = (err, s, k / 6)
+            best = (err, s, k / grid)
+    return best[1], best[2]
+
+
+def _top_of_an_mx_block(near, stored, float32_stored):
+    """Per channel, a float64 value within 2^-26 of `near` that fold stores as >= 4 (so an
+    E2M1 block holding it takes the scale 2^0 and keeps 4 exactly) while float32 arithmetic
+    would store it below 4 (scale 2^-1: it saturates at 3); nan where no candidate does."""
+    out = np.full(near.shape, np.nan)
+    for d in np.linspace(-(2.0**-26), 2.0**-26, 65):
+        v = near * (1 + d)
+        ok = np.isnan(out) & (stored(v) >= 4) & (float32_stored(v) < 4)
+        out[ok] = v[ok]
+    return out
+
+
+def test_the_scale_search_scores_the_consumers_as_fold_stores_them():
+    # A float64 checkpoint whose consumer, folded at α = 2/4, is exactly on the mxfp4 grid at
+    # block scale 1, with 4 (the grid's top but one, amax) in many rows: fold stores those
+    # as 4.0 (w * s in float64, then float32), so that α costs next to nothing; float32(w) *
+    # float32(s) would put them a float32 ulp below 4, the blocks' scale one binade lower and
+    # the 4s at 3. The search must score what fold stores.
+    rng = np.random.default_rng(13)
+    n, grid = 32, 4
+    x = _x(rng, 64, n)
+    m = np.abs(x).mean(axis=0)
+    s = m**0.5 / np.sqrt(m.max() ** 0.5 * m.min() ** 0.5)  # α = 2/4
+    s32 = s.astype(np.float32)
+    top = _top_of_an_mx_block(
+        4 / s, lambda v: np.float32(v * s), lambda v: np.float32(v) * s32
+    )  # fmt: skip
+    assert 3 <= np.sum(~np.isnan(top)) <= n - 3  # seeded: some rows, not all
+    g = rng.choice([0.5, 1.0, 1.5, 2.0, 3.0], (n, 6)) / s[:, None]  # on the grid once folded
+    w = np.where(np.isnan(top)[:, None], g, top[:, None]) * rng.choice([-1, 1], (n, 6))
+    params = {"a": w, "norm": np.ones(n)}
+    plans = {"a": _tq("mxfp4", path="a")}
+    site = FoldSite("site", ("a",), "norm", "norm")
+    got_s, got = search_scale(params, None, site, _site_stats(x, ("a",)), plans, grid=grid,
+                              clip=False)  # fmt: skip
+    want_s, want = numpy_folded_scale_search(x, params, site, plans, grid)
+    _, float32_alpha = numpy_folded_scale_search(x, params, site, plans, grid, None, True)
+    assert got == want == 0.5 and float32_alpha != want  # seeded: the arithmetic decides
+    np.testing.assert_allclose(got_s, want_s, rtol=1e-12)
+
+
+def test_the_scale_search_scores_a_quantized_producer_as_fold_stores_it():
+    # The producer's side of the same: up_proj's columns divided by s (float64, then float32)
+    # land on 4 exactly at α = 2/4 in the columns `_top_of_an_mx_block` found; the consumer
+    # is int8 on plain float64 weights.
+    rng = np.random.default_rng(14)
+    n, n_v, grid = 16, 32, 4
+    x, x_v = _x(rng, 64, n), _x(rng, 64, n_v)
+    m = np.abs(x).mean(axis=0)
+    s = m**0.5 / np.sqrt(m.max() ** 0.5 * m.min() ** 0.5)
+    s32 = s.astype(np.float32)
+    top = _top_of_an_mx_block(
+        4 * s, lambda v: np.float32(v / s), lambda v: np.float32(v) / s32
+    )  # fmt: skip
+    assert 3 <= np.sum(~np.isnan(top)) <= n - 3  # seeded: some columns, not all
+    g = rng.choice([0.5, 1.0, 1.5, 2.0, 3.0], (n_v, n)) * s[None, :]
+    up = np.where(np.isnan(top)[None, :], g, top[None, :]) * rng.choice([-1, 1], (n_v, n))
+    params = {"down": rng.standard_normal((n, 8)), "up": up}
+    plans = {"down": _tq("int8", path="down")}
+    site = FoldSite("site", ("down",), "up", "columns")
+    how_u = _tq("mxfp4", path="up")
+    got_s, got = search_scale(
+        params, None, site, _site_stats(x, ("down",)), plans, grid=grid, clip=False,
+        source=(how_u, x_v.T @ x_v),
+    )  # fmt: skip
+    want_s, want = numpy_folded_scale_search(x, params, site, plans, grid, (how_u, x_v))
+    _, float32_alpha = numpy_folded_scale_search(x, params, site, plans, grid, (how_u, x_v), True)
+    assert got == want == 0.5 and float32_alpha != want  # seeded: the arithmetic decides
+    np.testing.assert_allclose(got_s, want_s, rtol=1e-12)
+
+
+def test_at_mx_formats_the_scale_search_scores_the_exponent_search():
+    # With clip (the default, as for awq_weight) at an MX format each candidate is scored as
+    # awq_weight will round it: the exponent search on the Gram of x / s; without clip, by
+    # plain rounding. Seeded so the two scorings choose different α, and the Gram of x * s
+    # yet another.
+    rng = np.random.default_rng(5)
+    x = _x(rng, 64, 64)
+    weights = {"a": (rng.standard_normal((64, 8)) * 5).astype(np.float32)}
+    params = {**weights, "norm": np.ones(64, np.float32)}
+    plans, stats = {"a": _tq("mxfp4")}, _site_stats(x, ("a",))
+    site = FoldSite("site", ("a",), "norm", "norm")
+    want_s, want = numpy_folded_scale_search(x, params, site, plans, 6, clip=True)
     s, alpha = search_scale(weights, None, site, stats, plans, grid=6, clip=True)
-    assert alpha == best[2]
-    np.testing.assert_allclose(s, best[1], rtol=1e-9)
+    assert alpha == want
+    np.testing.assert_allclose(s, want_s, rtol=1e-12)
+    assert search_scale(weights, None, site, stats, plans, grid=6)[1] == want  # clip's default
     _, plain_alpha = search_scale(weights, None, site, stats, plans, grid=6, clip=False)
-    assert plain_alpha == numpy_scale_search(x, weights, plans, 6)[1]
+    assert plain_alpha == numpy_folded_scale_search(x, params, site, plans, 6)[1] != want
+
+
+def test_an_asymmetric_consumer_is_scored_with_its_zero_point():
+    # Weights centred off zero: asymmetric int4 (amin and amax, a zero point) rounds them
+    # differently from symmetric int4, and the search must score the plan's own rounding.
+    rng = np.random.default_rng(0)
+    x = _x(rng, 64, 16)
+    weights = {"a": (rng.standard_normal((16, 12)) + 0.8).astype(np.float32)}
+    params = {**weights, "norm": np.ones(16, np.float32)}
+    plans = {"a": _tq("int4", 8, symmetric=False)}
+    site = FoldSite("site", ("a",), "norm", "norm")
+    s, alpha = search_scale(weights, None, site, _site_stats(x, ("a",)), plans, grid=8, clip=False)
+    want_s, want = numpy_folded_scale_search(x, params, site, plans, 8)
+    _, symmetric = numpy_folded_scale_search(x, params, site, {"a": _tq("int4", 8)}, 8)
+    assert alpha == want != symmetric  # seeded: the zero point changes the choice
+    np.testing.assert_allclose(s, want_s, rtol=1e-12)
+
+
+def test_an_mx_producer_is_scored_by_its_exponent_search_on_its_own_gram():
+    # With clip, the producer (mxfp4 up_proj) is scored as awq_weight will round it: the
+    # exponent search on the Gram of its own input x_v; both terms count. Seeded so that
+    # plain rounding of the producer, or the producer's term alone, would choose another α.
+    rng = np.random.default_rng(8)
+    x, x_v = _x(rng, 64, 16), _x(rng, 64, 32)
+    params = {
+        "down": (rng.standard_normal((16, 8)) * 4).astype(np.float32),
+        "up": rng.standard_normal((32, 16)).astype(np.float32),
+    }
+    how_d, how_u = _tq("int4", 8, path="down"), _tq("mxfp4", path="up")
+    site = FoldSite("site", ("down",), "up", "columns")
+    s, alpha = search_scale(
+        params, None, site, _site_stats(x, ("down",)), {"down": how_d}, grid=10, clip=True,
+        source=(how_u, x_v.T @ x_v),
+    )  # fmt: skip
+    want_s, want = numpy_folded_scale_search(
+        x, params, site, {"down": how_d}, 10, (how_u, x_v), clip=True
+    )
+    _, rounded = numpy_folded_scale_search(x, params, site, {"down": how_d}, 10, (how_u, x_v))
+    _, alone = numpy_folded_scale_search(x, params, site, {}, 10, (how_u, x_v), clip=True)
+    assert alpha == want and rounded != want and alone != want
+    np.testing.assert_allclose(s, want_s, rtol=1e-12)
+
+
+def test_o_proj_is_scored_with_scales_shared_within_kv_groups():
+    # GQA (4 query heads over 2 KV heads of dim 8): o_proj's channel (h, j) takes the largest
+    # mean |x| of its KV group's heads, and v_proj's column (g, j) is divided by that one s.
+    config = tiny_config()
+    site = fold_sites(config)["layers/0/attn/o_in"]
+    rng = np.random.default_rng(15)
+    x, x_v = _x(rng, 64, 32), _x(rng, 64, 32)
+    params = {
+        "layers/0/attn/o_proj": rng.standard_normal((32, 32)).astype(np.float32),
+        "layers/0/attn/v_proj": (rng.standard_normal((32, 16)) * 2).astype(np.float32),
+    }
+    plans = {"layers/0/attn/o_proj": _tq("int4", 8, path="layers/0/attn/o_proj")}
+    how_v = _tq("mxfp4", path="layers/0/attn/v_proj")
+    stats = _site_stats(x, site.consumers)
+    s, alpha = search_scale(params, config, site, stats, plans, grid=8, clip=False,
+                            source=(how_v, x_v.T @ x_v))  # fmt: skip
+    want_s, want = numpy_folded_scale_search(
+        x, params, site, plans, 8, (how_v, x_v), config=config, kv_groups=(2, 2, 8)
+    )
+    assert alpha == want > 0  # seeded: the search moves off s = 1
+    np.testing.assert_allclose(s, want_s, rtol=1e-12)
+    np.testing.assert_array_equal(s.reshape(2, 2, 8)[:, 0], s.reshape(2, 2, 8)[:, 1])
+
+
+def test_when_no_alpha_scores_a_finite_error_the_scale_stays_one():
+    # A Gram with an inf entry (activations overflowing float64): every error is inf or NaN,
+    # none is below the starting inf, and the search keeps α = 0, s = 1 (nothing folded).
+    rng = np.random.default_rng(16)
+    x = _x(rng, 32, 8)
+    stats = _site_stats(x, ("a",))
+    stats.gram[2, 2] = np.inf
+    weights = {"a": rng.standard_normal((8, 4)).astype(np.float32)}
+    site = FoldSite("site", ("a",), "norm", "norm")
+    with np.errstate(invalid="ignore"):  # inf * 0 in G Δ: NaN, as it should be
+        s, alpha = search_scale(weights, None, site, stats, {"a": _tq("int4", 8)}, grid=5,
+                                clip=False)  # fmt: skip
+    assert alpha == 0.0 and s.shape == (8,)  # one scale per channel, as fold requires
+    np.testing.assert_array_equal(s, np.ones(8))
 
 
 def _int4_by_hand(w, amax):

@@ -125,3 +125,44 @@ def test_own_front_after_a_continue_as_copy_matches_brute_force_dominance(seed: 
             own[n] = [-values[0], values[1]]
     got = {t.number for t in own_best_trials(study)}
     assert got == _reference_front(own)
+
+
+def test_trials_with_identical_figures_both_stay_on_the_own_front() -> None:
+    """Equal values do not dominate each other (the front keeps every trial of a front plan),
+    and a constraint of exactly 0 is feasible (Optuna's `<= 0`)."""
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    study.add_trial(_frozen(0, [16.0, 0.01]))
+    study.add_trial(_frozen(1, [16.0, 0.01], constraint=0.0))
+    study.add_trial(_frozen(2, [16.0, 0.02]))  # dominated by both: worse on one, equal on one
+    study.add_trial(_frozen(3, [8.0, 0.01]))  # dominated by both the same way
+    study.add_trial(_frozen(4, [24.0, 0.0], constraint=0.5))  # would dominate: infeasible
+    assert [t.number for t in own_best_trials(study)] == [0, 1]
+
+
+def test_the_own_front_is_the_studys_own_complete_trials_in_trial_order() -> None:
+    """The front comes back in trial-number order (not value order), as the study's own
+    trial objects (`get_trials(deepcopy=False)`, not copies), with only COMPLETE trials
+    judged: a failed or running trial has no values and is left out."""
+    study = optuna.create_study(directions=["minimize", "maximize"])
+    study.add_trial(_frozen(0, [3.0, 3.0]))
+    study.add_trial(_frozen(1, [1.0, 1.0]))
+    study.add_trial(_frozen(2, [2.0, 2.0]))
+    study.add_trial(_frozen(3, [0.0, 0.0], constraint=0.0))
+    study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL))
+    study.ask()  # running
+    got = own_best_trials(study)
+    assert [t.number for t in got] == [0, 1, 2, 3]
+    own = {t.number: t for t in study.get_trials(deepcopy=False)}
+    assert all(t is own[t.number] for t in got)
+    assert [t.values for t in got] == [[3.0, 3.0], [1.0, 1.0], [2.0, 2.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("direction", ["minimize", "maximize"])
+def test_the_own_front_orders_figures_up_to_the_largest_floats(direction: str) -> None:
+    """The sweep only flips the sign of a maximised value: figures near the largest float
+    (1.797e308) stay distinct and ordered, nothing is scaled into infinity."""
+    better, worse = (1.0e308, 1.5e308) if direction == "minimize" else (1.5e308, 1.0e308)
+    study = optuna.create_study(directions=[direction, "minimize"])
+    study.add_trial(_frozen(0, [worse, 0.0]))
+    study.add_trial(_frozen(1, [better, 0.0]))
+    assert [t.number for t in own_best_trials(study)] == [1]

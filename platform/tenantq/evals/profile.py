@@ -18,7 +18,8 @@ def read_profile_table(path: str | Path, num_layers: int | None = None):
 
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"sensitivity profile {p} does not exist; give a file `tenantq "
+        what = "is a folder" if p.is_dir() else "does not exist"
+        raise ValueError(f"sensitivity profile {p} {what}; give a file `tenantq "
                          "sensitivity --out` wrote")  # fmt: skip
     import pyarrow as pa
 
@@ -36,9 +37,13 @@ def read_profile_table(path: str | Path, num_layers: int | None = None):
 
 def check_profile_table(table, path: str | Path, num_layers: int | None = None) -> None:
     """A profile's columns (tensor, format, kl_mean), its KL values (finite and >= 0: a NaN
-    would rank a tensor least sensitive and quantize it first) and its KV rows (`kv/{i}`,
-    with 0 <= i < num_layers when the model is known). One ValueError line naming the row."""
+    would rank a tensor least sensitive and quantize it first), its KV rows (`kv/{i}` as
+    `tenantq sensitivity` writes them, with 0 <= i < num_layers when the model is known) and
+    one row per tensor and format (two KLs for one unit contradict each other, and `kv/01`
+    beside `kv/1` would rank one layer twice). One ValueError line naming the row."""
     import math
+
+    seen: dict[tuple[str, str], float] = {}
 
     need = {"tensor", "format", "kl_mean"}
     if not need <= set(table.column_names):
@@ -53,6 +58,11 @@ def check_profile_table(table, path: str | Path, num_layers: int | None = None) 
         if not isinstance(tensor, str) or not tensor:
             raise ValueError(f"sensitivity profile {path}: a row has tensor {tensor!r}; "
                              "expected a tensor path or kv/LAYER")  # fmt: skip
+        if not isinstance(fmt, str) or not fmt:
+            raise ValueError(
+                f"sensitivity profile {path}: row {tensor!r} has format {fmt!r}; "
+                "expected the format it was measured at (int4, mxfp4, ...)"
+            )
         if not isinstance(kl, int | float) or not math.isfinite(kl) or kl < 0:
             raise ValueError(
                 f"sensitivity profile {path}: kl_mean of {tensor} ({fmt}) is {kl!r}; a KL "
@@ -60,10 +70,18 @@ def check_profile_table(table, path: str | Path, num_layers: int | None = None) 
             )
         if tensor.startswith("kv/"):
             index = tensor[3:]
-            if not index.isdigit() or (num_layers is not None and int(index) >= num_layers):
+            # ASCII digits without a leading zero: str.isdigit() also takes '²' and '٣'.
+            canonical = index.isascii() and index.isdigit() and str(int(index)) == index
+            if not canonical or (num_layers is not None and int(index) >= num_layers):
                 valid = f"kv/0..kv/{num_layers - 1}" if num_layers else "kv/LAYER (0, 1, ...)"
                 raise ValueError(
                     f"sensitivity profile {path}: row {tensor!r} names no KV layer of the "
                     f"model ({num_layers} layers); valid rows: {valid} (was it measured on "
                     "another model?)"
                 )
+        if (tensor, fmt) in seen:
+            raise ValueError(
+                f"sensitivity profile {path}: {tensor} ({fmt}) has two rows (kl_mean "
+                f"{seen[tensor, fmt]!r} and {kl!r}); a profile has one row per tensor and format"
+            )
+        seen[tensor, fmt] = kl

@@ -38,9 +38,10 @@ MX_EXPONENT_STEPS = (0, 1, -1)
 
 
 def output_error(w_hat, w, gram) -> float:
-    """‖X W − X Ŵ‖_F² = tr(Δᵀ G Δ) with G = XᵀX, Δ = Ŵ − W (float64)."""
+    """‖X W − X Ŵ‖_F² = tr(Δᵀ G Δ) with G = XᵀX, Δ = Ŵ − W (float64): the column errors
+    summed (G Δ as one matrix product)."""
     d = np.asarray(w_hat, np.float64) - np.asarray(w, np.float64)
-    return float(np.einsum("ic,ij,jc->", d, gram, d, optimize=True))
+    return float(np.sum(column_errors(d, gram)))
 
 
 def _rtn(w, how: TensorQuant) -> np.ndarray:
@@ -81,17 +82,20 @@ def search_scale(
     """
     magnitude = share_within_groups(config, site, stats.mean_abs).astype(np.float64)
     magnitude = np.maximum(magnitude, 1e-8)  # a channel that never fires: tiny, not zero
-    weights = {p: np.asarray(params[p], np.float32) for p in site.consumers if p in plans}
+    # Each candidate is scored on exactly the tensors `folding.fold` would store: products and
+    # quotients taken in float64, then rounded to float32 (the weights' own values, whatever
+    # their dtype, are the reference).
+    weights = {p: np.asarray(params[p], np.float64) for p in site.consumers if p in plans}
     best = (np.inf, np.ones_like(magnitude), 0.0)
     for k in range(grid):
         alpha = k / grid
         s = magnitude**alpha
         s = s / np.sqrt(s.max() * s.min())
-        s32 = s.astype(np.float32)
         folded_gram = stats.gram / np.outer(s, s)
         err = sum(
             output_error(
-                _scored(w * s32[:, None], plans[p], folded_gram, clip) / s32[:, None],
+                _scored((w * s[:, None]).astype(np.float32), plans[p], folded_gram, clip)
+                / s[:, None],
                 w,
                 stats.gram,
             )
@@ -99,9 +103,9 @@ def search_scale(
         )
         if source is not None:
             how, gram = source
-            w = np.asarray(params[site.source], np.float32)
-            t = source_column_scale(config, site, s).astype(np.float32)
-            err += output_error(_scored(w / t, how, gram, clip) * t, w, gram)
+            w = np.asarray(params[site.source], np.float64)
+            t = source_column_scale(config, site, s)
+            err += output_error(_scored((w / t).astype(np.float32), how, gram, clip) * t, w, gram)
         if err < best[0]:
             best = (err, s, alpha)
     return best[1], best[2]

@@ -547,8 +547,7 @@ class KnapsackSampler(BaseSampler):
             key = (si, ki, solved_opts)
             if key in tried and key not in corrected:
                 continue
-            again = key in corrected
-            corrected.discard(key)
+            again = key in corrected  # re-ranked: its entry at its exact capacity is queued
             tried.add(key)
             if len(tried) > MAX_TRIES:
                 break
@@ -561,7 +560,11 @@ class KnapsackSampler(BaseSampler):
             if _params_key(params) not in held_params:
                 fp, tenants = self.locate(params)
             free = fp is not None and fp not in measured and fp not in held
-            if free and not again and tenants < t:
+            if free and tenants < t and again:
+                # the same plan offered at another memory level above its exact capacity (the
+                # DP offers one plan at many levels): a stale entry, its re-ranked one is queued
+                continue
+            if free and tenants < t:
                 # the level is memory tenants; the study's capacity (tenants at an SLO) is at
                 # most that, so the gain at the plan's exact capacity is at most the one it was
                 # ranked by: re-ranked at its exact capacity (a best-first walk stays exact)
