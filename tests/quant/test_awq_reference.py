@@ -477,14 +477,15 @@ def test_nvfp4_clipping_keeps_the_unclipped_tensor_scale():
     np.testing.assert_allclose(_deq(got), _by_candidates(w, x, 16, candidates), rtol=1e-6)
 
 
-def numpy_exponent_search(w, x, steps=(0, 1, -1)):
-    """Per MX block and column, the E8M0 code among OCP's, one up, one down with the least
-    error on the block's inputs; kept per column only if the full error is not larger."""
-    ocp = np.asarray(compute_scale_zero_point(w, "mxfp4", axis=0)[0], np.int32)
+def numpy_exponent_search(w, x, steps=(0, 1, -1), fmt="mxfp4"):
+    """Per MX block and column, the E8M0 code among OCP's, one up, one down (in int32,
+    clipped to E8M0's finite codes [0, 254]) with the least error on the block's inputs, the
+    first of equal ones; kept per column only if the full error is not larger."""
+    ocp = np.asarray(compute_scale_zero_point(w, fmt, axis=0)[0], np.int32)
 
     def rounded(codes):
         codes = np.clip(codes, 0, 254).astype(np.uint8)
-        return codes, _deq(quantize_with_scale_zero_point(w, "mxfp4", codes, None, axis=0))
+        return codes, _deq(quantize_with_scale_zero_point(w, fmt, codes, None, axis=0))
 
     n, out = w.shape
     best = ocp.copy()
@@ -529,6 +530,66 @@ def test_a_column_the_full_gram_says_got_worse_keeps_the_ocp_codes():
     assert np.all(
         column_errors(_deq(got) - w, x.T @ x) <= column_errors(ocp - w, x.T @ x) * (1 + 1e-9)
     )
+
+
+def test_the_exponent_search_on_hand_made_columns():
+    # mxfp4, two blocks of 32 rows, every weight and Gram entry dyadic: each error below is
+    # exact in float32 and float64. Every block holding a value has amax in [4, 8), so OCP's
+    # code is 127 (scale 1, grid {0, .5, 1, 1.5, 2, 3, 4, 6}); one up is 128 (scale 2, top
+    # 12), one down 126 (scale 1/2, top 3). 4.5 rounds to 4 at 127 and 128 (error -0.5;
+    # -1.5 at 126); 7.5 to 6 at 127 (-1.5), 8 at 128 (+0.5), 3 at 126 (-4.5); 0.75 to 0.5
+    # or 1 at 127 and to 1 at 128 (error 0.25 either way), exactly at 126.
+    w = np.zeros((64, 3), np.float32)
+    gram = np.eye(64)
+    # Column 0: a = 4.5 (row 0, G 2) in block 0, b = 7.5 (row 32, G 1) in block 1, G[0, 32]
+    # = -1. Block 1 alone prefers 128 (0.25 < 2.25); over the full Gram the two choices tie
+    # (OCP: 2 * 0.25 + 2.25 + 2 * (-1) * (-0.5) * (-1.5) = 1.25; searched: 2 * 0.25 + 0.25 +
+    # 2 * (-1) * (-0.5) * 0.5 = 1.25), and a tie keeps the search.
+    w[0, 0], w[32, 0], gram[0, 0], gram[0, 32], gram[32, 0] = 4.5, 7.5, 2.0, -1.0, -1.0
+    # Column 1: the same with G 4 on a and G[1, 33] = -1.5: OCP 1 + 2.25 - 2.25 = 1.0,
+    # searched 1 + 0.25 + 0.75 = 2.0: the cross-block terms undo block 1's gain, OCP's kept.
+    w[1, 1], w[33, 1], gram[1, 1], gram[1, 33], gram[33, 1] = 4.5, 7.5, 4.0, -1.5, -1.5
+    # Column 2, block 0: 7.5 (row 2, G 1) and ten 0.75 (rows 3-12, G 32 each): OCP 2.25 +
+    # 320 * 0.0625 = 22.25, one up 0.25 + 20 = 20.25, one down 20.25 + 0 = 20.25: up and
+    # down tie below OCP, and the first tried (one up: nothing saturates) is kept. Block 1
+    # is all zeros: OCP's code 0 (the smallest scale), which every candidate keeps.
+    w[2, 2], w[3:13, 2] = 7.5, 0.75
+    gram[3:13, 3:13] = 32 * np.eye(10)
+    assert np.all(np.linalg.eigvalsh(gram) > 0)  # a Gram matrix: positive definite
+    got = exponent_search(w, _tq("mxfp4"), gram)
+    np.testing.assert_array_equal(np.asarray(got.scale), [[127, 127, 128], [128, 127, 0]])
+    assert np.all(_deq(got)[32:, 2] == 0)
+
+
+def test_a_block_at_the_smallest_e8m0_scale_is_not_searched_down_into_the_largest():
+    # E8M0 code 0 (2^-127) is the bottom: one step down is clipped to 0 (codes computed in
+    # int32), not wrapped round to 254 (2^127, where every element rounds to 0). Built so
+    # that zeros would win if they were a candidate: mxfp8 weights with amax just below
+    # 2^-118 (OCP's code 0), orthogonal to the direction v that dominates the Gram
+    # 2^125 (v vᵀ + 2^-20 I): the rounding error has a component along v, the weight none.
+    rng = np.random.default_rng(17)
+    v = rng.choice([-1.0, -0.5, 0.5, 1.0], 32)
+    w = rng.standard_normal(32)
+    w -= v * (w @ v) / (v @ v)
+    w = (w / np.abs(w).max() * 2.0**-118 * 0.97).astype(np.float32)[:, None]
+    x = np.concatenate([2.0**62.5 * v[None, :], 2.0**52.5 * np.eye(32)])  # x.T @ x as above
+    assert np.asarray(compute_scale_zero_point(w, "mxfp8", axis=0)[0]).item() == 0
+    got = exponent_search(w, _tq("mxfp8"), x.T @ x)
+    want_codes, keep = numpy_exponent_search(w.astype(np.float64), x, fmt="mxfp8")
+    np.testing.assert_array_equal(np.asarray(got.scale), want_codes)
+    assert want_codes.item() in (0, 1)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float16, np.float64, "bfloat16"])
+def test_the_exponent_search_reads_any_real_weight_as_float32(dtype):
+    # An integer or narrower/wider float weight is searched as its float32 values.
+    rng = np.random.default_rng(18)
+    x = _x(rng, 128, 64)
+    w = np.round(rng.standard_normal((64, 4)) * 6).astype(dtype)
+    got = exponent_search(w, _tq("mxfp4"), x.T @ x)
+    want = exponent_search(w.astype(np.float32), _tq("mxfp4"), x.T @ x)
+    np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
+    np.testing.assert_array_equal(_deq(got), _deq(want))
 
 
 def test_awq_weight_rounds_as_its_rule_says():
