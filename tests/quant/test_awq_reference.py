@@ -55,6 +55,15 @@ def _err(x, w, w_hat):
     return float(np.sum((x @ (np.asarray(w_hat, np.float64) - w)) ** 2))
 
 
+def test_column_errors_are_taken_in_float64_whatever_dtype_they_are_given():
+    # Float32 Δ and G: the same values in float64 give the same errors, bit for bit.
+    rng = np.random.default_rng(19)
+    x = _x(rng, 30, 6).astype(np.float32)
+    delta, gram = rng.standard_normal((6, 3)).astype(np.float32), x.T @ x
+    want = column_errors(delta.astype(np.float64), gram.astype(np.float64))
+    np.testing.assert_array_equal(column_errors(delta, gram), want)
+
+
 def test_output_and_column_errors_are_those_of_the_activations():
     rng = np.random.default_rng(0)
     x, w, w_hat = _x(rng, 30, 6), rng.standard_normal((6, 3)), rng.standard_normal((6, 3))
@@ -440,6 +449,17 @@ def _by_candidates(w, x, group, candidates):
     return want
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.float16, np.float64, "bfloat16"])
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+def test_the_clip_search_reads_any_real_weight_as_float32(dtype, fmt):
+    rng = np.random.default_rng(20)
+    x = _x(rng, 128, 32)
+    w = np.round(rng.standard_normal((32, 4)) * 6).astype(dtype)
+    how = _tq(fmt, 8 if fmt == "int4" else None)
+    got, want = clip_search(w, how, x.T @ x), clip_search(w.astype(np.float32), how, x.T @ x)
+    np.testing.assert_array_equal(_deq(got), _deq(want))
+
+
 def test_an_asymmetric_clip_shrinks_both_ends_of_the_range():
     rng = np.random.default_rng(8)
     x = _x(rng, 128, 16)
@@ -458,10 +478,12 @@ def test_an_asymmetric_clip_shrinks_both_ends_of_the_range():
     np.testing.assert_allclose(_deq(got), _by_candidates(w, x, 8, candidates), rtol=1e-5, atol=1e-6)
 
 
-def test_nvfp4_clipping_keeps_the_unclipped_tensor_scale():
+@pytest.mark.parametrize("seed", [9, 0])
+def test_nvfp4_clipping_keeps_the_unclipped_tensor_scale(seed):
     # nvfp4's second-level (tensor) scale comes from the whole unclipped weight, for every
-    # candidate and for the result; only the FP8 block scales shrink.
-    rng = np.random.default_rng(9)
+    # candidate and for the result; only the FP8 block scales shrink. (Seed 0: a candidate
+    # scored with its own clipped tensor scale would choose other ratios.)
+    rng = np.random.default_rng(seed)
     x = _x(rng, 128, 32)
     w = rng.standard_normal((32, 4)).astype(np.float32)
     w[7] *= 8
