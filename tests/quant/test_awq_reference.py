@@ -406,9 +406,10 @@ def _int4_by_hand(w, amax):
     return np.clip(np.round(w / scale), -7, 7) * scale
 
 
-@pytest.mark.parametrize("n", [24, 20])  # 20: the last group of 8 holds 4 rows
-def test_the_clip_search_picks_each_groups_best_ratio_int4_by_hand(n):
-    rng = np.random.default_rng(7)
+# 20: the last group of 8 holds 4 rows (seed 8: some of them clip)
+@pytest.mark.parametrize(("n", "seed"), [(24, 7), (20, 7), (20, 8)])
+def test_the_clip_search_picks_each_groups_best_ratio_int4_by_hand(n, seed):
+    rng = np.random.default_rng(seed)
     x = _x(rng, 128, n)
     w = rng.standard_normal((n, 6)).astype(np.float32)
     w[2] *= 6  # outliers make shrinking the range worth it in some groups
@@ -429,7 +430,34 @@ def test_the_clip_search_picks_each_groups_best_ratio_int4_by_hand(n):
             chosen.append(CLIP_RATIOS[best])
             want[rows, c] = _int4_by_hand(wg[:, c], amax * CLIP_RATIOS[best])
     assert min(chosen) < 1.0  # seeded: some groups clip
+    if seed == 8:  # and so do columns of the partial last group
+        assert min(chosen[-6:]) < 1.0
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_group_whose_inputs_never_fire_keeps_its_full_range():
+    # Channels 8-15 are always 0: their Gram block is 0 and every ratio scores 0 there; the
+    # first (ratio 1, no clipping) is kept, so that group rounds as plain RTN does.
+    rng = np.random.default_rng(21)
+    x = _x(rng, 128, 24)
+    x[:, 8:16] = 0.0
+    w = rng.standard_normal((24, 5)).astype(np.float32)
+    w[10] *= 6  # an outlier that clipping would cut, were there any evidence for it
+    got = _deq(clip_search(w, _tq("int4", 8), x.T @ x))
+    plain = _deq(quantize(w, "int4", axis=0, group_size=8))
+    np.testing.assert_array_equal(got[8:16], plain[8:16])
+
+
+@pytest.mark.parametrize("search", [clip_search, exponent_search])
+@pytest.mark.parametrize("shape", [(32, 16), (16, 16), (32,), (32, 32, 1)])
+def test_a_gram_not_of_the_weights_input_rows_is_refused(search, shape):
+    w = np.ones((32, 2), np.float32)
+    with pytest.raises(ValueError) as err:
+        search(w, _tq("mxfp4" if search is exponent_search else "int4", 8), np.ones(shape))
+    assert str(err.value) == (
+        "layers/0/mlp/up_proj: the Gram of a weight with 32 input rows must be [32, 32], "
+        f"got {list(shape)}"
+    )
 
 
 def test_the_clip_ratios_run_from_one_down_to_a_half_in_steps_of_one_fortieth():
