@@ -55,6 +55,15 @@ def _err(x, w, w_hat):
     return float(np.sum((x @ (np.asarray(w_hat, np.float64) - w)) ** 2))
 
 
+def test_column_errors_are_taken_in_float64_whatever_dtype_they_are_given():
+    # Float32 Δ and G: the same values in float64 give the same errors, bit for bit.
+    rng = np.random.default_rng(19)
+    x = _x(rng, 30, 6).astype(np.float32)
+    delta, gram = rng.standard_normal((6, 3)).astype(np.float32), x.T @ x
+    want = column_errors(delta.astype(np.float64), gram.astype(np.float64))
+    np.testing.assert_array_equal(column_errors(delta, gram), want)
+
+
 def test_output_and_column_errors_are_those_of_the_activations():
     rng = np.random.default_rng(0)
     x, w, w_hat = _x(rng, 30, 6), rng.standard_normal((6, 3)), rng.standard_normal((6, 3))
@@ -397,9 +406,10 @@ def _int4_by_hand(w, amax):
     return np.clip(np.round(w / scale), -7, 7) * scale
 
 
-@pytest.mark.parametrize("n", [24, 20])  # 20: the last group of 8 holds 4 rows
-def test_the_clip_search_picks_each_groups_best_ratio_int4_by_hand(n):
-    rng = np.random.default_rng(7)
+# 20: the last group of 8 holds 4 rows (seed 8: some of them clip)
+@pytest.mark.parametrize(("n", "seed"), [(24, 7), (20, 7), (20, 8)])
+def test_the_clip_search_picks_each_groups_best_ratio_int4_by_hand(n, seed):
+    rng = np.random.default_rng(seed)
     x = _x(rng, 128, n)
     w = rng.standard_normal((n, 6)).astype(np.float32)
     w[2] *= 6  # outliers make shrinking the range worth it in some groups
@@ -420,7 +430,34 @@ def test_the_clip_search_picks_each_groups_best_ratio_int4_by_hand(n):
             chosen.append(CLIP_RATIOS[best])
             want[rows, c] = _int4_by_hand(wg[:, c], amax * CLIP_RATIOS[best])
     assert min(chosen) < 1.0  # seeded: some groups clip
+    if seed == 8:  # and so do columns of the partial last group
+        assert min(chosen[-6:]) < 1.0
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_group_whose_inputs_never_fire_keeps_its_full_range():
+    # Channels 8-15 are always 0: their Gram block is 0 and every ratio scores 0 there; the
+    # first (ratio 1, no clipping) is kept, so that group rounds as plain RTN does.
+    rng = np.random.default_rng(21)
+    x = _x(rng, 128, 24)
+    x[:, 8:16] = 0.0
+    w = rng.standard_normal((24, 5)).astype(np.float32)
+    w[10] *= 6  # an outlier that clipping would cut, were there any evidence for it
+    got = _deq(clip_search(w, _tq("int4", 8), x.T @ x))
+    plain = _deq(quantize(w, "int4", axis=0, group_size=8))
+    np.testing.assert_array_equal(got[8:16], plain[8:16])
+
+
+@pytest.mark.parametrize("search", [clip_search, exponent_search])
+@pytest.mark.parametrize("shape", [(32, 16), (16, 16), (32,), (32, 32, 1)])
+def test_a_gram_not_of_the_weights_input_rows_is_refused(search, shape):
+    w = np.ones((32, 2), np.float32)
+    with pytest.raises(ValueError) as err:
+        search(w, _tq("mxfp4" if search is exponent_search else "int4", 8), np.ones(shape))
+    assert str(err.value) == (
+        "layers/0/mlp/up_proj: the Gram of a weight with 32 input rows must be [32, 32], "
+        f"got {list(shape)}"
+    )
 
 
 def test_the_clip_ratios_run_from_one_down_to_a_half_in_steps_of_one_fortieth():
@@ -438,6 +475,17 @@ def _by_candidates(w, x, group, candidates):
             errors = [np.sum((x[:, rows] @ (q[rows, c] - w[rows, c])) ** 2) for q in candidates]
             want[rows, c] = candidates[int(np.argmin(errors))][rows, c]
     return want
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float16, np.float64, "bfloat16"])
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+def test_the_clip_search_reads_any_real_weight_as_float32(dtype, fmt):
+    rng = np.random.default_rng(20)
+    x = _x(rng, 128, 32)
+    w = np.round(rng.standard_normal((32, 4)) * 6).astype(dtype)
+    how = _tq(fmt, 8 if fmt == "int4" else None)
+    got, want = clip_search(w, how, x.T @ x), clip_search(w.astype(np.float32), how, x.T @ x)
+    np.testing.assert_array_equal(_deq(got), _deq(want))
 
 
 def test_an_asymmetric_clip_shrinks_both_ends_of_the_range():
@@ -458,10 +506,12 @@ def test_an_asymmetric_clip_shrinks_both_ends_of_the_range():
     np.testing.assert_allclose(_deq(got), _by_candidates(w, x, 8, candidates), rtol=1e-5, atol=1e-6)
 
 
-def test_nvfp4_clipping_keeps_the_unclipped_tensor_scale():
+@pytest.mark.parametrize("seed", [9, 0])
+def test_nvfp4_clipping_keeps_the_unclipped_tensor_scale(seed):
     # nvfp4's second-level (tensor) scale comes from the whole unclipped weight, for every
-    # candidate and for the result; only the FP8 block scales shrink.
-    rng = np.random.default_rng(9)
+    # candidate and for the result; only the FP8 block scales shrink. (Seed 0: a candidate
+    # scored with its own clipped tensor scale would choose other ratios.)
+    rng = np.random.default_rng(seed)
     x = _x(rng, 128, 32)
     w = rng.standard_normal((32, 4)).astype(np.float32)
     w[7] *= 8
@@ -477,14 +527,15 @@ def test_nvfp4_clipping_keeps_the_unclipped_tensor_scale():
     np.testing.assert_allclose(_deq(got), _by_candidates(w, x, 16, candidates), rtol=1e-6)
 
 
-def numpy_exponent_search(w, x, steps=(0, 1, -1)):
-    """Per MX block and column, the E8M0 code among OCP's, one up, one down with the least
-    error on the block's inputs; kept per column only if the full error is not larger."""
-    ocp = np.asarray(compute_scale_zero_point(w, "mxfp4", axis=0)[0], np.int32)
+def numpy_exponent_search(w, x, steps=(0, 1, -1), fmt="mxfp4"):
+    """Per MX block and column, the E8M0 code among OCP's, one up, one down (in int32,
+    clipped to E8M0's finite codes [0, 254]) with the least error on the block's inputs, the
+    first of equal ones; kept per column only if the full error is not larger."""
+    ocp = np.asarray(compute_scale_zero_point(w, fmt, axis=0)[0], np.int32)
 
     def rounded(codes):
         codes = np.clip(codes, 0, 254).astype(np.uint8)
-        return codes, _deq(quantize_with_scale_zero_point(w, "mxfp4", codes, None, axis=0))
+        return codes, _deq(quantize_with_scale_zero_point(w, fmt, codes, None, axis=0))
 
     n, out = w.shape
     best = ocp.copy()
@@ -529,6 +580,66 @@ def test_a_column_the_full_gram_says_got_worse_keeps_the_ocp_codes():
     assert np.all(
         column_errors(_deq(got) - w, x.T @ x) <= column_errors(ocp - w, x.T @ x) * (1 + 1e-9)
     )
+
+
+def test_the_exponent_search_on_hand_made_columns():
+    # mxfp4, two blocks of 32 rows, every weight and Gram entry dyadic: each error below is
+    # exact in float32 and float64. Every block holding a value has amax in [4, 8), so OCP's
+    # code is 127 (scale 1, grid {0, .5, 1, 1.5, 2, 3, 4, 6}); one up is 128 (scale 2, top
+    # 12), one down 126 (scale 1/2, top 3). 4.5 rounds to 4 at 127 and 128 (error -0.5;
+    # -1.5 at 126); 7.5 to 6 at 127 (-1.5), 8 at 128 (+0.5), 3 at 126 (-4.5); 0.75 to 0.5
+    # or 1 at 127 and to 1 at 128 (error 0.25 either way), exactly at 126.
+    w = np.zeros((64, 3), np.float32)
+    gram = np.eye(64)
+    # Column 0: a = 4.5 (row 0, G 2) in block 0, b = 7.5 (row 32, G 1) in block 1, G[0, 32]
+    # = -1. Block 1 alone prefers 128 (0.25 < 2.25); over the full Gram the two choices tie
+    # (OCP: 2 * 0.25 + 2.25 + 2 * (-1) * (-0.5) * (-1.5) = 1.25; searched: 2 * 0.25 + 0.25 +
+    # 2 * (-1) * (-0.5) * 0.5 = 1.25), and a tie keeps the search.
+    w[0, 0], w[32, 0], gram[0, 0], gram[0, 32], gram[32, 0] = 4.5, 7.5, 2.0, -1.0, -1.0
+    # Column 1: the same with G 4 on a and G[1, 33] = -1.5: OCP 1 + 2.25 - 2.25 = 1.0,
+    # searched 1 + 0.25 + 0.75 = 2.0: the cross-block terms undo block 1's gain, OCP's kept.
+    w[1, 1], w[33, 1], gram[1, 1], gram[1, 33], gram[33, 1] = 4.5, 7.5, 4.0, -1.5, -1.5
+    # Column 2, block 0: 7.5 (row 2, G 1) and ten 0.75 (rows 3-12, G 32 each): OCP 2.25 +
+    # 320 * 0.0625 = 22.25, one up 0.25 + 20 = 20.25, one down 20.25 + 0 = 20.25: up and
+    # down tie below OCP, and the first tried (one up: nothing saturates) is kept. Block 1
+    # is all zeros: OCP's code 0 (the smallest scale), which every candidate keeps.
+    w[2, 2], w[3:13, 2] = 7.5, 0.75
+    gram[3:13, 3:13] = 32 * np.eye(10)
+    assert np.all(np.linalg.eigvalsh(gram) > 0)  # a Gram matrix: positive definite
+    got = exponent_search(w, _tq("mxfp4"), gram)
+    np.testing.assert_array_equal(np.asarray(got.scale), [[127, 127, 128], [128, 127, 0]])
+    assert np.all(_deq(got)[32:, 2] == 0)
+
+
+def test_a_block_at_the_smallest_e8m0_scale_is_not_searched_down_into_the_largest():
+    # E8M0 code 0 (2^-127) is the bottom: one step down is clipped to 0 (codes computed in
+    # int32), not wrapped round to 254 (2^127, where every element rounds to 0). Built so
+    # that zeros would win if they were a candidate: mxfp8 weights with amax just below
+    # 2^-118 (OCP's code 0), orthogonal to the direction v that dominates the Gram
+    # 2^125 (v vᵀ + 2^-20 I): the rounding error has a component along v, the weight none.
+    rng = np.random.default_rng(17)
+    v = rng.choice([-1.0, -0.5, 0.5, 1.0], 32)
+    w = rng.standard_normal(32)
+    w -= v * (w @ v) / (v @ v)
+    w = (w / np.abs(w).max() * 2.0**-118 * 0.97).astype(np.float32)[:, None]
+    x = np.concatenate([2.0**62.5 * v[None, :], 2.0**52.5 * np.eye(32)])  # x.T @ x as above
+    assert np.asarray(compute_scale_zero_point(w, "mxfp8", axis=0)[0]).item() == 0
+    got = exponent_search(w, _tq("mxfp8"), x.T @ x)
+    want_codes, keep = numpy_exponent_search(w.astype(np.float64), x, fmt="mxfp8")
+    np.testing.assert_array_equal(np.asarray(got.scale), want_codes)
+    assert want_codes.item() in (0, 1)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float16, np.float64, "bfloat16"])
+def test_the_exponent_search_reads_any_real_weight_as_float32(dtype):
+    # An integer or narrower/wider float weight is searched as its float32 values.
+    rng = np.random.default_rng(18)
+    x = _x(rng, 128, 64)
+    w = np.round(rng.standard_normal((64, 4)) * 6).astype(dtype)
+    got = exponent_search(w, _tq("mxfp4"), x.T @ x)
+    want = exponent_search(w.astype(np.float32), _tq("mxfp4"), x.T @ x)
+    np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
+    np.testing.assert_array_equal(_deq(got), _deq(want))
 
 
 def test_awq_weight_rounds_as_its_rule_says():

@@ -111,6 +111,15 @@ def search_scale(
     return best[1], best[2]
 
 
+def _check_gram(gram, n: int, how: TensorQuant) -> None:
+    """A weight's Gram is that of its n input channels: [n, n]."""
+    if np.shape(gram) != (n, n):
+        raise ValueError(
+            f"{how.path}: the Gram of a weight with {n} input rows must be [{n}, {n}], "
+            f"got {list(np.shape(gram))}"
+        )
+
+
 def _block_diagonal(gram: np.ndarray, group: int) -> np.ndarray:
     """The [groups, g, g] diagonal blocks of G (a partial last block zero-padded)."""
     n = gram.shape[0]
@@ -136,6 +145,7 @@ def clip_search(weight, how: TensorQuant, gram: np.ndarray, ratios=CLIP_RATIOS) 
     w = jnp.asarray(weight, jnp.float32)
     spec = get_format(how.format)
     n, out = w.shape
+    _check_gram(gram, n, how)
     group = spec.block_size or how.group_size or n
     blocks = jnp.asarray(_block_diagonal(gram, group), jnp.float32)
     groups = blocks.shape[0]
@@ -196,6 +206,7 @@ def exponent_search(weight, how: TensorQuant, gram: np.ndarray, steps=MX_EXPONEN
     if fmt.family != "mx":
         raise ValueError(f"{how.path}: the exponent search is for MX formats, not {fmt.name}")
     n, out = w.shape
+    _check_gram(gram, n, how)
     group = fmt.block_size
     blocks = jnp.asarray(_block_diagonal(gram, group), jnp.float32)
     groups = blocks.shape[0]
