@@ -91,6 +91,8 @@ class Space:
         }
 
     def tenants(self, params) -> int:
+        if _key(params) not in self.plans:
+            raise ValueError(f"no plan: {params}")  # as the planner refuses parameters
         _, b, kv = self.plans[_key(params)]
         left = self.problem.hbm_bytes - b - self.problem.reserve_bytes - kv.static_bytes
         memory = left // kv.tenant_bytes if left > 0 else 0
@@ -166,6 +168,8 @@ def _brute_force(space, study, sampler, quality, prior=None, seed=0):
         if t.state == TrialState.RUNNING and not t.params:
             continue  # the trial being asked
         k = _key(t.params or t.system_attrs["fixed_params"])  # enqueued: no params yet
+        if k not in space.plans:
+            continue  # another space's trial, or parameters that make no plan
         if t.state == TrialState.COMPLETE:
             losses = [sign * t.values[i] for i, sign in quality]
             if not all(math.isfinite(x) for x in losses):
@@ -383,11 +387,24 @@ def test_a_plan_failed_once_by_its_worker_is_open_and_one_failed_by_its_error_is
 # ------------------------------------------------------------- the space's reference and prior
 def test_the_reference_is_the_heaviest_section_options_and_kv_plan():
     # the most precise plan: the section and options with the most weight bytes, the KV plan
-    # with the most bytes per tenant; by brute force over every plan's bytes
+    # with the most bytes per tenant (then static bytes); by brute force over every plan's
+    # bytes, with the options and KV plans in their order and reversed
     for seed in range(5):
-        space = Space(seed)
-        heaviest = max(space.plans.values(), key=lambda p: (p[1], p[2].tenant_bytes))
-        assert _sampler(space).reference == heaviest[0]
+        for flip in (False, True):
+            space = Space(seed)
+            if flip:
+                space.problem = knapsack.Problem(
+                    tuple(knapsack.Section(s.params, s.const_bytes,
+                                           tuple(g[::-1] for g in s.groups))
+                          for s in space.problem.sections[::-1]),
+                    space.problem.kv[::-1], space.problem.hbm_bytes, space.problem.reserve_bytes,
+                )  # fmt: skip
+            heaviest = max(space.plans.values(), key=lambda p: (p[1], p[2].tenant_bytes))
+            assert _sampler(space).reference == heaviest[0]
+    # equal bytes per tenant: the KV plan with more static bytes
+    kv = (knapsack.KVOption({"kv.k": "bf16"}, 0, 100), knapsack.KVOption({"kv.k": "int8"}, 5, 100))
+    sec = knapsack.Section({}, 0, ((knapsack.Option({"w.a": "bf16"}, 10),),))
+    assert capacity_aware._reference(knapsack.Problem((sec,), kv, 10**6, 0))["kv.k"] == "int8"
 
 
 def test_the_profile_prior_is_the_largest_finite_kl_per_tensor_and_format(monkeypatch):
@@ -423,8 +440,12 @@ def test_a_spec_without_a_quality_objective_is_refused():
 
     objective = types.SimpleNamespace
     spec = types.SimpleNamespace(objectives=[objective(metric="tenants")])
-    with pytest.raises(ValueError, match="needs a quality objective besides the capacity"):
+    with pytest.raises(ValueError) as err:
         capacity_aware.sampler_for_spec(spec)
+    assert str(err.value) == (
+        "sampler.kind = 'capacity_aware' needs a quality objective besides the capacity "
+        "(tenants or tenants_at_slo)"
+    )
     both = types.SimpleNamespace(
         objectives=[objective(metric="tenants"), objective(metric="fidelity.kl_mean"),
                     objective(metric="tenants_at_slo"), objective(metric="needle.acc")]
@@ -592,6 +613,10 @@ def test_the_sampler_for_a_context_reads_its_spec():
     assert draws[0] == np.random.RandomState(17).random() != draws[1]
     assert draws[1] == np.random.RandomState(99).random()
     assert sampler.problem == capacity_aware.build_problem(ctx)
+    # built from the spec (the study's context made here): the seed given is this start's
+    by_spec = capacity_aware.sampler_for_spec(ctx.spec, seed=5)
+    assert by_spec._fallback._rng.rng.random() == np.random.RandomState(5).random()
+    assert by_spec.seed == 17 and by_spec.problem == sampler.problem
     assert set(sampler._space) == set(sampler.reference)
 
 
@@ -618,23 +643,148 @@ def test_repeats_infinite_losses_and_enqueued_plans_are_read_as_the_rule_says(mo
     best, keys = _brute_force(space, study, sampler, [(1, 1.0)])
     assert top not in keys
     nxt = max(keys, key=keys.get)
-    study.enqueue_trial(space.plans[nxt][0])
+    # the trial asked first, then a plan enqueued (another worker): read past the trial asked
     tid = study._storage.create_new_trial(study._study_id)
+    study.enqueue_trial(space.plans[nxt][0])
     trial = study._storage.get_trial(tid)
     got = sampler.sample_relative(study, trial, sampler._space)
     best, keys = _brute_force(space, study, sampler, [(1, 1.0)])
     assert nxt not in keys and keys[_key(got)] == best
 
 
-def test_an_enqueued_trial_keeps_its_own_parameters():
+def test_an_enqueued_trial_keeps_its_own_parameters_and_gets_no_prediction():
+    # a baseline or retry (fixed parameters): the sampler does not plan it, so it stores no
+    # prediction and leaves its last pick alone
     space = Space(0)
     sampler = _sampler(space)
+    assert sampler.last_pick is None
     study = _study(space, sampler, 0, 4)
     plan = next(p for p, _, _ in space.plans.values() if p != sampler.reference)
     study.enqueue_trial(plan)
     trial = study.ask()
     assert {n: trial.suggest_categorical(n, d.choices) for n, d in space.dists.items()} == plan
+    assert quality_model.PREDICTED_ATTR not in study.trials[-1].system_attrs
+    assert sampler.last_pick is None
     assert sampler.sample_relative(study, trial, {}) == {}
+
+
+def test_trials_of_another_space_and_failures_that_make_no_plan_are_read_past():
+    # first in the study: a trial of another space (other parameters) and a FAIL whose
+    # parameters make no plan (the locate function refuses them); the trials after them count
+    space = Space(3)
+    sampler = _sampler(space)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    study.add_trial(
+        create_trial(
+            params={"other": 1},
+            values=[3, 0.5],
+            distributions={"other": optuna.distributions.IntDistribution(0, 2)},
+        )
+    )
+    odd = {**sampler.reference, "kv.k": "fp8"}
+    dists = {**space.dists, "kv.k": CategoricalDistribution([*KV_FORMATS, "fp8"])}
+    study.add_trial(create_trial(params=odd, distributions=dists, state=TrialState.FAIL,
+                                 user_attrs={"failure_reason": "plan"}))  # fmt: skip
+    for t in _study(space, sampler, 3, 6, running=2, failed=2).trials:
+        study.add_trial(t)
+    _check(space, sampler, study)
+
+
+def test_a_retry_copy_that_inherited_its_worker_blames_nothing():
+    # records before `dispatched_trial`: a driver death counts when the trial ran its plan (a
+    # `worker` of its own); a retry copy that inherited the `worker` of the trial it copies
+    # (Optuna's retry callback copies every attribute) did not run it. One count of 2: the
+    # reference is asked again (read with the study's trials by number, as the ledger does)
+    space = Space(0)
+    sampler = _sampler(space)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    attrs = {"failure_reason": "driver_died", "worker": "w1"}
+    study.add_trial(create_trial(params=sampler.reference, distributions=space.dists,
+                                 state=TrialState.FAIL, user_attrs=attrs))  # fmt: skip
+    study.add_trial(create_trial(params=sampler.reference, distributions=space.dists,
+                                 state=TrialState.FAIL, user_attrs=attrs,
+                                 system_attrs={"failed_trial": 0}))  # fmt: skip
+    trial = study.ask()
+    params = {n: trial.suggest_categorical(n, d.choices) for n, d in space.dists.items()}
+    assert params == sampler.reference
+    assert sampler.last_pick == {"reason": "reference", "params": sampler.reference}
+    # a second trial that ran (its own worker): two counts, the reference is settled
+    study.add_trial(
+        create_trial(
+            params=sampler.reference,
+            distributions=space.dists,
+            state=TrialState.FAIL,
+            user_attrs={"failure_reason": "driver_died", "worker": "w2"},
+        )
+    )
+    trial = study.ask()
+    params = {n: trial.suggest_categorical(n, d.choices) for n, d in space.dists.items()}
+    assert params != sampler.reference and sampler.last_pick["reason"] == "knapsack"
+
+
+@pytest.mark.parametrize("limit", [capacity_aware.ENUMERATE_LIMIT, 0], ids=["enumerate", "dp"])
+def test_with_every_plan_held_the_ask_falls_back_to_random(monkeypatch, limit):
+    monkeypatch.setattr(capacity_aware, "ENUMERATE_LIMIT", limit)
+    space = Space(0, n_kv=1)
+    sampler = _sampler(space)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    for params, _, _ in space.plans.values():
+        study.add_trial(create_trial(params=params, distributions=space.dists,
+                                     values=[space.tenants(params), _loss(params, 0)]))  # fmt: skip
+    trial = study.ask()
+    params = {n: trial.suggest_categorical(n, d.choices) for n, d in space.dists.items()}
+    assert sampler.last_pick == {"reason": "random"}
+    assert _key(params) in space.plans
+    assert quality_model.PREDICTED_ATTR not in study.trials[-1].system_attrs
+
+
+def test_a_sampler_built_with_defaults():
+    # failure budget 1 (a retryable failure settles the plan), the scalarisation's seed 0
+    # without a seed, the fallback seeded by `seed`, the weight draws by `weight_seed`
+    space = Space(0)
+    plain = KnapsackSampler(space.problem, quality=[(1, 1.0)], locate=space.locate,
+                            distributions=space.dists)  # fmt: skip
+    assert plain.failure_budget == 1 and plain.seed == 0 and plain.prior == {}
+    assert plain.last_pick is None
+    two = KnapsackSampler(space.problem, quality=[(1, 1.0), (2, 1.0)], locate=space.locate,
+                          distributions=space.dists, seed=5, weight_seed=9)  # fmt: skip
+    assert two.seed == 9
+    assert two._weights(3) == np.random.default_rng([9, 3]).dirichlet(np.ones(2)).tolist()
+    assert KnapsackSampler(space.problem, quality=[(1, 1.0), (2, 1.0)], locate=space.locate,
+                           distributions=space.dists, seed=5).seed == 5  # fmt: skip
+    assert plain._weights(4) == [1.0]
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=plain)
+    study.add_trial(
+        create_trial(
+            params=plain.reference,
+            distributions=space.dists,
+            state=TrialState.FAIL,
+            user_attrs={"failure_reason": "worker_died", "dispatched_trial": 0},
+        )
+    )
+    trial = study.ask()
+    params = {n: trial.suggest_categorical(n, d.choices) for n, d in space.dists.items()}
+    assert params != plain.reference
+
+
+@pytest.mark.parametrize("limit", [capacity_aware.ENUMERATE_LIMIT, 0], ids=["enumerate", "dp"])
+def test_a_repeat_with_an_equal_first_loss_keeps_the_first_measurement(monkeypatch, limit):
+    # two objectives: a plan measured again with the same first loss and another second one
+    # keeps its first measurement (only a lower first loss replaces it)
+    monkeypatch.setattr(capacity_aware, "ENUMERATE_LIMIT", limit)
+    space = Space(2)
+    quality = ((1, 1.0), (2, -1.0))
+    sampler = _sampler(space, quality=quality, seed=1)
+    study = _study(space, sampler, 2, 7, two=True)
+    first = [t for t in study.trials if t.params != sampler.reference][0]
+    study.add_trial(
+        create_trial(
+            params=first.params,
+            distributions=space.dists,
+            values=[first.values[0], first.values[1], first.values[2] - 0.5],
+        )
+    )
+    _check(space, sampler, study, quality=quality, seed=1)
 
 
 def test_a_parameter_outside_the_space_is_drawn_by_the_seeded_fallback():
