@@ -835,3 +835,83 @@ def test_with_one_loss_known_gains_are_in_units_of_the_largest_predicted_excess(
                                      values=[space.tenants(params), 0.05]))  # fmt: skip
     _check(space, sampler, study, prior=prior)
     assert sampler.last_pick["gain"] != math.inf
+
+
+# ------------------------------------------------------------- the study's space as a knapsack
+SPACE_SPEC = {
+    "model": "reference",
+    "deployment": {"hardware": "cpu", "memory": "9830KiB", "context_tokens": 256},
+    "study": {"name": "space", "trials": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory):
+    """A sensitivity profile of the reference model (KL per tensor and format, per KV layer)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ctx = study_context(parse_spec({**SPACE_SPEC, "space": {"group_size": 64}}), "")
+    paths = [p for p, i in ctx.config.tensors().items() if i.quantizable]
+    rows = {"tensor": [], "format": [], "kl_mean": []}
+    for i, p in enumerate(paths):
+        for j, f in enumerate(("int4", "int8", "fp8_e4m3")):
+            rows["tensor"].append(p)
+            rows["format"].append(f)
+            rows["kl_mean"].append(0.001 * (1 + (7 * i + j) % 11) / (1 + j))
+    for layer in range(ctx.config.num_layers):
+        rows["tensor"].append(f"kv/{layer}")
+        rows["format"].append("int4")
+        rows["kl_mean"].append(0.001 * (layer + 1))
+    path = tmp_path_factory.mktemp("profile") / "profile.parquet"
+    pq.write_table(pa.table(rows), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["structured", "per_tensor", "sensitivity"])
+def test_every_option_and_kv_plan_is_priced_as_budget_prices_it(kind, profile_file):
+    # The knapsack of the study's space against `capacity.budget` plan by plan: every option
+    # of every group of every section (the others at their first option) has the weight bytes
+    # budget() counts, and every KV parameter combination is one of the KV options (one per
+    # distinct KV plan: same plan fingerprint, same tenants as budget() gives)
+    space = {"group_size": 64, "kind": kind}
+    if kind == "sensitivity":
+        space["profile"] = profile_file
+    ctx = study_context(parse_spec({**SPACE_SPEC, "space": space}), "")
+    problem = capacity_aware.build_problem(ctx)
+    kv0 = problem.kv[0]
+    for sec in problem.sections:
+        first = [g[0] for g in sec.groups]
+        for gi, group in enumerate(sec.groups):
+            for option in group:
+                opts = first[:gi] + [option] + first[gi + 1 :]
+                params = {**sec.params, **kv0.params}
+                for o in opts:
+                    params.update(o.params)
+                _, b = ctx.plan_and_budget(params)
+                weights = sec.const_bytes + sum(o.bytes for o in opts)
+                assert b.weights_bytes_per_chip == weights, params
+                assert problem.tenants(weights, kv0) == b.tenants, params
+    from tenantq.search.space import parameter_choices
+
+    choices = parameter_choices(ctx.spec.space, ctx.config, ctx.profile)
+    kv_names = [n for n in choices if n.startswith("kv.") or n == "sens.kv_keep_bf16"]
+    sec = problem.sections[0]
+    weights = {**sec.params}
+    for g in sec.groups:
+        weights.update(g[0].params)
+    weight_bytes = sec.const_bytes + sum(g[0].bytes for g in sec.groups)
+    option_of = {}
+    for kv in problem.kv:
+        plan, _ = ctx.plan_and_budget({**weights, **kv.params})
+        option_of[plan.fingerprint()] = kv
+    assert len(option_of) == len(problem.kv)  # one option per distinct KV plan
+    seen = set()
+    for values in itertools.product(*(list(choices[n]) for n in kv_names)):
+        plan, b = ctx.plan_and_budget({**weights, **dict(zip(kv_names, values, strict=True))})
+        kv = option_of[plan.fingerprint()]
+        seen.add(plan.fingerprint())
+        assert problem.tenants(weight_bytes, kv) == b.tenants, values
+    assert seen == set(option_of)
+    assert problem.hbm_bytes == ctx.deployment.hardware.hbm_bytes
+    assert problem.reserve_bytes == ctx.deployment.reserve_bytes_per_chip
