@@ -525,6 +525,11 @@ def test_choose_is_the_brute_force_best_candidate(seed, offset):
         exclude = set(keys[n : n + 2])
         got = capacity_aware.choose(candidates, measured, exclude)
         assert got is _choose_by_brute_force(candidates, measured, exclude), n
+        # the reference excluded (failed) and not measured: predictions start from 0
+        del measured[reference.key]
+        exclude.add(reference.key)
+        got = capacity_aware.choose(candidates, measured, exclude)
+        assert got is _choose_by_brute_force(candidates, measured, exclude), n
     every = {c.key: loss(c) for c in candidates}
     assert capacity_aware.choose(candidates, every) is None
 
@@ -546,6 +551,61 @@ def test_additive_fit_recovers_additive_non_negative_costs():
     # a value that only lowers the loss is fitted 0, not negative
     neg = capacity_aware.additive_fit([(("a", 1),), (("a", 1), ("d", 1))], [0.4, 0.1])
     assert neg[("d", 1)] == 0.0
+
+
+def test_additive_fit_is_the_ridge_nnls_optimum():
+    # The fit minimises |X w - y|^2 + RIDGE |w|^2 over w >= 0 (NNLS on the losses scaled to
+    # their largest, a scale the minimiser does not depend on): checked by its optimality
+    # conditions, gradient 0 where w > 0 and >= 0 where w = 0, on random plans and losses
+    rng = np.random.default_rng(3)
+    feats = [(f"t{i}", "int4") for i in range(6)]
+    for trial in range(4):
+        rows = [tuple(f for f in feats if rng.random() < 0.5) for _ in range(9)]
+        y = rng.uniform(-0.2, 1.0, len(rows)) * 10.0**trial
+        fit = capacity_aware.additive_fit(rows, y.tolist())
+        names = sorted(fit, key=repr)
+        assert set(names) == {f for r in rows for f in r}
+        x = np.array([[float(f in r) for f in names] for r in rows])
+        w = np.array([fit[f] for f in names])
+        grad = 2 * x.T @ (x @ w - y) + 2 * capacity_aware.RIDGE * w
+        scale = np.abs(y).max()
+        assert np.all(w >= 0)
+        tol = 1e-6 * scale
+        assert np.all(np.abs(grad[w > tol]) < tol * 10) and np.all(grad[w <= tol] > -tol * 10)
+    # losses all 0: every value 0 (no division by a zero scale)
+    assert capacity_aware.additive_fit([(feats[0],), (feats[1],)], [0.0, 0.0]) == {
+        feats[0]: 0.0,
+        feats[1]: 0.0,
+    }
+
+
+def test_the_enumerating_sampler_skips_other_plans_and_may_propose_a_pruned_one_again():
+    # a trial of parameters no candidate has is read past; a PRUNED trial holds nothing
+    candidates = _candidates(1)
+    names = ("w.a", "w.b", "kv.k")
+    dists = {
+        n: CategoricalDistribution(list(dict.fromkeys(c.params[n] for c in candidates)))
+        for n in names
+    }
+    sampler = capacity_aware.CapacityAwareSampler(candidates, quality_index=1, seed=0)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    other = {"w.a": "bf16", "w.b": "bf16", "kv.k": "int8"}
+    study.add_trial(
+        create_trial(
+            params=other,
+            values=[1, 0.0],
+            distributions={**dists, "kv.k": CategoricalDistribution(["int8"])},
+        )
+    )
+    reference = min(candidates, key=lambda c: c.tenants)
+    measured = {reference.key: 0.02, candidates[4].key: 0.01}
+    for c, v in ((reference, 0.02), (candidates[4], 0.01)):
+        study.add_trial(create_trial(params=c.params, distributions=dists, values=[c.tenants, v]))
+    expected = capacity_aware.choose(candidates, measured, set())
+    study.add_trial(create_trial(params=expected.params, distributions=dists,
+                                 state=TrialState.PRUNED))  # fmt: skip
+    trial = study.ask()
+    assert {n: trial.suggest_categorical(n, dists[n].choices) for n in names} == expected.params
 
 
 def test_the_enumerating_sampler_reads_the_study_as_choose_does():
