@@ -975,3 +975,26 @@ def test_every_option_and_kv_plan_is_priced_as_budget_prices_it(kind, profile_fi
     assert seen == set(option_of)
     assert problem.hbm_bytes == ctx.deployment.hardware.hbm_bytes
     assert problem.reserve_bytes == ctx.deployment.reserve_bytes_per_chip
+
+
+@pytest.mark.parametrize("limit", [capacity_aware.ENUMERATE_LIMIT, 0], ids=["enumerate", "dp"])
+def test_a_walk_cut_at_max_tries_takes_the_best_plan_it_reranked(monkeypatch, limit):
+    # Under a binding service level every plan the walk meets is re-ranked; with MAX_TRIES
+    # plans tried (MAX_RERANKS out of the way) the walk stops having located exactly
+    # MAX_TRIES plans and takes the best of them, not the random fallback
+    monkeypatch.setattr(capacity_aware, "ENUMERATE_LIMIT", limit)
+    monkeypatch.setattr(capacity_aware, "MAX_TRIES", 5)
+    monkeypatch.setattr(capacity_aware, "MAX_RERANKS", 1000)
+    space = Space(4, slo=True)
+    sampler = _sampler(space)
+    study = _study(space, sampler, 4, 6)
+    _, keys = _brute_force(space, study, sampler, [(1, 1.0)])
+    located = []
+    sampler._locate_fn = lambda params: located.append(_key(params)) or space.locate(params)
+    trial = study.ask()
+    params = {n: trial.suggest_categorical(n, d.choices) for n, d in space.dists.items()}
+    fresh = [k for k in located if k in keys]
+    assert len(fresh) == 5
+    pick = sampler.last_pick
+    assert pick["reason"] == "knapsack" and pick["tenants"] == space.tenants(params)
+    assert keys[_key(params)] == max(keys[k] for k in fresh)
