@@ -168,10 +168,11 @@ def test_rounded_levels_never_credit_a_plan_with_tenants_it_lacks(seed):
     )
     kv = knapsack.KVOption({"kv": 0}, 1000, 9000)
     problem = knapsack.Problem((knapsack.Section({}, 0, groups),), (kv,), 500_000, 2000)
-    problem.sizing[0] = knapsack.sizing(problem.sections[0], max_cells=16)
+    preset = problem.sizing[0] = knapsack.sizing(problem.sections[0], max_cells=16)
     costs = [rng.uniform(0, 1, 3) for _ in groups]
     solved = knapsack.solve(problem, 0, costs)
-    assert solved.sizing is problem.sizing[0] and not solved.sizing.exact
+    # the section's sizing set on the problem is the one solved with (not made anew)
+    assert solved.sizing is preset and problem.sizing[0] is preset and not preset.exact
     ts, ws = knapsack.levels(problem, solved, kv)
     assert len(ts) > 0
     for t, w in zip(ts.tolist(), ws.tolist(), strict=True):
