@@ -998,3 +998,225 @@ def test_a_walk_cut_at_max_tries_takes_the_best_plan_it_reranked(monkeypatch, li
     pick = sampler.last_pick
     assert pick["reason"] == "knapsack" and pick["tenants"] == space.tenants(params)
     assert keys[_key(params)] == max(keys[k] for k in fresh)
+
+
+# ------------------------------------------------------- the enumerating form, by hand
+def _eight():
+    """Eight candidates over three two-valued parameters, tenants 10..20, p0 the reference."""
+    tenants = [10, 14, 18, 15, 19, 16, 20, 17]
+    combos = itertools.product(("a0", "a1"), ("b0", "b1"), ("k0", "k1"))
+    return [
+        capacity_aware.Candidate(dict(zip(("a", "b", "k"), c, strict=True)), t, f"p{i}")
+        for i, (c, t) in enumerate(zip(combos, tenants, strict=True))
+    ]
+
+
+def test_choose_predicts_an_unmeasured_value_at_zero_and_an_incumbent_of_zero_absolutely():
+    # R (reference) 0.1, M = a1 0.5 (30 tenants), N = k1 0.3 (25): X (only b1, never measured:
+    # predicted 0.1) and Z (a1 and k1: ~0.7) both at 20 tenants, incumbent min(0.5, 0.3)
+    cand = capacity_aware.Candidate
+    r = cand({"a": 0, "b": 0, "k": 0}, 10, "R")
+    m = cand({"a": 1, "b": 0, "k": 0}, 30, "M")
+    n = cand({"a": 0, "b": 0, "k": 1}, 25, "N")
+    z = cand({"a": 1, "b": 0, "k": 1}, 20, "Z")
+    x = cand({"a": 0, "b": 1, "k": 0}, 20, "X")
+    cands = [r, m, n, z, x]
+    # X: gain (0.3 - 0.1) / 0.3 > Z's (0.3 - 0.7) / 0.3; an unmeasured value costing 1
+    # would make X's (0.3 - 1.1) / 0.3 the lower
+    assert capacity_aware.choose(cands, {"R": 0.1, "M": 0.5, "N": 0.3}) is x
+    # every loss 0: the incumbent 0 is not divided by (gain = incumbent - predicted)
+    zero = capacity_aware.choose(cands, {"R": 0.0, "M": 0.0, "N": 0.0})
+    assert zero is _choose_by_brute_force(cands, {"R": 0.0, "M": 0.0, "N": 0.0}, set())
+
+
+def _enumerating(candidates, **kw):
+    names = ("a", "b", "k")
+    dists = {
+        n: CategoricalDistribution(list(dict.fromkeys(c.params[n] for c in candidates)))
+        for n in names
+    }
+    sampler = capacity_aware.CapacityAwareSampler(candidates, quality_index=1, seed=0, **kw)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    return sampler, study, dists
+
+
+def _ask(study, dists):
+    trial = study.ask()
+    return {n: trial.suggest_categorical(n, d.choices) for n, d in dists.items()}
+
+
+def test_the_enumerating_sampler_reads_a_minimised_value_as_the_loss_itself():
+    # default quality_sign (+1, minimised): losses of both signs, where choose on twice the
+    # values or on their reciprocals picks another plan (relative and absolute gains mix)
+    cands = _eight()
+    losses = {"p0": 0.148, "p6": 0.084, "p5": 0.113, "p7": -0.265}
+    expected = capacity_aware.choose(cands, losses)
+    assert expected is not capacity_aware.choose(cands, {k: 2 * v for k, v in losses.items()})
+    assert expected is not capacity_aware.choose(cands, {k: 1 / v for k, v in losses.items()})
+    sampler, study, dists = _enumerating(cands)
+    by_key = {c.key: c for c in cands}
+    for k, v in losses.items():
+        c = by_key[k]
+        study.add_trial(create_trial(params=c.params, distributions=dists, values=[c.tenants, v]))
+    assert _ask(study, dists) == expected.params
+
+
+def test_the_enumerating_sampler_keeps_a_plans_best_loss_and_holds_plans_in_flight():
+    cands = _eight()
+    by_key = {c.key: c for c in cands}
+    losses = {"p0": 0.148, "p6": 0.084, "p5": 0.113, "p7": -0.265}
+    sampler, study, dists = _enumerating(cands)
+    for k, v in losses.items():
+        c = by_key[k]
+        study.add_trial(create_trial(params=c.params, distributions=dists, values=[c.tenants, v]))
+    # p7 measured again, worse: its best (-0.265) stands
+    c7 = by_key["p7"]
+    study.add_trial(create_trial(params=c7.params, distributions=dists, values=[c7.tenants, 0.9]))
+    first = capacity_aware.choose(cands, losses)
+    # the plan choose would take is in flight: the next best is asked
+    study.add_trial(create_trial(params=first.params, distributions=dists,
+                                 state=TrialState.RUNNING))  # fmt: skip
+    expected = capacity_aware.choose(cands, losses, {first.key})
+    assert expected is not first and _ask(study, dists) == expected.params
+
+
+def test_the_enumerating_sampler_reads_a_retry_copys_inherited_worker_as_the_ledger_does():
+    # two driver deaths of the reference, the second a retry copy that inherited the first's
+    # `worker`: one count of a budget of 2, the reference is asked again
+    cands = _eight()
+    sampler, study, dists = _enumerating(cands, failure_budget=2)
+    attrs = {"failure_reason": "driver_died", "worker": "w1"}
+    ref = cands[0]
+    study.add_trial(create_trial(params=ref.params, distributions=dists, state=TrialState.FAIL,
+                                 user_attrs=attrs))  # fmt: skip
+    study.add_trial(create_trial(params=ref.params, distributions=dists, state=TrialState.FAIL,
+                                 user_attrs=attrs, system_attrs={"failed_trial": 0}))  # fmt: skip
+    assert _ask(study, dists) == ref.params
+
+
+def test_the_enumerating_sampler_refuses_no_candidates_and_takes_one():
+    with pytest.raises(ValueError) as err:
+        capacity_aware.CapacityAwareSampler([], quality_index=1)
+    assert str(err.value) == "capacity_aware sampler: the space has no candidate plans"
+    one = [capacity_aware.Candidate({"a": "x", "b": "y"}, 3, "only")]
+    sampler = capacity_aware.CapacityAwareSampler(one, quality_index=1)
+    assert sampler.infer_relative_search_space(None, None) == {
+        "a": CategoricalDistribution(["x"]),
+        "b": CategoricalDistribution(["y"]),
+    }
+
+
+def test_the_enumerating_sampler_draws_other_parameters_from_its_seeded_fallback():
+    draws = []
+    for seed in (7, 7, 8):
+        sampler = capacity_aware.CapacityAwareSampler(_eight(), quality_index=1, seed=seed)
+        study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+        draws.append(study.ask().suggest_float("extra", 0.0, 1.0))
+    assert draws[0] == draws[1] != draws[2]
+    assert draws[0] == optuna.samplers.RandomSampler(seed=7).sample_independent(
+        None, None, "extra", optuna.distributions.FloatDistribution(0.0, 1.0)
+    )
+
+
+# ------------------------------------------------------------ the knapsack sampler, more
+def test_a_knapsack_sampler_without_a_quality_objective_says_so():
+    space = Space(0)
+    with pytest.raises(ValueError) as err:
+        KnapsackSampler(space.problem, quality=[], locate=space.locate, distributions=space.dists)
+    assert str(err.value) == "capacity_aware sampler: no quality objective"
+
+
+def test_a_reference_in_flight_is_not_asked_again():
+    space = Space(0)
+    sampler = _sampler(space)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    first = study.ask()
+    assert {n: first.suggest_categorical(n, d.choices) for n, d in space.dists.items()} == (
+        sampler.reference
+    )
+    second = study.ask()  # the reference still running
+    params = {n: second.suggest_categorical(n, d.choices) for n, d in space.dists.items()}
+    assert params != sampler.reference and sampler.last_pick["reason"] == "knapsack"
+
+
+def test_a_partly_enqueued_trial_is_not_planned():
+    # Optuna asks the sampler for the parameters an enqueued trial does not fix; the sampler
+    # plans no such trial (its fixed parameters may contradict any plan): the others come
+    # from the fallback, no prediction is stored, the last pick stands
+    space = Space(0)
+    sampler = _sampler(space)
+    study = _study(space, sampler, 0, 4)
+    study.enqueue_trial({"edge": 1})
+    trial = study.ask()
+    params = {n: trial.suggest_categorical(n, d.choices) for n, d in space.dists.items()}
+    assert params["edge"] == 1
+    assert quality_model.PREDICTED_ATTR not in study.trials[-1].system_attrs
+    assert sampler.last_pick is None
+
+
+def test_the_dp_walk_proposes_every_plan_of_a_small_space_in_turn():
+    # DP only (ENUMERATE_LIMIT 0) on a 16-plan space: once a level's DP plan is measured its
+    # one-option swaps within the level are offered, so all 16 plans come from the model (the
+    # reference, then the knapsack; never the random fallback). Not each the brute-force best
+    # of what is left: swaps are one option away from a measured plan, not a k-best list (the
+    # 9th ask here takes a plan of gain -0.12 at 23 tenants for one of -0.056 at 40); the
+    # first picks, while each level's DP plan is free, are
+    import unittest.mock
+
+    sec = knapsack.Section({"edge": 0}, 10_000, (
+        (knapsack.Option({"w.a": "bf16"}, 40_000), knapsack.Option({"w.a": "int8"}, 20_000)),
+        (knapsack.Option({"w.b": "bf16"}, 30_000), knapsack.Option({"w.b": "int8"}, 15_000)),
+        (knapsack.Option({"w.c": "bf16"}, 16_000), knapsack.Option({"w.c": "int8"}, 8_000)),
+    ))  # fmt: skip
+    kv = (
+        knapsack.KVOption({"kv.k": "bf16"}, 0, 4000),
+        knapsack.KVOption({"kv.k": "int8"}, 500, 2000),
+    )
+    space = Space(0, n_kv=2)
+    space.problem = knapsack.Problem((sec,), kv, 160_000, 6_000)
+    space.plans = {_key(p): (p, b, k) for p, b, k in _plans(space.problem)}
+    space.dists = {
+        "edge": CategoricalDistribution([0]),
+        **{n: CategoricalDistribution(["bf16", "int8"]) for n in ("w.a", "w.b", "w.c")},
+        "kv.k": CategoricalDistribution(["bf16", "int8"]),
+    }
+    sampler = _sampler(space)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    seen = set()
+    with unittest.mock.patch.object(capacity_aware, "ENUMERATE_LIMIT", 0):
+        for n in range(16):
+            if 2 <= n < 8:
+                best, keys = _brute_force(space, study, sampler, [(1, 1.0)])
+            trial = study.ask()
+            params = {k: trial.suggest_categorical(k, d.choices) for k, d in space.dists.items()}
+            assert sampler.last_pick["reason"] == ("reference" if n == 0 else "knapsack"), n
+            if 2 <= n < 8:
+                assert keys[_key(params)][:2] == best[:2], n
+            seen.add(_key(params))
+            study.tell(trial, [space.tenants(params), _loss(params, 0)])
+    assert len(seen) == 16
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_swaps_are_every_plan_one_option_away_within_the_width(seed):
+    # `_swaps`: every plan differing from `opts` in exactly one group whose ticks sum to at
+    # most the width cap, with its summed cost; by brute force over all plans of the section
+    space = Space(seed)
+    sampler = _sampler(space)
+    sec = space.problem.sections[0]
+    sz = space.problem.sizing[0] = knapsack.sizing(sec)
+    rng = np.random.default_rng(seed)
+    costs = [rng.uniform(0, 1, len(g)) for g in sec.groups]
+    for opts in itertools.product(*(range(len(g)) for g in sec.groups)):
+        used = sum(int(sz.ticks[g][o]) for g, o in enumerate(opts))
+        for cap in (used, used + int(rng.integers(0, sz.cells + 1)), sz.cells):
+            expected = {}
+            for other in itertools.product(*(range(len(g)) for g in sec.groups)):
+                differ = sum(a != b for a, b in zip(other, opts, strict=True))
+                ticks = sum(int(sz.ticks[g][o]) for g, o in enumerate(other))
+                if differ == 1 and ticks <= cap:
+                    expected[other] = sum(costs[g][o] for g, o in enumerate(other))
+            got = dict(sampler._swaps(0, opts, cap, costs))
+            assert got.keys() == expected.keys(), (opts, cap)
+            for k, c in expected.items():
+                assert got[k] == pytest.approx(c, abs=1e-12)
