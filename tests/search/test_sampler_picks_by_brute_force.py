@@ -1220,3 +1220,34 @@ def test_the_swaps_are_every_plan_one_option_away_within_the_width(seed):
             assert got.keys() == expected.keys(), (opts, cap)
             for k, c in expected.items():
                 assert got[k] == pytest.approx(c, abs=1e-12)
+
+
+def test_a_pruned_trial_carrying_values_measures_nothing():
+    # Optuna stores values on a PRUNED trial if given; only COMPLETE trials are measurements:
+    # the plan a pruned trial ran is the next pick of both samplers as if it were not there
+    space = Space(1)
+    sampler = _sampler(space)
+    study = _study(space, sampler, 1, 5)
+    best, keys = _brute_force(space, study, sampler, [(1, 1.0)])
+    top = space.plans[max(keys, key=keys.get)][0]
+    study.add_trial(create_trial(params=top, distributions=space.dists, state=TrialState.PRUNED,
+                                 values=[space.tenants(top), 0.0]))  # fmt: skip
+    trial = study.ask()
+    assert {n: trial.suggest_categorical(n, d.choices) for n, d in space.dists.items()} == top
+    cands = _eight()
+    by_key = {c.key: c for c in cands}
+    losses = {"p0": 0.148, "p6": 0.084, "p5": 0.113, "p7": -0.265}
+    enum, study, dists = _enumerating(cands)
+    for k, v in losses.items():
+        c = by_key[k]
+        study.add_trial(create_trial(params=c.params, distributions=dists, values=[c.tenants, v]))
+    expected = capacity_aware.choose(cands, losses)
+    study.add_trial(
+        create_trial(
+            params=expected.params,
+            distributions=dists,
+            state=TrialState.PRUNED,
+            values=[expected.tenants, -5.0],
+        )
+    )
+    assert _ask(study, dists) == expected.params
