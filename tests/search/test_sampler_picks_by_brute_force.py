@@ -998,6 +998,11 @@ def test_a_walk_cut_at_max_tries_takes_the_best_plan_it_reranked(monkeypatch, li
     pick = sampler.last_pick
     assert pick["reason"] == "knapsack" and pick["tenants"] == space.tenants(params)
     assert keys[_key(params)] == max(keys[k] for k in fresh)
+    # what the cut walk reports: the plan, its gain and prediction at its exact capacity
+    _, pred, span = _brute_force.predictions[_key(params)]
+    assert pick["params"] == params and pick["level"] == pick["tenants"]
+    assert pick["gain"] == pytest.approx(keys[_key(params)][0], abs=1e-8)
+    assert pick["predicted"] == pytest.approx(pred, abs=1e-8 * span)
 
 
 # ------------------------------------------------------- the enumerating form, by hand
@@ -1251,3 +1256,18 @@ def test_a_pruned_trial_carrying_values_measures_nothing():
         )
     )
     assert _ask(study, dists) == expected.params
+
+
+@pytest.mark.parametrize("limit", [capacity_aware.ENUMERATE_LIMIT, 0], ids=["enumerate", "dp"])
+def test_two_objectives_with_nothing_measured_are_weighted_unscaled(monkeypatch, limit):
+    # the reference failed and nothing is measured: no range to scale the objectives by
+    # (each scale 1), every level an infinite gain, ties to more tenants
+    monkeypatch.setattr(capacity_aware, "ENUMERATE_LIMIT", limit)
+    space = Space(0)
+    quality = ((1, 1.0), (2, -1.0))
+    sampler = _sampler(space, quality=quality, seed=2)
+    study = _study(space, sampler, 0, 0, two=True, ref_failed=True)
+    trial = study.ask()
+    params = {n: trial.suggest_categorical(n, d.choices) for n, d in space.dists.items()}
+    assert sampler.last_pick["reason"] == "knapsack" and sampler.last_pick["gain"] == math.inf
+    assert space.tenants(params) == max(space.tenants(p) for p, _, _ in space.plans.values())
