@@ -168,10 +168,11 @@ def test_rounded_levels_never_credit_a_plan_with_tenants_it_lacks(seed):
     )
     kv = knapsack.KVOption({"kv": 0}, 1000, 9000)
     problem = knapsack.Problem((knapsack.Section({}, 0, groups),), (kv,), 500_000, 2000)
-    problem.sizing[0] = knapsack.sizing(problem.sections[0], max_cells=16)
+    preset = problem.sizing[0] = knapsack.sizing(problem.sections[0], max_cells=16)
     costs = [rng.uniform(0, 1, 3) for _ in groups]
     solved = knapsack.solve(problem, 0, costs)
-    assert solved.sizing is problem.sizing[0] and not solved.sizing.exact
+    # the section's sizing set on the problem is the one solved with (not made anew)
+    assert solved.sizing is preset and problem.sizing[0] is preset and not preset.exact
     ts, ws = knapsack.levels(problem, solved, kv)
     assert len(ts) > 0
     for t, w in zip(ts.tolist(), ws.tolist(), strict=True):
@@ -234,6 +235,36 @@ def test_tenants_are_zero_when_the_weights_leave_no_pool():
     assert p.tenants(690, kv) == 1  # pool 110, 10 left: one tenant
     assert p.tenants(5000, kv) == 0  # weights over memory: the pool is 0, not negative
     assert p.tenants(0, kv) == 70
+    one = knapsack.KVOption({}, 100, 1)  # one byte a tenant: an empty pool is still 0 tenants
+    assert p.tenants(700, one) == 0 and p.tenants(699, one) == 1 and p.tenants(900, one) == 0
+
+
+def test_a_level_whose_cap_is_exactly_the_base_keeps_only_the_base_width():
+    # room for exactly one tenant at the base plan (cap 0 extra bytes): the level's width is
+    # 0, so the cheaper option one byte heavier (0 tenants) is not credited with it
+    sec = knapsack.Section({}, 800, ((knapsack.Option({}, 100), knapsack.Option({}, 101),
+                                      knapsack.Option({}, 200)),))  # fmt: skip
+    kv = knapsack.KVOption({}, 0, 100)
+    p = knapsack.Problem((sec,), (kv,), 1000, 0)
+    solved = knapsack.solve(p, 0, [np.array([1.0, 0.0, 0.5])])
+    assert solved.sizing.unit == 1
+    ts, ws = knapsack.levels(p, solved, kv)
+    assert ts.tolist() == [0, 1] and ws.tolist() == [100, 0]
+    assert solved.options_at(0) == [0] and p.tenants(solved.bytes_at(0), kv) == 1
+    assert p.tenants(solved.bytes_at(1), kv) == 0
+
+
+def test_costs_that_do_not_match_the_groups_are_refused():
+    # one cost array per group and one cost per option: a short list is an error, not a
+    # knapsack over the first groups (zip strict)
+    sec = knapsack.Section({}, 0, ((knapsack.Option({}, 1), knapsack.Option({}, 2)),) * 2)
+    p = knapsack.Problem((sec,), (knapsack.KVOption({}, 0, 1),), 100, 0)
+    with pytest.raises(ValueError):
+        knapsack.solve(p, 0, [np.array([0.1, 0.2])])
+    with pytest.raises(ValueError):
+        knapsack.solve(p, 0, [np.array([0.1, 0.2]), np.array([0.1])])
+    with pytest.raises(ValueError):
+        knapsack.solve(p, 0, [np.array([0.1, 0.2]), np.array([0.1, 0.2, 0.3])])
 
 
 @pytest.mark.parametrize(
@@ -313,9 +344,14 @@ def test_a_base_over_memory_leaves_only_level_zero_at_full_width():
     ],
 )  # fmt: skip
 def test_problems_the_dp_cannot_represent_are_refused(problem, words):
-    with pytest.raises(ValueError, match=words) as err:
+    messages = {
+        "no choices": "capacity_aware: a weight parameter with no choices",
+        "no bytes per tenant": "capacity_aware: a KV plan with no bytes per tenant",
+        "no plans": "capacity_aware: the space has no plans",
+    }
+    with pytest.raises(ValueError) as err:
         knapsack.check_problem(problem)
-    assert str(err.value).startswith("capacity_aware: ")
+    assert str(err.value) == messages[words]
 
 
 def test_a_representable_problem_passes_the_check():

@@ -104,13 +104,13 @@ def test_grid_enumerates_the_contexts_parameter_choices(built, monkeypatch):
     seen = []
 
     def choices(sp, config, profile):
-        seen.append((config, profile))
+        seen.append((sp, config, profile))
         return {"a": ("x", "y"), "b": (1, 2, 3)}
 
     monkeypatch.setattr(space, "parameter_choices", choices)
     spec = _spec({"kind": "grid", "seed": 3})
     samplers.make_sampler(spec, Context(), trials_so_far=1)
-    assert seen == [("config", "profile")]
+    assert seen == [(spec.space, "config", "profile")]
     grid = {"a": ["x", "y"], "b": [1, 2, 3]}
     assert built == [("GridSampler", (grid,), {"seed": samplers.start_seed(3, 1)})]
 
@@ -122,10 +122,13 @@ def test_grid_without_a_context_builds_the_studys_own(built, monkeypatch):
         config, profile = "cfg", None
 
     made = []
-    monkeypatch.setattr(context, "study_context", lambda spec, name: made.append(name) or Context())
+    monkeypatch.setattr(
+        context, "study_context", lambda spec, text: made.append((spec, text)) or Context()
+    )
     monkeypatch.setattr(space, "parameter_choices", lambda sp, c, p: {"a": ("x",)})
-    samplers.make_sampler(_spec({"kind": "grid"}))
-    assert made == [""]
+    spec = _spec({"kind": "grid"})
+    samplers.make_sampler(spec)
+    assert made == [(spec, "")]
     assert built == [("GridSampler", ({"a": ["x"]},), {"seed": 0})]
 
 
