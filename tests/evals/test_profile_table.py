@@ -189,3 +189,75 @@ def test_an_empty_or_truncated_file_is_an_error_not_a_crash(tmp_path) -> None:
     for path in (empty, cut):
         with pytest.raises(ValueError, match=rf"^sensitivity profile {path}: cannot read it as "):
             read_profile_table(path)
+
+
+def test_a_kv_profile_as_tenantq_sensitivity_writes_it_is_read_back() -> None:
+    # `tenantq sensitivity --kv` writes each layer's keys and values as two rows of kv/{i}
+    # at one format (evals.sensitivity.units); the one-row-per-tensor-and-format check read
+    # them as two contradicting KLs and refused every KV profile it writes.
+    from tenantq.evals import sensitivity
+    from tenantq.model.config import ModelConfig
+
+    config = ModelConfig(
+        model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+        num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128, eos_token_ids=(2,),
+        bos_token_id=1,
+    )  # fmt: skip
+    units = sensitivity.units(config, "int8", kv=True)
+    # distinct KLs, one per row the writer makes
+    kls = {("kv/0", "keys"): 0.5, ("kv/0", "values"): 0.1, ("kv/1", "keys"): 0.2,
+           ("kv/1", "values"): 0.3, ("kv/2", "keys"): 0.9, ("kv/2", "values"): 0.4}  # fmt: skip
+    table = pa.Table.from_pylist(
+        [{"tensor": u.tensor, "format": "int8", "kl_mean": kls[u.tensor, u.tensor_class],
+          "layer": u.layer, "tensor_class": u.tensor_class, "kind": u.kind} for u in units],
+        schema=pa.schema([f for f in sensitivity.SCHEMA if f.name in
+                          ("tensor", "format", "kl_mean", "layer", "tensor_class", "kind")]),
+    )  # fmt: skip
+    assert table.num_rows == 2 * config.num_layers
+    assert check_profile_table(table, PATH, config.num_layers) is None
+    # a second keys row of one layer is still two KLs for one unit, named with its class
+    twice = pa.concat_tables([table, table.slice(2, 1)])
+    assert "kv/1 keys (int8) has two rows (kl_mean 0.2 and 0.2)" in _error(twice, 3)
+
+
+def test_a_kv_profile_file_ranks_layers_by_their_larger_row(tmp_path) -> None:
+    # The search reads the written file: each layer ranked by max(keys, values) KL.
+    from tenantq.model.config import ModelConfig
+    from tenantq.search.space import SensitivityProfile
+
+    config = ModelConfig(
+        model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128, eos_token_ids=(2,),
+        bos_token_id=1,
+    )  # fmt: skip
+    rows = [("kv/0", "keys", 0.1), ("kv/0", "values", 0.2), ("kv/1", "keys", 0.5),
+            ("kv/1", "values", 0.05)]  # fmt: skip
+    path = tmp_path / "kv.parquet"
+    pq.write_table(
+        pa.table({"tensor": [r[0] for r in rows], "format": ["int8"] * 4,
+                  "kl_mean": [r[2] for r in rows], "tensor_class": [r[1] for r in rows]}),
+        path,
+    )  # fmt: skip
+    assert SensitivityProfile.load(path, config).kv_layer_order == (1, 0)
+
+
+@pytest.mark.parametrize("num_layers", [None, 4])
+def test_a_kv_layer_of_thousands_of_digits_names_the_profile_and_row(num_layers) -> None:
+    # int() of more than 4,300 digits raises Python's own ValueError (no profile, no row)
+    row = "kv/" + "9" * 5000
+    if num_layers is None:  # no model to check against: a canonical index passes
+        assert check_profile_table(_rows((row, "int8", 0.1)), PATH) is None
+    else:
+        assert f"row {row!r} names no KV layer of the model (4 layers)" in _error(
+            _rows((row, "int8", 0.1)), num_layers
+        )
+    # one digit more than the layer count has, and equal to it: both beyond the model
+    assert "row 'kv/10' names no KV layer" in _error(_rows(("kv/10", "int8", 0.1)), 9)
+    assert "row 'kv/9' names no KV layer" in _error(_rows(("kv/9", "int8", 0.1)), 9)
+    assert check_profile_table(_rows(("kv/8", "int8", 0.1)), PATH, 9) is None
+
+
+def test_a_true_or_false_kl_is_refused() -> None:
+    # bool is an int to Python: a boolean kl_mean column would have read as KLs 1 and 0
+    table = pa.table({"tensor": ["lm_head"], "format": ["int4"], "kl_mean": [True]})
+    assert "kl_mean of lm_head (int4) is True; a KL is a finite number >= 0" in _error(table)
