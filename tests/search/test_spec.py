@@ -443,3 +443,23 @@ def test_max_keep_bf16_takes_a_whole_number_or_nothing(value):
                                           "max_keep_bf16": value}))  # fmt: skip
     got = parse_spec(raw).space.max_keep_bf16
     assert got == value and type(got) is type(value)
+
+
+def test_max_keep_bf16_from_toml_text_keeps_its_type_and_size():
+    # TOML integers are unbounded in tomllib: a cap past 64 bits is still a whole number
+    # (search/space.py caps k at the profile's length); TOML's own true, 2.0 and "2" are
+    # refused as in the dict form (spec.py _whole_count).
+    import tomllib
+
+    for text, ok in (("18446744073709551616", True), ("0", True), ("true", False),
+                     ("2.0", False), ('"2"', False), ("-0", True)):  # fmt: skip
+        value = tomllib.loads(f"v = {text}")["v"]
+        raw = _with(lambda d, v=value: d.update(space={"kind": "sensitivity",
+                                                       "profile": "p.parquet",
+                                                       "max_keep_bf16": v}))  # fmt: skip
+        if ok:
+            got = parse_spec(raw).space.max_keep_bf16
+            assert got == value and type(got) is int
+        else:
+            with pytest.raises(ValueError, match=r"space\.max_keep_bf16: must be a whole number"):
+                parse_spec(raw)
