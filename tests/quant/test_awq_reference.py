@@ -689,3 +689,31 @@ def test_the_exponent_search_is_only_for_mx_formats():
     with pytest.raises(ValueError) as err:
         exponent_search(np.ones((32, 2), np.float32), _tq("int4", 32), np.eye(32))
     assert str(err.value) == "layers/0/mlp/up_proj: the exponent search is for MX formats, not int4"
+
+
+def test_the_scale_search_does_not_round_a_float64_checkpoint_to_float32_before_folding():
+    # fold multiplies the checkpoint's own float64 values by s, then rounds once to float32.
+    # Rounding the weight to float32 first (then the float64 product) is a second rounding
+    # that moves values found by `_top_of_an_mx_block` off 4 at α = 2/4 (the mxfp4 block scale
+    # one binade lower): the search must score the values fold stores, not those.
+    rng = np.random.default_rng(13)
+    n, grid = 32, 4
+    x = _x(rng, 64, n)
+    m = np.abs(x).mean(axis=0)
+    s = m**0.5 / np.sqrt(m.max() ** 0.5 * m.min() ** 0.5)  # α = 2/4
+    top = _top_of_an_mx_block(
+        4 / s, lambda v: np.float32(v * s), lambda v: np.float32(np.float32(v) * s)
+    )  # fmt: skip
+    assert 3 <= np.sum(~np.isnan(top)) <= n - 3  # seeded: some rows, not all
+    g = rng.choice([0.5, 1.0, 1.5, 2.0, 3.0], (n, 6)) / s[:, None]  # on the grid once folded
+    w = np.where(np.isnan(top)[:, None], g, top[:, None]) * rng.choice([-1, 1], (n, 6))
+    params = {"a": w, "norm": np.ones(n)}
+    plans = {"a": _tq("mxfp4", path="a")}
+    site = FoldSite("site", ("a",), "norm", "norm")
+    got_s, got = search_scale(params, None, site, _site_stats(x, ("a",)), plans, grid=grid,
+                              clip=False)  # fmt: skip
+    want_s, want = numpy_folded_scale_search(x, params, site, plans, grid)
+    rounded = {"a": w.astype(np.float32).astype(np.float64), "norm": np.ones(n)}
+    _, rounded_alpha = numpy_folded_scale_search(x, rounded, site, plans, grid)
+    assert got == want == 0.5 and rounded_alpha != want  # seeded: the rounding decides
+    np.testing.assert_allclose(got_s, want_s, rtol=1e-12)
